@@ -1,0 +1,22 @@
+"""RL algorithms ``grpo`` and ``ppo``."""
+
+from swarmkit import hookimpl
+from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
+
+
+@hookimpl
+def register_algos(register):
+    register(
+        "grpo",
+        "swarmkit_plugins.algo_rl.grpo:GRPO",
+        schema=GRPOConfig,
+        requires=("torch",),
+        description="group-relative advantages, clipped surrogate, optional KL",
+    )
+    register(
+        "ppo",
+        "swarmkit_plugins.algo_rl.ppo:PPO",
+        schema=PPOConfig,
+        requires=("torch",),
+        description="value head, GAE, clipped surrogate and value loss",
+    )

@@ -1,0 +1,37 @@
+"""Config schemas of the ``grpo`` and ``ppo`` algorithms (group ``algo``)."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GRPOConfig:
+    name: str = "grpo"
+    #: divide centred group rewards by the group's std (Dr. GRPO sets False)
+    std_normalize: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    #: KL penalty to the frozen initial policy; 0 disables (no reference kept)
+    kl_coef: float = 0.0
+    #: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
+    loss_agg: str = "token-mean"
+    #: constant the summed token losses are divided by in seq-mean-token-sum-norm
+    loss_norm_constant: float = 1024.0
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+
+
+@dataclass
+class PPOConfig:
+    name: str = "ppo"
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    value_clip: float = 0.2
+    vf_coef: float = 0.5
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    loss_norm_constant: float = 1024.0
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    normalize_advantages: bool = True

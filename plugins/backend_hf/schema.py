@@ -1,0 +1,16 @@
+"""Config schema of the ``hf`` backend (group ``backend``, option ``hf``)."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class HFBackendConfig:
+    name: str = "hf"
+    #: "auto" = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"
+    #: "auto" = cuda if available else cpu
+    device: str = "auto"
+    #: most sequences decoded together in one forward pass
+    max_batch_size: int = 32
+    #: seconds a new request waits for others to batch with
+    batch_wait_s: float = 0.005

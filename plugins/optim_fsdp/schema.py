@@ -1,0 +1,20 @@
+"""Config schema of the ``fsdp`` optimizer engine (group ``optim``)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FSDPConfig:
+    name: str = "fsdp"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    #: processes (torchrun --nproc_per_node); 1 trains inside the server process
+    nprocs: int = 1
+    #: tokens per micro-batch (gradient accumulation over micro-batches)
+    token_budget: int = 8192
+    #: "auto" = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"
+    activation_checkpointing: bool = False

