@@ -1,0 +1,1 @@
+"""Light client SDK (httpx only; never imports torch)."""

@@ -1,0 +1,1 @@
+"""The swarm server: Starlette app, episode life cycle, context tracker."""
