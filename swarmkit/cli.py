@@ -83,7 +83,7 @@ def store_schema_options(search_paths: Sequence[str]) -> None:
     """Give every registered component without a YAML option one from its schema defaults."""
     from hydra.core.config_store import ConfigStore
 
-    from swarmkit.launcher import register_launcher_config
+    from hydra_plugins.swarmkit_launcher.subprocess_launcher import register_launcher_config
     from swarmkit.plugins import get_registry
 
     register_launcher_config()
@@ -99,9 +99,26 @@ def store_schema_options(search_paths: Sequence[str]) -> None:
         cs.store(group=component.kind, name=component.name, node=node, provider=component.plugin)
 
 
+def check_component_choices(args: Sequence[str]) -> None:
+    """Fail early, with the installed options, when a component group names an unknown one.
+
+    Sweeps (``backend=hf,vllm``) check every value.
+    """
+    from swarmkit.plugins import get_registry
+
+    registry = get_registry()
+    for arg in args:
+        m = _GROUP_RE.match(arg)
+        if not m or m.group(1) == "~" or m.group(2) not in KINDS:
+            continue
+        for name in m.group(3).split(","):
+            registry.get(m.group(2), name.strip())
+
+
 def hydra_argv(args: Sequence[str]) -> list[str]:
     """The argument list handed to Hydra: normalized overrides plus plugin search paths."""
     args = normalize_overrides(args)
+    check_component_choices(args)
     paths = plugin_search_paths()
     store_schema_options(paths)
     if paths:

@@ -140,7 +140,8 @@ def build_state(
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginLoadError(f"plugin '{exc.plugin_name}' is invalid: {exc}") from exc
+        name = pm.get_name(exc.plugin) or repr(exc.plugin)
+        raise PluginLoadError(f"plugin '{name}' is invalid: {exc}") from exc
     registry = Registry()
     for kind, hook_name in _REGISTER_HOOKS.items():
         _collect(pm, registry, kind, hook_name, sources)

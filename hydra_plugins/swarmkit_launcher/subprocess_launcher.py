@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SubprocessLauncherConf:
-    _target_: str = "swarmkit.launcher.SubprocessLauncher"
+    _target_: str = "hydra_plugins.swarmkit_launcher.subprocess_launcher.SubprocessLauncher"
     #: stop the sweep at the first failed job
     fail_fast: bool = False
 
@@ -84,6 +84,10 @@ class SubprocessLauncher(Launcher):
 
 
 def register_launcher_config() -> None:
+    """Register the launcher class and its config (editable installs hide it from Hydra's scan)."""
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().register(SubprocessLauncher)
     ConfigStore.instance().store(
         group="hydra/launcher", name="swarmkit_subprocess", node=SubprocessLauncherConf, provider="swarmkit"
     )

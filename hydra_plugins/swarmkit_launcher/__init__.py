@@ -1,0 +1,1 @@
+"""swarmkit's Hydra launcher plugin (Hydra only accepts plugins under ``hydra_plugins``)."""

@@ -1,0 +1,118 @@
+"""Config composition of every group option, validation, and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from swarmkit.cli import DEFAULT_CHOICES, _packaged_options, compose, normalize_overrides, validated
+from swarmkit.config.validate import validate_config
+from swarmkit.errors import ConfigError, UnknownComponentError
+from swarmkit.plugins import get_registry
+from swarmkit.registry import KINDS
+
+
+def test_normalize_overrides_appends_groups_and_defaults():
+    out = normalize_overrides(["backend=vllm", "+algo=ppo", "optim.lr=1e-5", "--multirun"])
+    assert "+backend=vllm" in out and "+algo=ppo" in out and "optim.lr=1e-5" in out
+    assert "+batching=c2" in out and "+match=text" in out
+    assert sum(a.startswith("+backend=") for a in out) == 1
+
+
+def test_default_config_validates():
+    cfg = validated(compose(["mode=plan"]))
+    assert cfg.backend.name == "hf" and cfg.algo.name == "grpo" and cfg.batching.name == "c2"
+    assert cfg.server.host == "127.0.0.1"
+
+
+GROUP_OPTIONS = [
+    (group, option)
+    for group in [*KINDS, "model", "task"]
+    for option in sorted(_packaged_options("swarmkit.conf", group))
+]
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_group_option_composes_and_validates(group, option):
+    cfg = validated(compose([f"{group}={option}"]))
+    if group in KINDS:
+        assert cfg[group].name == option
+
+
+def test_every_registered_component_has_a_config_option():
+    registry = get_registry()
+    for kind in KINDS:
+        for name in registry.names(kind):
+            assert validated(compose([f"+{kind}={name}"]))[kind].name == name
+
+
+def test_design_card_command_line_form():
+    cfg = validated(compose(["+backend=vllm", "+algo=grpo"]))
+    assert cfg.backend.name == "vllm" and cfg.algo.name == "grpo"
+
+
+def test_unknown_component_lists_installed_options():
+    with pytest.raises(UnknownComponentError, match="hf, sglang, vllm"):
+        compose(["+backend=nosuch"])
+
+
+def test_validation_reports_every_problem_at_once():
+    cfg = OmegaConf.to_container(compose([]))
+    cfg["server"]["prot"] = 1
+    cfg["optim"]["lr"] = "fast"
+    cfg["algo"]["name"] = "nosuch"
+    cfg["mode"] = "dance"
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, get_registry())
+    problems = info.value.problems
+    text = "\n".join(problems)
+    assert "server.prot: unknown key" in text
+    assert "optim.lr" in text
+    assert "unknown algo 'nosuch'" in text and "grpo" in text
+    assert "mode" in text
+    assert len(problems) == 4
+
+
+def test_plus_key_cannot_smuggle_unknown_keys():
+    with pytest.raises(ConfigError, match="optim.lrr: unknown key"):
+        validated(compose(["+optim.lrr=3"]))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "swarmkit", *args], capture_output=True, text=True)
+
+
+def test_cli_unknown_backend_fails_with_one_message(tmp_path):
+    out = _cli("+backend=nosuch", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2
+    assert "unknown backend 'nosuch'; installed backend options: hf, sglang, vllm" in out.stderr
+
+
+def test_cli_misspelled_key_names_the_key(tmp_path):
+    out = _cli("server.prot=1", f"hydra.run.dir={tmp_path}")
+    assert out.returncode != 0 and "prot" in out.stderr
+    out = _cli("+server.prot=1", "mode=plan", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2 and "server.prot: unknown key" in out.stderr
+
+
+def test_cli_plan_prints_resolved_config(tmp_path):
+    out = _cli("mode=plan", "+backend=vllm", "+algo=ppo", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    assert '"name": "vllm"' in out.stdout and '"name": "ppo"' in out.stdout
+
+
+def test_multirun_runs_each_job_in_a_fresh_process(tmp_path):
+    out = _cli(
+        "--multirun", "mode=plan", "optim.lr=1e-6,1e-5", f"hydra.sweep.dir={tmp_path}"
+    )
+    assert out.returncode == 0, out.stderr
+    assert '"lr": 1e-06' in out.stdout and '"lr": 1e-05' in out.stdout
+    assert (tmp_path / "0").is_dir() and (tmp_path / "1").is_dir()
+
+
+def test_defaults_match_packaged_options():
+    for group, option in DEFAULT_CHOICES.items():
+        assert option in _packaged_options("swarmkit.conf", group)
