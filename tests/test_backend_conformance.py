@@ -1,0 +1,46 @@
+"""The backend conformance suite (swarmkit.testing), run for every backend available here."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from swarmkit.testing import CONFORMANCE_CHECKS, BackendConformance, build_test_model
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def _hf_backend():
+    from swarmkit_plugins.backend_hf.engine import HFBackend
+
+    return HFBackend, {"name": "hf", "device": "cpu", "batch_wait_s": 0.01, "max_batch_size": 32}
+
+
+BACKENDS = {"hf": _hf_backend}
+if importlib.util.find_spec("vllm") is not None:  # the vllm plugin adds itself here when present
+    try:
+        from swarmkit_plugins.backend_vllm.engine import conformance_backend as _vllm_backend
+
+        BACKENDS["vllm"] = _vllm_backend
+    except ImportError:  # pragma: no cover - plugin not written yet
+        pass
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def conformance(request, tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    folder = build_test_model(tmp_path_factory.mktemp("conformance-model"))
+    backend_cls, config = BACKENDS[request.param]()
+    with BackendConformance.started(backend_cls, config=config,
+                                    model={"path": str(folder), "max_context": 1024},
+                                    reference_dir=folder, tol=1e-3) as suite:
+        yield suite
+
+
+@pytest.mark.parametrize("check", CONFORMANCE_CHECKS)
+def test_backend_conformance(conformance, check):
+    conformance.run(check)

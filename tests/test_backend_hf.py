@@ -1,0 +1,243 @@
+"""The ``hf`` backend: logprobs, sampling controls, dynamic batching, streaming, weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from swarmkit.interfaces import SamplingParams  # noqa: E402
+from swarmkit.testing import BackendConformance, build_test_model  # noqa: E402
+from swarmkit_plugins.backend_hf.engine import HFBackend  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_test_model(tmp_path_factory.mktemp("hf-model"))
+
+
+@pytest.fixture(scope="module")
+def suite(model_dir):
+    cfg = {"device": "cpu", "batch_wait_s": 0.02, "max_batch_size": 32}
+    with BackendConformance.started(HFBackend, config=cfg, model={"path": str(model_dir), "max_context": 64},
+                                    reference_dir=model_dir, tol=1e-4) as s:
+        yield s
+
+
+def sp(**kw):
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 12)
+    return SamplingParams(**kw)
+
+
+def test_tiny_builtin_generates():
+    async def go():
+        b = HFBackend(config={"device": "cpu"}, model={"path": "builtin:tiny"})
+        await b.start()
+        try:
+            ids = b.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                                  add_generation_prompt=True, tokenize=False)
+            out = await b.generate(b.tokenizer(ids)["input_ids"], sp(max_tokens=4))
+            assert len(out) == 1 and 1 <= len(out[0].token_ids) <= 4
+            assert b.dtype == torch.float32 and b.device.type == "cpu"
+        finally:
+            await b.close()
+        with pytest.raises(RuntimeError):
+            await b.generate([1, 2], sp())
+    asyncio.run(go())
+
+
+def test_logprobs_match_forward_pass(suite):
+    for p in suite.prompts[:4]:
+        out_greedy = out = suite.generate(p)[0]
+        suite.assert_matches_reference(p, out, greedy=True, what="greedy")
+        for seed in (0, 1):
+            out = suite.generate(p, temperature=0.7, top_p=0.8, seed=seed)[0]
+            suite.assert_matches_reference(p, out, greedy=False, what="sampled")
+        # a tiny top_p keeps only the most likely token: sampling becomes greedy
+        nucleus = suite.generate(p, temperature=1.5, top_p=1e-6, seed=0)[0]
+        assert nucleus.token_ids == out_greedy.token_ids
+
+
+def test_greedy_determinism_and_seeds(suite):
+    p = suite.prompts[0]
+    assert suite.generate(p)[0].token_ids == suite.generate(p)[0].token_ids
+    a = suite.generate(p, temperature=1.0, seed=42)[0]
+    assert a.token_ids == suite.generate(p, temperature=1.0, seed=42)[0].token_ids
+    others = {tuple(suite.generate(p, temperature=1.0, seed=s)[0].token_ids) for s in range(4)}
+    assert len(others) > 1
+
+
+def test_stop_strings_and_ids(suite):
+    suite.check_stop_strings()
+    suite.check_stop_token_ids()
+    p = suite.prompts[1]
+    full = suite.generate(p, max_tokens=20)[0]
+    # a stop string that appears at once: empty text, one token
+    out = suite.generate(p, max_tokens=20, stop=[full.text[0]])[0]
+    assert out.text == "" and out.finish_reason == "stop" and len(out.token_ids) >= 1
+
+
+def test_max_tokens_and_context(suite):
+    p = suite.prompts[2]
+    out = suite.generate(p, max_tokens=3)[0]
+    assert len(out.token_ids) <= 3
+    long_prompt = (p * 20)[:60]  # max_context is 64: only 4 tokens fit
+    out = suite.generate(long_prompt, max_tokens=50)[0]
+    assert len(out.token_ids) <= 4
+    with pytest.raises(ValueError):
+        suite.generate((p * 30)[:64])
+    with pytest.raises(ValueError):
+        suite.generate([])
+    with pytest.raises(ValueError):
+        suite.generate(p, max_tokens=0)
+
+
+def test_n_samples_and_top_logprobs(suite):
+    suite.check_n_samples()
+    suite.check_top_logprobs()
+
+
+def test_concurrent_requests_are_batched_and_uncontaminated(suite):
+    b = suite.backend
+    prompts = [suite.prompts[i % 8][: 2 + i % 5] + suite.prompts[(i + 3) % 8][: i % 3] for i in range(16)]
+    solo = [suite.generate(p)[0] for p in prompts]
+    solo_sampled = [suite.generate(p, temperature=1.0, seed=i)[0] for i, p in enumerate(prompts)]
+    b.reset_stats()
+
+    async def together():
+        reqs = [b.generate(p, sp()) for p in prompts]
+        reqs += [b.generate(p, sp(temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*reqs)
+
+    res = suite.harness.run(together())
+    sequential = sum(len(o.token_ids) for o in solo + solo_sampled)
+    assert b.stats["forward_passes"] < sequential / 4, b.stats
+    assert b.stats["max_batch_seen"] >= 16, b.stats
+    for i in range(16):
+        suite.assert_same_greedy(solo[i], res[i][0], f"greedy {i}")
+        assert res[16 + i][0].token_ids == solo_sampled[i].token_ids, f"seeded {i}"
+        suite.assert_matches_reference(prompts[i], res[i][0], greedy=True, what="batched")
+
+
+def test_continuous_batching_admits_late_requests(suite):
+    """A request arriving while another decodes joins the running batch (no waiting for it)."""
+    b = suite.backend
+    long_p, short_p = suite.prompts[0], suite.prompts[3]
+    solo_short = suite.generate(short_p, max_tokens=4)[0]
+
+    async def go():
+        order = []
+        async def run(p, n, tag, delay):
+            await asyncio.sleep(delay)
+            out = await b.generate(p, sp(max_tokens=n, stop_token_ids=[]))
+            order.append(tag)
+            return out[0]
+        long_task = asyncio.ensure_future(run(long_p, 40, "long", 0))
+        first = await asyncio.wait_for(_first_chunk(b, long_p), 30)
+        short = await run(short_p, 4, "short", 0)
+        await long_task
+        return order, short, first
+
+    b.reset_stats()
+    order, short, _ = suite.harness.run(go())
+    assert order[0] == "short"
+    suite.assert_same_greedy(solo_short, short, "late joiner")
+    assert b.stats["max_batch_seen"] >= 2
+
+
+async def _first_chunk(b, p):
+    async for chunk in b.stream(p, sp(max_tokens=2)):
+        return chunk
+
+
+def test_streaming(suite):
+    suite.check_streaming()
+    b = suite.backend
+    p = suite.prompts[4]
+
+    async def early_exit():
+        got = []
+        async for c in b.stream(p, sp(max_tokens=30)):
+            got.append(c)
+            if len(got) == 2:
+                break
+        await asyncio.sleep(0.05)
+        return got
+
+    got = suite.harness.run(early_exit())
+    assert len(got) == 2
+    assert suite.generate(p, max_tokens=3)[0].token_ids  # the backend keeps serving
+
+    async def times():
+        stamps = []
+        loop = asyncio.get_running_loop()
+        async for _ in b.stream(p, sp(max_tokens=20, stop_token_ids=[])):
+            stamps.append(loop.time())
+        return stamps
+
+    stamps = suite.harness.run(times())
+    assert len(stamps) >= 2 and stamps[-1] > stamps[0]  # chunks arrive one by one, not in a burst
+
+    with pytest.raises(ValueError):
+        suite.harness.run(_first_chunk_n2(b, p))
+
+
+async def _first_chunk_n2(b, p):
+    async for c in b.stream(p, sp(n=2)):
+        return c
+
+
+def test_update_weights_in_place(suite, tmp_path):
+    suite.check_weight_update()
+    b = suite.backend
+    p = suite.prompts[5]
+    before = suite.generate(p)[0]
+    with pytest.raises(KeyError):
+        suite.update([("no.such.weight", torch.zeros(1))])
+    name, t = next(iter(suite.ref.state_dict().items()))
+    with pytest.raises(ValueError):
+        suite.update([(name, torch.zeros(3, 3))])
+    # a partial update from a safetensors folder, with FSDP-style prefixes stripped
+    from safetensors.torch import save_file
+
+    w = suite.ref.state_dict()["model.layers.0.mlp.down_proj.weight"]
+    save_file({"module.model.layers.0.mlp.down_proj.weight": (w * 3).contiguous()}, str(tmp_path / "w.safetensors"))
+    v = suite.update(path=str(tmp_path))
+    assert b.policy_version == v
+    assert b.model.model.layers[0].mlp.down_proj.weight.allclose(w * 3)
+    suite.update([("model.layers.0.mlp.down_proj.weight", w)])
+    suite.assert_same_greedy(before, suite.generate(p)[0], "restored")
+
+
+def test_lora_adapter_merge_replace_unload(suite, tmp_path):
+    suite.check_lora_adapter()
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    b = suite.backend
+    p = suite.prompts[6]
+    base = suite.generate(p)[0]
+    q = b.model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    folders = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        pm = get_peft_model(copy.deepcopy(suite.ref), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                                 init_lora_weights=False))
+        pm.save_pretrained(tmp_path / f"a{seed}")
+        folders.append((tmp_path / f"a{seed}", pm.eval()))
+    suite.update(path=str(folders[0][0]))
+    suite.update(path=str(folders[1][0]))  # replaces the first adapter, does not stack
+    out = suite.generate(p)[0]
+    suite.assert_matches_reference(p, out, greedy=True, model=folders[1][1], what="second adapter")
+    assert json.loads((folders[1][0] / "adapter_config.json").read_text())["r"] == 2
+    suite.harness.run(b.unload_lora(version=b.policy_version + 1))
+    suite._version = b.policy_version
+    assert b.model.model.layers[0].self_attn.q_proj.weight.equal(q)
+    suite.assert_same_greedy(base, suite.generate(p)[0], "after unload")
