@@ -1,0 +1,447 @@
+"""Timelines of intercepted LLM calls, and their merging into training samples.
+
+A *timeline* is what one proxied LLM call produced: the prompt, split into
+message blocks, followed by the completion block. Later calls of an episode
+reuse earlier calls as prompt, so timelines share long block prefixes;
+:func:`merge_timelines` absorbs each timeline into a longer one that contains
+it, so every generated token is trained once, in the longest context.
+
+Authors of a block:
+
+``"llm"``       tokens the model generated in this call (the only trainable author).
+``"user"``      system / user messages.
+``"env"``       tool results (environment observations).
+``"history"``   an assistant message re-rendered inside a later prompt; not
+                trainable by itself, but turns ``"llm"`` when the timeline of the
+                call that generated it is absorbed (it then carries the tokens and
+                logprobs the model really produced).
+``"template"``  chat-template glue (role headers, generation prompt, trailing newlines).
+
+Only ``"llm"`` blocks may have a non-zero loss mask.
+
+:class:`Timeline` is a small class with a ``.blocks`` list plus ``role`` and
+``meta``; every function here also accepts a plain ``list[Block]`` wherever a
+timeline is expected, and answers in the same form it was given.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from operator import attrgetter
+from typing import Any
+
+from swarmkit.interfaces import MatchStrategy
+
+__all__ = [
+    "AUTHORS",
+    "Block",
+    "MergeResult",
+    "Timeline",
+    "TimelineLike",
+    "merge",
+    "merge_timelines",
+    "merge_timelines_reference",
+    "resolve_match",
+]
+
+#: every allowed block author; only ``"llm"`` is trainable
+AUTHORS: tuple[str, ...] = ("llm", "env", "user", "history", "template")
+_AUTHOR_SET = frozenset(AUTHORS)
+
+
+@dataclass
+class Block:
+    """One message-level piece of a timeline.
+
+    :param author: one of :data:`AUTHORS`.
+    :param text: the block's text; what the ``text`` match strategy compares.
+        For prompt blocks it is the rendered text (for an assistant history block:
+        the text the model generated, see :mod:`swarmkit.chat`); for ``llm``
+        blocks the decoded completion.
+    :param token_ids: ``[T]`` token ids.
+    :param logprobs: ``[T]`` log p of each token under the sampling policy
+        (0.0 for prompt tokens). Default: zeros.
+    :param loss_mask: ``[T]`` of 0/1, 1 only on trainable (``llm``) tokens.
+        Default: ones for ``llm`` blocks, zeros otherwise.
+    :raises ValueError: unknown author, lengths that differ, a mask value other
+        than 0/1, or a non-zero mask on a non-``llm`` block.
+    """
+
+    author: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    loss_mask: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.author not in _AUTHOR_SET:
+            raise ValueError(f"unknown block author {self.author!r}; expected one of {AUTHORS}")
+        if not isinstance(self.text, str):
+            raise ValueError(f"block text must be a str, got {type(self.text).__name__}")
+        if type(self.token_ids) is not list:
+            self.token_ids = list(self.token_ids)
+        n = len(self.token_ids)
+        if self.logprobs is None:
+            self.logprobs = [0.0] * n
+        elif type(self.logprobs) is not list:
+            self.logprobs = list(self.logprobs)
+        if self.loss_mask is None:
+            self.loss_mask = [1 if self.author == "llm" else 0] * n
+        elif type(self.loss_mask) is not list:
+            self.loss_mask = list(self.loss_mask)
+        if len(self.logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(
+                f"block lengths differ: {n} token ids, {len(self.logprobs)} logprobs, "
+                f"{len(self.loss_mask)} loss-mask entries"
+            )
+        if n:
+            if not set(self.loss_mask) <= {0, 1}:
+                raise ValueError("loss_mask entries must be 0 or 1")
+            if self.author != "llm" and any(self.loss_mask):
+                raise ValueError(f"only 'llm' blocks may have a non-zero loss mask (author {self.author!r})")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def trainable(self) -> bool:
+        """True for ``llm`` blocks."""
+        return self.author == "llm"
+
+    def copy(self) -> Block:
+        """A copy with its own lists."""
+        return Block(self.author, self.text, list(self.token_ids), list(self.logprobs), list(self.loss_mask))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (lists of ints / floats)."""
+        return {
+            "author": self.author,
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "logprobs": [float(x) for x in self.logprobs],
+            "loss_mask": list(self.loss_mask),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Block:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            author=data["author"],
+            text=data["text"],
+            token_ids=[int(x) for x in data["token_ids"]],
+            logprobs=[float(x) for x in data.get("logprobs") or [0.0] * len(data["token_ids"])],
+            loss_mask=None if data.get("loss_mask") is None else [int(x) for x in data["loss_mask"]],
+        )
+
+
+class Timeline:
+    """An ordered list of blocks from one LLM call.
+
+    :param blocks: the blocks, prompt first, completion last.
+    :param role: optional label of the calling agent (swarm role), e.g. ``"planner"``.
+    :param meta: free JSON-safe metadata (episode id, call index, policy version ...).
+    """
+
+    __slots__ = ("blocks", "role", "meta")
+
+    def __init__(self, blocks: Sequence[Block] | None = None, role: str | None = None,
+                 meta: dict[str, Any] | None = None):
+        self.blocks: list[Block] = list(blocks or [])
+        self.role: str | None = role
+        self.meta: dict[str, Any] = dict(meta or {})
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self.blocks)
+
+    def __getitem__(self, k: int) -> Block:
+        return self.blocks[k]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Timeline):
+            return NotImplemented
+        return self.blocks == other.blocks and self.role == other.role and self.meta == other.meta
+
+    def __repr__(self) -> str:
+        return f"Timeline(blocks={len(self.blocks)}, tokens={self.num_tokens()}, role={self.role!r})"
+
+    def token_ids(self) -> list[int]:
+        """``[T_total]`` all token ids, blocks concatenated."""
+        return [t for b in self.blocks for t in b.token_ids]
+
+    def logprobs(self) -> list[float]:
+        """``[T_total]`` per-token logprobs, blocks concatenated."""
+        return [x for b in self.blocks for x in b.logprobs]
+
+    def loss_mask(self) -> list[int]:
+        """``[T_total]`` per-token loss mask, blocks concatenated."""
+        return [x for b in self.blocks for x in b.loss_mask]
+
+    def num_tokens(self) -> int:
+        """Total number of tokens."""
+        return sum(len(b.token_ids) for b in self.blocks)
+
+    def num_trainable_tokens(self) -> int:
+        """Number of tokens with loss mask 1."""
+        return sum(sum(b.loss_mask) for b in self.blocks)
+
+    def copy(self) -> Timeline:
+        """A deep copy (own blocks and lists)."""
+        return Timeline([b.copy() for b in self.blocks], self.role, dict(self.meta))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict: ``{"blocks": [...], "role": ..., "meta": {...}}``."""
+        return {"blocks": [b.to_dict() for b in self.blocks], "role": self.role, "meta": dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timeline:
+        """Inverse of :meth:`to_dict`."""
+        return cls([Block.from_dict(b) for b in data.get("blocks", [])], data.get("role"), data.get("meta"))
+
+
+TimelineLike = Timeline | Sequence[Block]
+
+
+def _blocks_of(t: TimelineLike) -> list[Block]:
+    if isinstance(t, Timeline):
+        return t.blocks
+    blocks = t if type(t) is list else list(t)
+    if blocks and not isinstance(blocks[0], Block):  # a cheap check; the first block only
+        raise TypeError(f"a timeline must be a Timeline or a list of Block, found {type(blocks[0]).__name__}")
+    return blocks
+
+
+def _rewrap(original: TimelineLike, blocks: list[Block]) -> TimelineLike:
+    if isinstance(original, Timeline):
+        return Timeline(blocks, original.role, dict(original.meta))
+    return blocks
+
+
+def resolve_match(match: str | MatchStrategy) -> MatchStrategy:
+    """A match strategy from its registered name (plugin kind ``match``) or the object itself."""
+    if isinstance(match, str):
+        from swarmkit.plugins import get_registry
+
+        strategy = get_registry().get("match", match).load()
+    else:
+        strategy = match
+    if not callable(getattr(strategy, "key", None)):
+        raise TypeError(f"match strategy {strategy!r} has no key(block) method")
+    return strategy
+
+
+@dataclass
+class MergeResult:
+    """Outcome of a merge.
+
+    :param timelines: the surviving timelines in original order (updated copies).
+    :param survivors: their indices in the input.
+    :param absorbed_into: per input timeline, the index of the timeline that
+        absorbed it, or ``None`` for a survivor.
+    """
+
+    timelines: list[TimelineLike]
+    survivors: list[int]
+    absorbed_into: list[int | None] = field(default_factory=list)
+
+
+def _absorb_block(target: Block, source: Block) -> Block:
+    """``target`` after absorbing the generated block ``source`` (a new block).
+
+    Built without re-validation: ``source`` is a valid block, and the result has
+    its lengths, author ``llm`` and a loss mask of ones.
+    """
+    new = object.__new__(Block)
+    new.author = "llm"
+    new.text = target.text
+    new.token_ids = list(source.token_ids)
+    new.logprobs = list(source.logprobs)
+    new.loss_mask = [1] * len(new.token_ids)
+    return new
+
+
+def merge(timelines: Sequence[TimelineLike], match: str | MatchStrategy = "text", *,
+          method: str = "fast") -> MergeResult:
+    """Merge timelines (Algorithm 1) and report who absorbed whom.
+
+    ``method="fast"`` (near-linear, hash-consed prefix trie) and
+    ``method="reference"`` (the literal O(n^2 * blocks) walk) give identical
+    results. Inputs are not mutated: surviving timelines are new containers;
+    a block updated by absorption is a new :class:`Block` (the absorbed
+    block's text is kept, token ids / logprobs are copied from the generated
+    block, loss mask ones); untouched blocks are shared with the input.
+    """
+    strategy = resolve_match(match)
+    if method == "fast":
+        return _merge_fast(timelines, strategy)
+    if method == "reference":
+        return _merge_reference(timelines, strategy)
+    raise ValueError(f"unknown merge method {method!r}; expected 'fast' or 'reference'")
+
+
+def merge_timelines(timelines: Sequence[TimelineLike], match: str | MatchStrategy = "text") -> list[TimelineLike]:
+    """The surviving timelines, in their original order, with absorbed blocks updated.
+
+    :param timelines: T_1..T_n in order of collection; each a :class:`Timeline`
+        or a list of :class:`Block` (answers come back in the same form).
+    :param match: a registered match-strategy name (``"text"``, ``"token"``, ...)
+        or a :class:`~swarmkit.interfaces.MatchStrategy` object.
+
+    Semantics: walk i from n down to 2, skipping absorbed timelines; for each
+    j from i-1 down to 1, not absorbed: T_j is absorbed into T_i when
+    ``len(T_i) >= len(T_j)`` and ``key(T_i[k]) == key(T_j[k])`` for every k of
+    T_j; then every block k authored ``llm`` in T_j but not in T_i becomes
+    ``llm`` in T_i with T_j's token ids and logprobs and a loss mask of ones.
+    Updates happen in place during the walk (they may change T_i's later keys
+    for a strategy whose key depends on author or tokens); the result is
+    identical to :func:`merge_timelines_reference`. Runs in about
+    O(total blocks + total key cost).
+    """
+    return _merge_fast(timelines, resolve_match(match)).timelines
+
+
+def merge_timelines_reference(timelines: Sequence[TimelineLike],
+                              match: str | MatchStrategy = "text") -> list[TimelineLike]:
+    """The literal Algorithm 1 walk (test oracle, O(n^2 * blocks)); same contract as :func:`merge_timelines`."""
+    return _merge_reference(timelines, resolve_match(match)).timelines
+
+
+# --------------------------------------------------------------------------- reference
+def _merge_reference(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> MergeResult:
+    key = strategy.key
+    cur = [list(_blocks_of(t)) for t in timelines]
+    n = len(cur)
+    absorbed_into: list[int | None] = [None] * n
+    for i in range(n - 1, 0, -1):
+        if absorbed_into[i] is not None:
+            continue
+        ti = cur[i]
+        for j in range(i - 1, -1, -1):
+            if absorbed_into[j] is not None:
+                continue
+            tj = cur[j]
+            if len(ti) < len(tj):
+                continue
+            if all(key(ti[k]) == key(tj[k]) for k in range(len(tj))):
+                for k, bj in enumerate(tj):
+                    if bj.author == "llm" and ti[k].author != "llm":
+                        ti[k] = _absorb_block(ti[k], bj)
+                absorbed_into[j] = i
+    survivors = [i for i in range(n) if absorbed_into[i] is None]
+    return MergeResult([_rewrap(timelines[i], cur[i]) for i in survivors], survivors, absorbed_into)
+
+
+# --------------------------------------------------------------------------- fast
+def _llm_positions(blocks: list[Block]) -> list[int]:
+    authors = list(map(_AUTHOR_OF, blocks))
+    out = []
+    k = -1
+    try:
+        while True:
+            k = authors.index("llm", k + 1)
+            out.append(k)
+    except ValueError:
+        return out
+
+
+_AUTHOR_OF = attrgetter("author")
+
+
+def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> MergeResult:
+    """Buckets of timelines by their whole key sequence.
+
+    Keys are interned to ints; ``bucket[ids]`` lists (ascending) the timelines
+    whose key sequence is ``ids`` (a tuple: exact dict equality, no hash
+    collisions can merge anything). For an
+    outer timeline T_i, the timelines mergeable into it are exactly the
+    members < i of the buckets of T_i's own key prefixes (one per length that
+    occurs); they are absorbed in descending order. If an update changes one of
+    T_i's keys, the prefixes from the changed position on are looked up again
+    and the remaining candidates re-derived (only candidates below the walk
+    position count, as in the literal walk). Cost: one ``key()`` per block plus
+    O(#distinct lengths) prefix lookups per surviving timeline.
+    """
+    key = strategy.key
+    cur = [list(_blocks_of(t)) for t in timelines]
+    n = len(cur)
+    # intern keys to small ints (C-level: defaultdict + count), so prefix tuples hash cheaply
+    kid = defaultdict(count().__next__).__getitem__
+    keyseqs = [tuple(map(kid, map(key, blocks))) for blocks in cur]
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for t, ks in enumerate(keyseqs):
+        bucket = buckets.get(ks)
+        if bucket is None:
+            buckets[ks] = [t]
+        else:
+            bucket.append(t)
+    lengths = sorted({len(ks) for ks in keyseqs})
+
+    absorbed_into: list[int | None] = [None] * n
+    for i in range(n - 1, 0, -1):
+        if absorbed_into[i] is not None:
+            continue
+        ks = keyseqs[i]
+        m = len(ks)
+        touched: list[list[int]] = []
+        cands: list[int] = []
+        for L in lengths:
+            if L > m:
+                break
+            lst = buckets.get(ks[:L])
+            if not lst:
+                continue
+            while lst and (lst[-1] >= i or absorbed_into[lst[-1]] is not None):
+                lst.pop()
+            if lst:
+                touched.append(lst)
+                cands.extend(x for x in lst if absorbed_into[x] is None)
+        if not cands:
+            continue
+        cands.sort(reverse=True)
+        ti = cur[i]
+        cur_keys: list[int] | None = None
+        c = 0
+        while c < len(cands):
+            j = cands[c]
+            c += 1
+            if absorbed_into[j] is not None:
+                continue
+            absorbed_into[j] = i
+            tj = cur[j]
+            changed_at = -1
+            for k in _llm_positions(tj):
+                old = ti[k]
+                if old.author != "llm":
+                    new = _absorb_block(old, tj[k])
+                    ti[k] = new
+                    if changed_at < 0 and key(new) != key(old):
+                        changed_at = k
+            if changed_at < 0:
+                continue
+            # T_i's keys changed from position changed_at on: look its longer prefixes up
+            # again; candidates must lie below j, as the literal walk goes on from j.
+            cur_keys = [kid(key(b)) for b in ti]
+            rest = [x for x in cands[c:] if len(cur[x]) <= changed_at and absorbed_into[x] is None]
+            for L in lengths:
+                if L <= changed_at:
+                    continue
+                if L > m:
+                    break
+                lst = buckets.get(tuple(cur_keys[:L]))
+                if lst:
+                    touched.append(lst)
+                    rest.extend(x for x in lst if x < j and absorbed_into[x] is None)
+            cands, c = sorted(set(rest), reverse=True), 0
+        if cur_keys is not None:
+            for lst in touched:
+                lst[:] = [x for x in lst if absorbed_into[x] is None and x < i]
+        else:
+            for lst in touched:
+                lst.clear()  # every member < i was absorbed, members >= i are never needed again
+    survivors = [t for t in range(n) if absorbed_into[t] is None]
+    return MergeResult([_rewrap(timelines[t], cur[t]) for t in survivors], survivors, absorbed_into)
