@@ -1,0 +1,199 @@
+"""Latency the swarm proxy adds per chat call, and its throughput.
+
+A zero-compute backend (:class:`swarmkit.server.fake.ScriptedBackend`, fixed
+reply) serves a 10-turn conversation (the full history is resent every
+turn, as agents do). For each call we time
+
+- **direct**: ``await backend.generate(prompt_ids)`` in this process, with
+  the prompt already tokenized (what an engine call costs by itself);
+- **proxy**: the same turn as an HTTP ``POST /v1/chat/completions`` to a real
+  uvicorn server running in this process (thread), through keep-alive
+  ``http.client``: JSON parsing, auth, chat template + tokenization (only new
+  blocks), generation, context tracking, tool-call parsing, the JSON answer.
+
+``added = proxy - direct`` per call; p50/p99 over all calls. Throughput: a
+few client processes run conversations against the server for a fixed time.
+
+    python benchmarks/proxy_overhead.py [--conversations 50] [--seconds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+TURNS = 10
+REPLY = "Sure, the answer to that is 42 and the weather in Paris is sunny."
+SYSTEM = "You are a helpful assistant. Answer the question."
+
+
+def conversation_turns(conv: int):
+    """The messages sent at each turn of one conversation (history grows)."""
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for t in range(TURNS):
+        msgs.append({"role": "user", "content": f"Question {t} of conversation {conv}: what is {t} + {conv}?"})
+        yield list(msgs)
+        msgs.append({"role": "assistant", "content": REPLY})
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+class Conn:
+    """A keep-alive HTTP/1.1 connection."""
+
+    def __init__(self, url: str):
+        u = urlparse(url)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        self.conn.connect()
+        self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle/delayed-ACK stalls
+
+    def post(self, path: str, body: dict, key: str | None = None) -> dict:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        self.conn.request("POST", path, body=data, headers=headers)
+        resp = self.conn.getresponse()
+        out = resp.read()
+        if resp.status >= 400:
+            raise RuntimeError(f"{path}: {resp.status} {out[:300]!r}")
+        return json.loads(out)
+
+
+def _throughput_worker(url: str, seconds: float, offset: int, queue: mp.Queue) -> None:
+    conn = Conn(url)
+    done = 0
+    end = time.monotonic() + seconds
+    conv = offset
+    while time.monotonic() < end:
+        ep = conn.post("/api/v1/episodes", {"task_id": f"bench-{conv}"})
+        for msgs in conversation_turns(conv):
+            conn.post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 64}, ep["api_key"])
+            done += 1
+            if time.monotonic() >= end:
+                break
+        conn.post(f"/api/v1/episodes/{ep['episode_id']}/report", {"reward": 1.0}, ep["api_key"])
+        conv += 1000
+    queue.put(done)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=50, help="conversations timed for latency")
+    ap.add_argument("--seconds", type=float, default=5.0, help="duration of the throughput run")
+    ap.add_argument("--clients", type=int, default=2, help="client processes in the throughput run")
+    ap.add_argument("--json", default="benchmarks/results/proxy_overhead.json", help="where to write the results")
+    args = ap.parse_args(argv)
+
+    import logging
+
+    from swarmkit.chat import ChatRenderer
+    from swarmkit.cli import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.interfaces import SamplingParams
+    from swarmkit.models import build_tiny_tokenizer
+    from swarmkit.plugins import get_registry
+    from swarmkit.server.fake import ScriptedBackend
+    from swarmkit.server.serve import start_server_thread
+
+    logging.getLogger("swarmkit").setLevel(logging.WARNING)
+    tok = build_tiny_tokenizer()
+    backend = ScriptedBackend(tok, replies=[REPLY])
+    cfg = validate_config(compose(["model=tiny", "model.max_context=100000"]), get_registry())
+    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench", "run_dir": "runs/bench-proxy",
+                                             "episode_timeout_s": 3600}},
+                                 config=cfg, backend_factory=lambda c: backend)
+    admin = Conn(handle.url)
+    admin.post("/api/v1/admin/start", {}, "bench")
+    while handle.swarm.state.state != "ROLLING":
+        time.sleep(0.01)
+
+    # ---- direct: the engine call alone (prompt already tokenized, as an engine gets it)
+    params = SamplingParams(max_tokens=64)
+    renderer = ChatRenderer(tok)
+    prompts = [[t for b in renderer.render_prompt(m) for t in b.token_ids]
+               for c in range(args.conversations) for m in conversation_turns(c)]
+    loop = asyncio.new_event_loop()
+
+    async def direct_all() -> list[float]:
+        out = []
+        for ids in prompts:
+            t0 = time.perf_counter()
+            await backend.generate(ids, params)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    direct = loop.run_until_complete(direct_all())
+
+    # ---- proxy: the same calls through HTTP + tracking
+    conn = Conn(handle.url)
+    proxy: list[float] = []
+    for warm in (True, False):
+        for c in range(3 if warm else args.conversations):
+            ep = conn.post("/api/v1/episodes", {"task_id": f"lat-{c}-{warm}"})
+            for msgs in conversation_turns(c + (10_000 if warm else 0)):
+                body = {"model": "m", "messages": msgs, "max_tokens": 64}
+                t0 = time.perf_counter()
+                conn.post("/v1/chat/completions", body, ep["api_key"])
+                if not warm:
+                    proxy.append(time.perf_counter() - t0)
+            conn.post(f"/api/v1/episodes/{ep['episode_id']}/report", {"reward": 1.0}, ep["api_key"])
+    added = [p - d for p, d in zip(proxy, direct, strict=True)]
+
+    # ---- throughput: client processes, fixed time
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_throughput_worker, args=(handle.url, args.seconds, i, queue))
+             for i in range(args.clients)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    total = sum(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    wall = time.perf_counter() - t0
+    # the workers start up (imports) inside the wall time; count their own measured window
+    rps = total / args.seconds
+    handle.stop()
+
+    ms = 1000.0
+    results = {
+        "turns_per_conversation": TURNS,
+        "calls_timed": len(added),
+        "direct_ms": {"p50": pct(direct, 50) * ms, "p99": pct(direct, 99) * ms},
+        "proxy_ms": {"p50": pct(proxy, 50) * ms, "p99": pct(proxy, 99) * ms},
+        "added_ms": {"p50": pct(added, 50) * ms, "p99": pct(added, 99) * ms, "mean": statistics.mean(added) * ms},
+        "throughput_rps": rps,
+        "throughput_clients": args.clients,
+        "throughput_requests": total,
+        "throughput_wall_s": wall,
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+    print(f"{'':24}{'p50 ms':>10}{'p99 ms':>10}")
+    for name in ("direct_ms", "proxy_ms", "added_ms"):
+        print(f"{name[:-3]:24}{results[name]['p50']:>10.3f}{results[name]['p99']:>10.3f}")
+    print(f"throughput: {rps:.0f} chat calls/s ({args.clients} client processes, {total} calls in "
+          f"{args.seconds:g} s; {os.cpu_count()} CPUs)")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Per-run metrics: one JSON line per optimizer step, mirrored to TensorBoard.
+
+``<run_dir>/metrics.jsonl`` is the record of truth (append-only, flushed per
+line); ``<run_dir>/tensorboard/`` is written when the ``tensorboard`` package
+is importable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._lock = threading.Lock()
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        except Exception:  # noqa: BLE001 - tensorboard is optional
+            self._tb = None
+
+    def write(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+        row = {"time": time.time(), "kind": kind, "step": step, **metrics}
+        with self._lock:
+            self._file.write(json.dumps(row, default=float) + "\n")
+            self._file.flush()
+            if self._tb is not None:
+                for key, value in metrics.items():
+                    if isinstance(value, int | float) and math.isfinite(float(value)):
+                        self._tb.add_scalar(f"{kind}/{key}", float(value), step)
+                self._tb.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

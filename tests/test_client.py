@@ -1,0 +1,245 @@
+"""The client SDK against a real-socket server (in a thread, scripted backend)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from swarmkit.client import ServerUnavailable, SwarmAPIError, SwarmClient, SwarmError
+from swarmkit.server.fake import ScriptedBackend
+from swarmkit.server.serve import start_server_thread
+
+TOKEN = "client-test-admin-token"
+
+
+@pytest.fixture(scope="module")
+def train_cfg():
+    from swarmkit.cli import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.plugins import get_registry
+
+    return validate_config(compose(["model=tiny"]), get_registry())
+
+
+@pytest.fixture(scope="module")
+def handle(train_cfg, tmp_path_factory):
+    from swarmkit.models import build_tiny_tokenizer
+
+    backend = ScriptedBackend(build_tiny_tokenizer(), replies=["fine, thanks"])
+    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                        "run_dir": str(tmp_path_factory.mktemp("run"))}},
+                            config=train_cfg, backend_factory=lambda cfg: backend)
+    with SwarmClient(h.url, token=TOKEN) as c:
+        c.start()
+        c.wait_for_state("ROLLING", timeout=20)
+    yield h
+    h.stop()
+
+
+@pytest.fixture()
+def client(handle):
+    with SwarmClient(handle.url, token=TOKEN, retry_for=10) as c:
+        yield c
+
+
+def on_loop(handle, fn, *args):
+    handle.loop.call_soon_threadsafe(fn, *args)
+
+
+def test_importing_the_client_loads_no_torch_and_no_server():
+    code = ("import sys; import swarmkit.client as c; c.SwarmClient('http://127.0.0.1:1'); "
+            "bad = [m for m in ('torch', 'transformers', 'starlette', 'omegaconf', 'hydra', 'swarmkit.server') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_status_has_state_step_and_pool(client):
+    st = client.status()
+    assert st["state"] == "ROLLING" and st["global_step"] == 0 and "episodes" in st["pool"]
+
+
+def test_episode_block_reports_and_reads_timelines(client):
+    import openai
+
+    with client.episode(task_id="t1") as ep:
+        llm = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        r = llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.content == "fine, thanks"
+        res = ep.report(0.75)
+    assert res["accepted"] is True and res["reward"] == 0.75 and ep.ended
+    tls = ep.timelines()
+    assert len(tls) == 1 and tls[0]["blocks"][-1]["author"] == "llm"
+    objs = ep.timelines(as_objects=True)
+    assert objs[0].blocks[-1].token_ids == tls[0]["blocks"][-1]["token_ids"]
+    with pytest.raises(SwarmAPIError) as e:
+        ep.report(1.0)
+    assert e.value.status == 409 and e.value.code == "episode_already_ended"
+
+
+def test_exception_in_the_block_aborts_the_episode(client):
+    with pytest.raises(RuntimeError, match="env broke"), client.episode(task_id="t2") as ep:
+        raise RuntimeError("env broke")
+    info = ep.status()
+    assert info["status"] == "aborted" and "env broke" in info["abort_reason"]
+
+
+def test_block_without_reward_is_aborted(client):
+    with client.episode(task_id="t3") as ep:
+        pass
+    assert ep.status()["status"] == "aborted"
+
+
+def test_explicit_abort_and_eval_episode(client):
+    with client.episode(task_id="t4") as ep:
+        assert ep.abort("tool failed")["status"] == "aborted"
+    with client.episode(task_id="t5", eval=True) as ev:
+        assert ev.report(1.0)["accepted"] is False
+
+
+def test_roles_through_the_client(client):
+    with client.episode(task_id="game", roles=["wolf", "seer"]) as ep:
+        assert ep.key_for("seer") != ep.key_for("wolf") and ep.api_key == ep.key_for("wolf")
+        with pytest.raises(KeyError, match="roles: wolf, seer"):
+            ep.key_for("villager")
+        assert ep.report({"wolf": 1.0, "seer": 0.0})["rewards"] == {"wolf": 1.0, "seer": 0.0}
+
+
+def test_register_retries_while_the_server_is_busy(client, handle):
+    srv = handle.swarm
+    on_loop(handle, srv.enter_rolling_post)
+    time.sleep(0.05)
+
+    def resume():
+        time.sleep(1.2)
+        on_loop(handle, srv.enter_weight_syncing)
+        time.sleep(0.2)
+        on_loop(handle, srv.resume_rolling, 0)
+
+    threading.Thread(target=resume).start()
+    t0 = time.monotonic()
+    with client.episode(task_id="busy") as ep:
+        ep.report(1.0)
+    assert time.monotonic() - t0 >= 1.0
+    assert srv.state.state == "ROLLING"
+
+
+def test_busy_server_gives_a_clear_error_after_the_retry_budget(handle):
+    srv = handle.swarm
+    on_loop(handle, srv.enter_rolling_post)
+    try:
+        with SwarmClient(handle.url, retry_for=1.5) as c:
+            t0 = time.monotonic()
+            with pytest.raises(ServerUnavailable, match="server_busy"):
+                c.register("t")
+            assert time.monotonic() - t0 < 4
+    finally:
+        on_loop(handle, srv.enter_weight_syncing)
+        on_loop(handle, srv.resume_rolling, 0)
+        time.sleep(0.1)
+
+
+def test_unreachable_server_gives_a_clear_error_after_the_retry_budget():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with SwarmClient(f"http://127.0.0.1:{port}", token="x", retry_for=1.0) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="ConnectError"):
+            c.status()
+        assert 0.8 < time.monotonic() - t0 < 4
+
+
+def test_client_id_and_ready_votes_reach_the_server(client, handle):
+    client.ready(True)
+    state = handle.swarm.clients.all()[client.client_id]
+    assert state.ready is True
+    client.ready(False)
+    assert handle.swarm.clients.all()[client.client_id].ready is False
+    assert client.heartbeat()["client_id"] == client.client_id
+    assert SwarmClient(handle.url).client_id != client.client_id
+
+
+def test_wrong_admin_token_is_an_api_error(handle):
+    with SwarmClient(handle.url, token="wrong") as c, pytest.raises(SwarmAPIError) as e:
+        c.status()
+    assert e.value.status == 403
+    with SwarmClient(handle.url, token="") as c, pytest.raises(SwarmAPIError) as e:
+        c.stop()
+    assert e.value.status == 401
+
+
+def test_configure_accepts_overrides_dict_and_yaml_file(train_cfg, tmp_path):
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "run_dir": str(tmp_path)}})
+    try:
+        with SwarmClient(h.url, token=TOKEN) as c:
+            assert c.configure(["model=tiny"])["config"]["model"]["path"] == "builtin:tiny"
+            assert c.configure({"model": {"path": "builtin:tiny", "max_context": 99}})["config"]["model"][
+                "max_context"] == 99
+            f = tmp_path / "cfg.yaml"
+            f.write_text("model:\n  path: builtin:tiny\nbatching:\n  name: c1\n")
+            assert c.configure(str(f))["config"]["batching"]["name"] == "c1"
+            with pytest.raises(FileNotFoundError):
+                c.configure(str(tmp_path / "missing.yaml"))
+            with pytest.raises(SwarmAPIError) as e:
+                c.configure(["model.nope=1"])
+            assert e.value.status == 422
+    finally:
+        h.stop()
+
+
+def test_wait_for_state_reports_a_failed_boot(train_cfg, tmp_path):
+    def broken(cfg):
+        raise OSError("weights missing")
+
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "run_dir": str(tmp_path)}},
+                            config=train_cfg, backend_factory=broken)
+    try:
+        with SwarmClient(h.url, token=TOKEN) as c:
+            c.start()
+            with pytest.raises(SwarmError, match="weights missing"):
+                c.wait_for_state("ROLLING", timeout=10)
+            assert "weights missing" in c.wait_for_state("OFFLINE", timeout=1)["last_error"]
+    finally:
+        h.stop()
+
+
+def test_wait_for_state_times_out_with_the_state_it_saw(client):
+    with pytest.raises(TimeoutError, match="still ROLLING"):
+        client.wait_for_state(["WEIGHT_SYNCING", "ROLLING_POST"], timeout=0.3)
+
+
+def test_stream_cut_by_the_client_is_still_recorded(train_cfg, tmp_path):
+    import httpx
+
+    from swarmkit.models import build_tiny_tokenizer
+
+    slow = ScriptedBackend(build_tiny_tokenizer(), replies=["one two three four five six seven eight"], delay_s=0.05)
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "run_dir": str(tmp_path)}},
+                            config=train_cfg, backend_factory=lambda cfg: slow)
+    try:
+        with SwarmClient(h.url, token=TOKEN) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=10)
+            ep = c.register("cut")
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "count"}]}
+            with httpx.stream("POST", ep.base_url + "/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {ep.api_key}"}) as r:
+                for line in r.iter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        break  # hang up after the first token
+            for _ in range(100):
+                tls = ep.timelines()
+                if tls:
+                    break
+                time.sleep(0.05)
+            assert len(tls) == 1 and tls[0]["meta"]["complete"] is False
+            assert 1 <= len(tls[0]["blocks"][-1]["token_ids"]) < 20
+            assert ep.abort("cut")["status"] == "aborted"
+    finally:
+        h.stop()

@@ -1,0 +1,577 @@
+"""The server's HTTP API in process (Starlette TestClient), with a scripted zero-compute backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from swarmkit.server.app import SwarmServer, create_app, resolve_admin_token
+from swarmkit.server.fake import LOGPROB, ScriptedBackend
+
+TOOL_REPLY = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="session")
+def train_cfg():
+    from swarmkit.cli import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.plugins import get_registry
+
+    return validate_config(compose(["model=tiny"]), get_registry())
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from swarmkit.models import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+class Harness:
+    def __init__(self, tc: TestClient, srv: SwarmServer, backend: ScriptedBackend, accepted: list):
+        self.tc, self.srv, self.backend, self.accepted = tc, srv, backend, accepted
+        self.admin = {"Authorization": f"Bearer {srv.admin_token}"}
+
+    def call(self, fn, *args):
+        """Run ``fn`` in the server's event loop thread."""
+        return self.tc.portal.call(fn, *args)
+
+    def register(self, **body):
+        body.setdefault("task_id", "t1")
+        r = self.tc.post("/api/v1/episodes", json=body)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def chat(self, key, **body):
+        body.setdefault("messages", MSGS)
+        body.setdefault("model", "any")
+        return self.tc.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+    def report(self, ep, reward, key=None):
+        return self.tc.post(f"/api/v1/episodes/{ep['episode_id']}/report", json={"reward": reward},
+                            headers={"Authorization": f"Bearer {key or ep['api_key']}"})
+
+
+@pytest.fixture()
+def make(train_cfg, tokenizer, tmp_path):
+    made = []
+
+    def factory(replies=("Hello there.",), start=True, accept_hook=None, config=train_cfg, **server_cfg):
+        backend = ScriptedBackend(tokenizer, replies=replies)
+        accepted: list = []
+        hook = None if accept_hook is False else accept_hook or accepted.append
+        scfg = {"run_dir": str(tmp_path), "admin_token": "admin-secret-token", **server_cfg}
+        srv = SwarmServer(scfg, config=config, backend_factory=lambda cfg: backend, on_episode_accepted=hook)
+        srv.reaper_interval_s = 0.05
+        tc = TestClient(create_app(srv), base_url="http://127.0.0.1:8000")
+        tc.__enter__()
+        made.append(tc)
+        h = Harness(tc, srv, backend, accepted)
+        if start:
+            r = tc.post("/api/v1/admin/start", headers=h.admin)
+            assert r.status_code == 202, r.text
+            for _ in range(200):
+                if srv.state.state == "ROLLING":
+                    break
+                time.sleep(0.01)
+            assert srv.state.state == "ROLLING", srv.state.last_error
+        return h
+
+    yield factory
+    for tc in made:
+        tc.__exit__(None, None, None)
+
+
+def assert_error(r, status, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err
+    if code:
+        assert err["code"] == code, err
+
+
+# --------------------------------------------------------------------------- controller
+ADMIN_ROUTES = [("GET", "/api/v1/status"), ("POST", "/api/v1/admin/configure"), ("POST", "/api/v1/admin/start"),
+                ("POST", "/api/v1/admin/stop"), ("POST", "/api/v1/admin/restart"),
+                ("POST", "/api/v1/admin/checkpoint"), ("GET", "/api/v1/episodes")]
+
+
+@pytest.mark.parametrize("method,path", ADMIN_ROUTES)
+def test_controller_routes_need_the_admin_token(make, method, path):
+    h = make(start=False)
+    assert_error(h.tc.request(method, path), 401, None)
+    assert_error(h.tc.request(method, path, headers={"Authorization": "Bearer nope"}), 403, "wrong_admin_token")
+    assert h.srv.state.state == "OFFLINE"
+
+
+def test_health_needs_no_token_and_status_reports_progress(make):
+    h = make(accept_hook=False)
+    assert h.tc.get("/api/v1/health").json()["state"] == "ROLLING"
+    ep = h.register()
+    h.chat(ep["api_key"])
+    st = h.tc.get("/api/v1/status", headers=h.admin).json()
+    assert st["state"] == "ROLLING" and st["global_step"] == 0
+    assert st["episodes"]["running"] == 1 and st["calls"] == 1
+    assert st["pool"] == {"episodes": 0, "tasks": 0}
+    h.report(ep, 1.0)
+    assert h.tc.get("/api/v1/status", headers=h.admin).json()["pool"] == {"episodes": 1, "tasks": 1}
+
+
+def test_start_without_a_config_is_409(make):
+    h = make(start=False, config=None)
+    assert_error(h.tc.post("/api/v1/admin/start", headers=h.admin), 409, "not_configured")
+
+
+def test_configure_by_overrides_dict_and_yaml(make):
+    h = make(start=False, config=None)
+    r = h.tc.post("/api/v1/admin/configure", headers=h.admin,
+                  json={"overrides": ["model=tiny", "batching.batch_size=3"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["config"]["batching"]["batch_size"] == 3 and r.json()["config"]["mode"] == "server"
+    r = h.tc.post("/api/v1/admin/configure", headers=h.admin,
+                  json={"config": {"model": {"path": "builtin:tiny"}, "backend": {"name": "hf", "device": "cpu"}}})
+    assert r.status_code == 200, r.text
+    assert r.json()["config"]["model"]["path"] == "builtin:tiny"
+    assert r.json()["config"]["server"]["run_dir"] == h.srv.server_cfg["run_dir"]
+    r = h.tc.post("/api/v1/admin/configure", headers=h.admin, json={"yaml": "model:\n  path: builtin:tiny\n"})
+    assert r.status_code == 200, r.text
+    assert h.srv.config.model.path == "builtin:tiny"
+
+
+def test_configure_lists_every_problem(make):
+    h = make(start=False, config=None)
+    r = h.tc.post("/api/v1/admin/configure", headers=h.admin,
+                  json={"config": {"model": {"pathh": "x"}, "backend": {"name": "hf", "dtype": 3.5, "bogus": 1}}})
+    assert_error(r, 422, "invalid_config")
+    msg = r.json()["error"]["message"]
+    assert "model.pathh" in msg and "backend.bogus" in msg
+    assert_error(h.tc.post("/api/v1/admin/configure", headers=h.admin, json={"overrides": ["backend=nope"]}),
+                 422, "invalid_config")
+    assert_error(h.tc.post("/api/v1/admin/configure", headers=h.admin, json={}), 422, "missing_field")
+    assert h.srv.config is None
+
+
+def test_stop_aborts_running_episodes_and_restart_boots_again(make):
+    h = make()
+    ep = h.register()
+    r = h.tc.post("/api/v1/admin/stop", headers=h.admin)
+    assert r.json()["state"] == "OFFLINE"
+    assert_error(h.chat(ep["api_key"]), 409, "episode_already_ended")
+    assert_error(h.tc.post("/api/v1/episodes", json={"task_id": "t"}), 503, "server_offline")
+    assert h.tc.post("/api/v1/admin/restart", headers=h.admin).status_code == 202
+    for _ in range(200):
+        if h.srv.state.state == "ROLLING":
+            break
+        time.sleep(0.01)
+    assert h.register()["episode_id"]
+
+
+def test_boot_failure_falls_back_to_offline_with_the_error(make, train_cfg):
+    h = make(start=False)
+    h.srv.backend_factory = lambda cfg: (_ for _ in ()).throw(OSError("no such model"))
+    h.tc.post("/api/v1/admin/start", headers=h.admin)
+    for _ in range(200):
+        if h.srv.state.state == "OFFLINE":
+            break
+        time.sleep(0.01)
+    st = h.tc.get("/api/v1/status", headers=h.admin).json()
+    assert st["state"] == "OFFLINE" and "no such model" in st["last_error"]
+
+
+def test_checkpoint_writes_config_and_status(make, tmp_path):
+    h = make()
+    r = h.tc.post("/api/v1/admin/checkpoint", headers=h.admin)
+    assert r.status_code == 200, r.text
+    folder = r.json()["path"]
+    assert json.load(open(os.path.join(folder, "config.json")))["model"]["path"] == "builtin:tiny"
+    assert os.path.exists(os.path.join(folder, "status.json"))
+
+
+def test_admin_token_precedence_and_private_file(tmp_path, monkeypatch):
+    assert resolve_admin_token("from-config", tmp_path) == ("from-config", "config")
+    monkeypatch.setenv("SWARMKIT_ADMIN_TOKEN", "from-env")
+    assert resolve_admin_token(None, tmp_path) == ("from-env", "env")
+    monkeypatch.delenv("SWARMKIT_ADMIN_TOKEN")
+    token, where = resolve_admin_token(None, tmp_path)
+    assert where == str(tmp_path / "admin_token") and len(token) >= 32
+    assert stat.S_IMODE(os.stat(where).st_mode) == 0o600
+    assert open(where).read().strip() == token
+    assert resolve_admin_token(None, tmp_path)[0] != token
+
+
+# --------------------------------------------------------------------------- episodes
+def test_keys_are_random_and_reach_only_their_own_episode(make):
+    h = make()
+    a, b = h.register(task_id="a"), h.register(task_id="b")
+    assert a["api_key"] != b["api_key"] and len(a["api_key"]) >= 40
+    assert a["episode_id"] not in a["api_key"] and a["base_url"] == "http://127.0.0.1:8000/v1"
+    assert_error(h.report(b, 1.0, key=a["api_key"]), 403, "wrong_episode_key")
+    assert_error(h.tc.get(f"/api/v1/episodes/{b['episode_id']}/timelines",
+                          headers={"Authorization": f"Bearer {a['api_key']}"}), 403)
+    assert h.chat(a["api_key"]).status_code == 200
+    tl_b = h.tc.get(f"/api/v1/episodes/{b['episode_id']}/timelines",
+                    headers={"Authorization": f"Bearer {b['api_key']}"}).json()["timelines"]
+    assert tl_b == []
+    admin_view = h.tc.get(f"/api/v1/episodes/{a['episode_id']}/timelines", headers=h.admin)
+    assert len(admin_view.json()["timelines"]) == 1
+
+
+def test_finished_training_episode_reaches_the_pool_hook_eval_and_aborted_do_not(make):
+    h = make()
+    train, ev, ab = h.register(task_id="t"), h.register(task_id="t", eval=True), h.register(task_id="t")
+    for ep in (train, ev, ab):
+        assert h.chat(ep["api_key"]).status_code == 200
+    assert h.report(train, 0.5).json()["accepted"] is True
+    assert h.report(ev, 1.0).json()["accepted"] is False
+    r = h.tc.post(f"/api/v1/episodes/{ab['episode_id']}/abort", json={"reason": "env crashed"},
+                  headers={"Authorization": f"Bearer {ab['api_key']}"})
+    assert r.json() == {"episode_id": ab["episode_id"], "status": "aborted", "reason": "env crashed"}
+    assert [e.id for e in h.accepted] == [train["episode_id"]]
+    got = h.accepted[0]
+    assert got.reward == 0.5 and len(got.timelines) == 1 and got.task_id == "t"
+    st = h.tc.get("/api/v1/status", headers=h.admin).json()["episodes"]
+    assert (st["finished"], st["eval_finished"], st["aborted"]) == (1, 1, 1)
+
+
+def test_pool_failure_answers_503_and_the_report_can_be_retried(make):
+    calls = []
+
+    def flaky(ep):
+        calls.append(ep.id)
+        if len(calls) == 1:
+            raise OSError("disk full")
+
+    h = make(accept_hook=flaky)
+    ep = h.register()
+    r = h.report(ep, 1.0)
+    assert_error(r, 503, "pool_unavailable")
+    assert "Retry-After" in r.headers
+    assert h.report(ep, 1.0).json()["accepted"] is True
+    assert calls == [ep["episode_id"]] * 2
+
+
+def test_async_pool_hook_is_awaited_before_the_answer(make):
+    stored = []
+
+    async def hook(ep):
+        stored.append(ep.id)
+
+    h = make(accept_hook=hook)
+    ep = h.register()
+    h.report(ep, 1.0)
+    assert stored == [ep["episode_id"]]
+
+
+def test_roles_get_their_own_keys_and_label_their_timelines(make):
+    h = make()
+    ep = h.register(task_id="werewolf", roles=["wolf", "seer"])
+    assert set(ep["keys"]) == {"wolf", "seer"} and ep["api_key"] == ep["keys"]["wolf"]
+    h.chat(ep["keys"]["wolf"])
+    h.chat(ep["keys"]["seer"])
+    h.chat(ep["keys"]["seer"])
+    assert_error(h.report(ep, {"wolf": 1.0}), 422, "invalid_reward")
+    assert_error(h.report(ep, {"wolf": 1.0, "seer": 0.0, "villager": 1.0}), 422, "invalid_reward")
+    r = h.report(ep, {"wolf": 1.0, "seer": 0.0}, key=ep["keys"]["seer"])
+    assert r.json()["rewards"] == {"wolf": 1.0, "seer": 0.0}
+    tls = h.tc.get(f"/api/v1/episodes/{ep['episode_id']}/timelines",
+                   headers={"Authorization": f"Bearer {ep['api_key']}"}).json()["timelines"]
+    assert [t["role"] for t in tls] == ["wolf", "seer", "seer"]
+    assert h.accepted[0].rewards == {"wolf": 1.0, "seer": 0.0}
+
+
+def test_per_role_reward_needs_roles(make):
+    h = make()
+    assert_error(h.report(h.register(), {"a": 1.0}), 422, "invalid_reward")
+
+
+def test_abandoned_episode_is_reaped_after_deadline(make):
+    h = make()
+    ep = h.register(timeout_s=0.15)
+    time.sleep(0.4)
+    st = h.tc.get(f"/api/v1/episodes/{ep['episode_id']}", headers=h.admin).json()
+    assert st["status"] == "aborted" and st["abort_reason"] == "deadline"
+    assert_error(h.chat(ep["api_key"]), 410, "episode_expired")
+    assert_error(h.report(ep, 1.0), 410, "episode_expired")
+    assert h.accepted == []
+    assert h.tc.get("/api/v1/status", headers=h.admin).json()["episodes"]["reaped"] == 1
+
+
+def test_rolling_post_refuses_new_episodes_but_running_ones_finish(make):
+    h = make()
+    ep = h.register()
+    h.call(h.srv.enter_rolling_post)
+    r = h.tc.post("/api/v1/episodes", json={"task_id": "t"})
+    assert_error(r, 503, "server_busy")
+    assert int(r.headers["Retry-After"]) >= 1
+    assert h.chat(ep["api_key"]).status_code == 200
+    assert h.report(ep, 1.0).status_code == 200
+    h.call(h.srv.enter_weight_syncing)
+    assert_error(h.tc.post("/api/v1/episodes", json={"task_id": "t"}), 503, "server_busy")
+    h.call(h.srv.resume_rolling, 1)
+    assert h.register()["episode_id"]
+    assert h.tc.get("/api/v1/health").json()["global_step"] == 1
+
+
+def test_call_during_weight_sync_waits_for_the_new_weights(make):
+    import threading
+
+    h = make()
+    ep = h.register()
+    h.call(h.srv.enter_rolling_post)
+    h.call(h.srv.enter_weight_syncing)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", h.chat(ep["api_key"])))
+    t.start()
+    time.sleep(0.2)
+    assert "r" not in result
+    h.call(h.srv.resume_rolling, 1)
+    t.join(5)
+    assert result["r"].status_code == 200
+
+
+def test_drain_aborts_episodes_left_at_the_deadline(make):
+    h = make()
+    ep = h.register()
+    h.call(h.srv.enter_rolling_post)
+
+    async def drain():
+        return await h.srv.drain(0.1)
+
+    assert h.call(drain) == 1
+    assert h.tc.get(f"/api/v1/episodes/{ep['episode_id']}", headers=h.admin).json()["abort_reason"] == \
+        "drain deadline"
+
+
+def test_client_ready_votes_are_tracked(make):
+    h = make()
+    r = h.tc.post("/api/v1/clients/ready", json={"ready": True}, headers={"X-Swarm-Client": "c1"})
+    assert r.json() == {"client_id": "c1", "ready": True}
+    assert h.srv.clients.active()["c1"].ready is True
+    assert h.tc.get("/api/v1/status", headers=h.admin).json()["clients"] == {"active": 1, "ready": 1}
+    assert_error(h.tc.post("/api/v1/clients/ready", json={"ready": True}), 422, "missing_field")
+
+
+# --------------------------------------------------------------------------- OpenAI endpoints
+def test_chat_completion_parses_tool_calls_and_records_the_call(make, tokenizer):
+    h = make(replies=[TOOL_REPLY])
+    ep = h.register()
+    r = h.chat(ep["api_key"], tools=TOOLS, logprobs=True, top_logprobs=1)
+    body = r.json()
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert all(t["logprob"] == LOGPROB and len(t["top_logprobs"]) == 1 for t in choice["logprobs"]["content"])
+    tl = h.srv.episodes.get(ep["episode_id"]).timelines[0]
+    prompt_ids = [t for b in tl.blocks[:-1] for t in b.token_ids]
+    expected = tokenizer.apply_chat_template(MSGS, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    expected = expected if isinstance(expected, list) else expected["input_ids"]
+    assert prompt_ids == list(expected) == h.backend.prompts[-1]
+    assert tl.blocks[-1].author == "llm" and tl.blocks[-1].loss_mask == [1] * len(tl.blocks[-1].token_ids)
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert body["usage"]["completion_tokens"] == len(tl.blocks[-1].token_ids)
+
+
+def test_tool_calls_are_left_as_text_without_tools(make):
+    h = make(replies=[TOOL_REPLY])
+    ep = h.register()
+    choice = h.chat(ep["api_key"]).json()["choices"][0]
+    assert choice["message"]["content"] == TOOL_REPLY and "tool_calls" not in choice["message"]
+    choice = h.chat(ep["api_key"], tools=TOOLS, tool_choice="none").json()["choices"][0]
+    assert choice["message"]["content"] == TOOL_REPLY
+
+
+def sse_events(text: str) -> list:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_streamed_chat_sends_deltas_tool_calls_and_usage(make):
+    h = make(replies=[TOOL_REPLY])
+    ep = h.register()
+    r = h.chat(ep["api_key"], tools=TOOLS, stream=True, stream_options={"include_usage": True}, logprobs=True)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert content.strip() == "Checking."
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["index"] == 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    usage = events[-2]["usage"]
+    tl = h.srv.episodes.get(ep["episode_id"]).timelines[0]
+    assert usage["completion_tokens"] == len(tl.blocks[-1].token_ids) > 5
+    assert tl.meta["stream"] is True and tl.meta["complete"] is True
+    lps = [t["logprob"] for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert lps == tl.blocks[-1].logprobs
+
+
+def test_n_choices_each_become_a_timeline_and_can_stream(make):
+    h = make(replies=["one two", "three four"])
+    ep = h.register()
+    body = h.chat(ep["api_key"], n=2).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    events = sse_events(h.chat(ep["api_key"], n=3, stream=True).text)
+    finishes = {c["choices"][0]["index"] for c in events[:-1] if c["choices"][0]["finish_reason"]}
+    assert finishes == {0, 1, 2}
+    assert len(h.srv.episodes.get(ep["episode_id"]).timelines) == 5
+
+
+def test_stop_strings_and_max_tokens_are_honoured(make):
+    h = make(replies=["alpha beta. gamma delta"])
+    ep = h.register()
+    c = h.chat(ep["api_key"], stop=["."]).json()["choices"][0]
+    assert c["message"]["content"] == "alpha beta" and c["finish_reason"] == "stop"
+    c = h.chat(ep["api_key"], max_tokens=3).json()["choices"][0]
+    assert c["finish_reason"] == "length"
+    assert len(h.srv.episodes.get(ep["episode_id"]).timelines[-1].blocks[-1].token_ids) == 3
+
+
+def test_prompt_over_the_context_is_400(make, train_cfg):
+    h = make()
+    ep = h.register()
+    r = h.chat(ep["api_key"], messages=[{"role": "user", "content": "word " * 3000}])
+    assert_error(r, 400, "context_length_exceeded")
+
+
+def test_text_completions_from_text_and_token_ids(make, tokenizer):
+    h = make(replies=["xyz"])
+    ep = h.register()
+    key = {"Authorization": f"Bearer {ep['api_key']}"}
+    r = h.tc.post("/v1/completions", json={"model": "m", "prompt": "hello", "logprobs": 1}, headers=key).json()
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == "xyz"
+    assert r["choices"][0]["logprobs"]["token_logprobs"][0] == LOGPROB
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    r = h.tc.post("/v1/completions", json={"model": "m", "prompt": ids}, headers=key).json()
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    events = sse_events(h.tc.post("/v1/completions", json={"prompt": "hi", "stream": True}, headers=key).text)
+    assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == "xyz"
+    tls = h.srv.episodes.get(ep["episode_id"]).timelines
+    assert len(tls) == 3 and tls[1].blocks[0].token_ids == ids and tls[1].blocks[0].author == "user"
+
+
+def test_models_lists_the_served_model_for_a_valid_key(make):
+    h = make()
+    ep = h.register()
+    assert_error(h.tc.get("/v1/models"), 401, "missing_api_key")
+    body = h.tc.get("/v1/models", headers={"Authorization": f"Bearer {ep['api_key']}"}).json()
+    assert body["object"] == "list" and body["data"][0]["id"] == "tiny-qwen2"
+
+
+def test_agent_messages_are_never_rewritten(make):
+    h = make()
+    ep = h.register()
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    sent = json.loads(json.dumps(msgs))
+    h.chat(ep["api_key"], messages=msgs)
+    text = "".join(b.text for b in h.srv.episodes.get(ep["episode_id"]).timelines[0].blocks[:-1])
+    assert text.count("system") == 1 and msgs == sent
+
+
+# --------------------------------------------------------------------------- bad input sweep
+NAN_BODY = b'{"reward": NaN}'
+INF_BODY = b'{"reward": Infinity}'
+
+
+def bad_requests(ep, other):
+    key = {"Authorization": f"Bearer {ep['api_key']}"}
+    eid = ep["episode_id"]
+    report = f"/api/v1/episodes/{eid}/report"
+    return [
+        # (name, method, path, kwargs, status, code)
+        ("malformed JSON chat", "POST", "/v1/chat/completions", {"content": b"{oops", "headers": key}, 400,
+         "invalid_json"),
+        ("JSON array chat", "POST", "/v1/chat/completions", {"content": b"[1]", "headers": key}, 400, "invalid_json"),
+        ("empty body chat", "POST", "/v1/chat/completions", {"content": b"", "headers": key}, 400, "invalid_json"),
+        ("no messages", "POST", "/v1/chat/completions", {"json": {"model": "m"}, "headers": key}, 400,
+         "missing_field"),
+        ("bad role", "POST", "/v1/chat/completions",
+         {"json": {"messages": [{"role": "robot", "content": "x"}]}, "headers": key}, 400, "invalid_value"),
+        ("bad temperature", "POST", "/v1/chat/completions",
+         {"json": {"messages": MSGS, "temperature": "hot"}, "headers": key}, 400, "invalid_value"),
+        ("n = 0", "POST", "/v1/chat/completions", {"json": {"messages": MSGS, "n": 0}, "headers": key}, 400,
+         "invalid_value"),
+        ("top_logprobs without logprobs", "POST", "/v1/chat/completions",
+         {"json": {"messages": MSGS, "top_logprobs": 2}, "headers": key}, 400, "invalid_value"),
+        ("no key", "POST", "/v1/chat/completions", {"json": {"messages": MSGS}}, 401, "missing_api_key"),
+        ("wrong key", "POST", "/v1/chat/completions",
+         {"json": {"messages": MSGS}, "headers": {"Authorization": "Bearer sk-swarm-guess"}}, 401,
+         "invalid_api_key"),
+        ("no prompt", "POST", "/v1/completions", {"json": {"model": "m"}, "headers": key}, 400, "missing_field"),
+        ("bad token ids", "POST", "/v1/completions", {"json": {"prompt": [10**9]}, "headers": key}, 400,
+         "invalid_value"),
+        ("malformed JSON register", "POST", "/api/v1/episodes", {"content": b"{"}, 400, "invalid_json"),
+        ("missing task_id", "POST", "/api/v1/episodes", {"json": {"eval": True}}, 422, "missing_field"),
+        ("bad eval", "POST", "/api/v1/episodes", {"json": {"task_id": "t", "eval": "yes"}}, 422, "invalid_field"),
+        ("bad timeout", "POST", "/api/v1/episodes", {"json": {"task_id": "t", "timeout_s": -1}}, 422,
+         "invalid_field"),
+        ("huge timeout", "POST", "/api/v1/episodes", {"json": {"task_id": "t", "timeout_s": 1e12}}, 422,
+         "invalid_field"),
+        ("repeated roles", "POST", "/api/v1/episodes", {"json": {"task_id": "t", "roles": ["a", "a"]}}, 422,
+         "invalid_field"),
+        ("oversized body", "POST", "/api/v1/episodes", {"content": b"x" * 5001}, 413, "body_too_large"),
+        ("oversized chunked body", "POST", "/api/v1/episodes",
+         {"content": iter([b"x" * 3000, b"x" * 3000])}, 413, "body_too_large"),
+        ("NaN reward", "POST", report, {"content": NAN_BODY, "headers": key}, 422, "invalid_reward"),
+        ("inf reward", "POST", report, {"content": INF_BODY, "headers": key}, 422, "invalid_reward"),
+        ("string reward", "POST", report, {"json": {"reward": "1"}, "headers": key}, 422, "invalid_reward"),
+        ("bool reward", "POST", report, {"json": {"reward": True}, "headers": key}, 422, "invalid_reward"),
+        ("missing reward", "POST", report, {"json": {}, "headers": key}, 422, "missing_field"),
+        ("report without key", "POST", report, {"json": {"reward": 1}}, 401, "missing_api_key"),
+        ("report with another episode's key", "POST", report,
+         {"json": {"reward": 1}, "headers": {"Authorization": f"Bearer {other['api_key']}"}}, 403,
+         "wrong_episode_key"),
+        ("unknown episode", "POST", "/api/v1/episodes/ep-nope/report", {"json": {"reward": 1}, "headers": key}, 404,
+         "episode_not_found"),
+        ("unknown episode timelines", "GET", "/api/v1/episodes/ep-nope/timelines", {"headers": key}, 404,
+         "episode_not_found"),
+        ("unknown route", "GET", "/v1/nothing", {}, 404, "route_not_found"),
+        ("wrong method", "GET", "/v1/chat/completions", {}, 405, "method_not_allowed"),
+    ]
+
+
+def test_bad_input_sweep_gets_clear_4xx_and_the_server_stays_up(make):
+    h = make(max_body_bytes=5000)
+    ep, other = h.register(), h.register()
+    for name, method, path, kwargs, status, code in bad_requests(ep, other):
+        r = h.tc.request(method, path, **kwargs)
+        assert r.status_code == status, f"{name}: {r.status_code} {r.text}"
+        assert r.json()["error"]["code"] == code, f"{name}: {r.text}"
+        assert r.json()["error"]["message"], name
+    # the episode survived all of it and ends normally, once
+    assert h.chat(ep["api_key"]).status_code == 200
+    assert h.report(ep, 1.0).status_code == 200
+    assert_error(h.report(ep, 1.0), 409, "episode_already_ended")
+    assert_error(h.tc.post(f"/api/v1/episodes/{ep['episode_id']}/abort", json={},
+                           headers={"Authorization": f"Bearer {ep['api_key']}"}), 409, "episode_already_ended")
+    assert_error(h.chat(ep["api_key"]), 409, "episode_already_ended")
+    assert h.tc.get("/api/v1/health").json()["state"] == "ROLLING"
+    assert len(h.accepted) == 1
+
+
+def test_pool_record_carries_what_the_pool_needs(make, tmp_path):
+    from swarmkit.pool import SamplePool
+    from swarmkit.server.app import pool_record
+
+    pool = SamplePool(str(tmp_path / "journal.sqlite"))
+    h = make(accept_hook=lambda ep: pool.add(pool_record(ep)))
+    ep = h.register(task_id="math-7", meta={"task_family": "math"})
+    h.chat(ep["api_key"])
+    h.report(ep, 0.25)
+    rec = pool.get(ep["episode_id"])
+    assert (rec.task_id, rec.reward, rec.task_family, len(rec.timelines)) == ("math-7", 0.25, "math", 1)
+    assert rec.timelines[0]["blocks"][-1]["author"] == "llm"

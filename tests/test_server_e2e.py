@@ -1,0 +1,267 @@
+"""End to end: a real ``python -m swarmkit mode=server`` process, the tiny model, the openai SDK.
+
+The server is configured and started through :class:`SwarmClient`; agents
+talk to it through the official ``openai`` package over real sockets; the
+recorded timelines are checked against the tokenizer's chat template and a
+separate transformers forward pass. About 10 s on 2 cores, so it runs in the
+default (``-m "not slow"``) suite: it is the acceptance test of the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+torch = pytest.importorskip("torch")
+
+from swarmkit.client import SwarmAPIError, SwarmClient  # noqa: E402
+
+TOKEN = "e2e-admin-token-" + "x" * 16
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("server-run")
+    port = free_port()
+    env = dict(os.environ, SWARMKIT_ADMIN_TOKEN=TOKEN, SWARMKIT_TORCH_THREADS="1", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    log = open(run_dir / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={port}", f"server.run_dir={run_dir}"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    client = SwarmClient(url, token=TOKEN, retry_for=30)
+    try:
+        assert client.wait_for_state("OFFLINE", timeout=30)["state"] == "OFFLINE"
+        client.configure(["model.path=builtin:tiny", "backend=hf", "backend.device=cpu", "backend.batch_wait_s=0.01"])
+        client.start()
+        client.wait_for_state("ROLLING", timeout=60)
+        yield client, proc, run_dir
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.seek(0)
+        print(log.read()[-4000:])
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The tiny model and its tokenizer, loaded separately from the server."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swarmkit.models import tiny_model_dir
+
+    torch.set_num_threads(1)
+    folder = tiny_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def template_ids(tok, messages, tools=None) -> list[int]:
+    out = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    if not isinstance(out, list):
+        out = out["input_ids"]
+    return list(out)
+
+
+def check_timeline(tl: dict, messages: list[dict], tools, reference) -> None:
+    model, tok = reference
+    blocks = tl["blocks"]
+    *prompt, completion = blocks
+    prompt_ids = [t for b in prompt for t in b["token_ids"]]
+    assert prompt_ids == template_ids(tok, messages, tools), "prompt tokens differ from the chat template"
+    assert completion["author"] == "llm"
+    assert completion["loss_mask"] == [1] * len(completion["token_ids"]) and completion["token_ids"]
+    for b in prompt:
+        assert set(b["loss_mask"]) <= {0}, f"prompt block {b['author']} has trained tokens"
+    ids = prompt_ids + completion["token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    n = len(prompt_ids)
+    ref = [lp[n - 1 + k, t].item() for k, t in enumerate(completion["token_ids"])]
+    got = completion["logprobs"]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-4, (ref, got)
+
+
+def dump(messages):
+    """Messages as the server received them (the SDK sends plain JSON)."""
+    return json.loads(json.dumps(messages))
+
+
+def test_multi_turn_agent_with_tools_is_recorded_token_by_token(server, reference):
+    client, _, _ = server
+    sent: list[tuple[list[dict], list | None, int]] = []  # (messages of a call, tools, number of choices)
+    with client.episode(task_id="weather-1") as ep:
+        llm = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+        ]
+        # turn 1: non-streaming, logprobs with alternatives
+        r1 = llm.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=12,
+                                         temperature=1.0, top_p=0.95, logprobs=True, top_logprobs=2, seed=1)
+        sent.append((dump(messages), TOOLS, 1))
+        msg = r1.choices[0].message
+        assert r1.usage.prompt_tokens == len(template_ids(reference[1], messages, TOOLS))
+        assert len(r1.choices[0].logprobs.content) == r1.usage.completion_tokens
+        assert all(len(t.top_logprobs) == 2 for t in r1.choices[0].logprobs.content)
+        calls = [tc.model_dump() for tc in msg.tool_calls or []] or [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ]
+        messages += [
+            {"role": "assistant", "content": msg.content, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny, 21 degrees"},
+        ]
+        # turn 2: streaming
+        stream = llm.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=10,
+                                             stream=True, stream_options={"include_usage": True})
+        pieces, usage, finish = [], None, None
+        for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                pieces.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+        sent.append((dump(messages), TOOLS, 1))
+        assert usage is not None and usage.completion_tokens >= 1 and finish in ("stop", "length", "tool_calls")
+        messages += [{"role": "assistant", "content": "".join(pieces)},
+                     {"role": "user", "content": "Thanks! And tomorrow?"}]
+        # turn 3: two choices with a stop string
+        r3 = llm.chat.completions.create(model="tiny", messages=messages, max_tokens=8, n=2, stop=["\n\n"])
+        sent.append((dump(messages), None, 2))
+        assert len(r3.choices) == 2
+        models = llm.models.list()
+        assert len(models.data) == 1 and models.data[0].id == r1.model
+        result = ep.report(1.0)
+        assert result["accepted"] is True
+        timelines = ep.timelines()
+    assert len(timelines) == sum(n for _, _, n in sent)
+    expected = [(m, t) for m, t, n in sent for _ in range(n)]
+    for tl, (msgs, tools) in zip(timelines, expected, strict=True):
+        check_timeline(tl, msgs, tools, reference)
+    # the recorded first completion is what the agent received
+    first = timelines[0]["blocks"][-1]
+    assert [t.logprob for t in r1.choices[0].logprobs.content] == pytest.approx(first["logprobs"], abs=1e-6)
+    # the ended episode is closed to further calls and reports
+    with pytest.raises(openai.APIStatusError) as info:
+        llm.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert info.value.status_code in (409, 410)
+    with pytest.raises(SwarmAPIError) as err:
+        ep.report(0.0)
+    assert err.value.status == 409
+    status = client.status()
+    assert status["state"] == "ROLLING" and status["pool"]["episodes"] >= 1 and status["global_step"] == 0
+
+
+def test_concurrent_episodes_keep_separate_timelines(server, reference):
+    client, _, _ = server
+    _, tok = reference
+    n_eps = 32
+
+    def run(i: int):
+        with client.episode(task_id=f"task-{i}") as ep:
+            llm = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+            msgs = [{"role": "user", "content": f"episode marker {i} apple"}]
+            r = llm.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=1.0)
+            first = list(msgs)
+            msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                           {"role": "user", "content": f"second turn of {i}"}]
+            if i % 2:
+                for _ in llm.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, stream=True):
+                    pass
+            else:
+                llm.chat.completions.create(model="tiny", messages=msgs, max_tokens=6)
+            ep.report(float(i % 3))
+            return i, [first, msgs], ep.timelines()
+
+    with ThreadPoolExecutor(n_eps) as pool:
+        results = list(pool.map(run, range(n_eps)))
+    for i, sent, tls in results:
+        assert len(tls) == 2, f"episode {i} has {len(tls)} timelines"
+        for tl, msgs in zip(tls, sent, strict=True):
+            assert [t for b in tl["blocks"][:-1] for t in b["token_ids"]] == template_ids(tok, dump(msgs))
+            text = "".join(b["text"] for b in tl["blocks"][:-1])
+            assert f"marker {i} apple" in text
+            others = [j for j in range(n_eps) if j != i and f"marker {j} apple" in text]
+            assert not others, f"episode {i} saw the prompts of {others}"
+            assert tl["meta"]["task_id"] == f"task-{i}"
+
+
+def test_bad_input_over_real_sockets_leaves_server_up(server):
+    client, proc, _ = server
+    import httpx
+
+    url = client.url
+    with httpx.Client(base_url=url, timeout=10) as http:
+        assert http.post("/v1/chat/completions", content=b"{nope", headers={"Authorization": "Bearer x"}).status_code \
+            in (400, 401)
+        assert http.post("/api/v1/episodes", content=b"{nope").status_code == 400
+        assert http.post("/api/v1/episodes", json={}).status_code == 422
+        big = b"x" * (8_000_001)
+        assert http.post("/api/v1/episodes", content=big).status_code == 413
+        assert http.post("/api/v1/admin/start").status_code == 401
+        assert http.post("/api/v1/admin/start", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    assert proc.poll() is None
+    assert client.health()["state"] == "ROLLING"
+
+
+def test_server_prints_url_and_writes_private_admin_token(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "SWARMKIT_ADMIN_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={port}", f"server.run_dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )
+    try:
+        lines = []
+        end = time.time() + 30
+        while time.time() < end:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "admin token" in line:
+                break
+        out = "".join(lines)
+        assert f"http://127.0.0.1:{port}" in out
+        token_file = tmp_path / "admin_token"
+        assert str(token_file) in out
+        assert (token_file.stat().st_mode & 0o777) == 0o600
+        token = token_file.read_text().strip()
+        with SwarmClient(f"http://127.0.0.1:{port}", token=token) as c:
+            assert c.status()["state"] == "OFFLINE"
+        with SwarmClient(f"http://127.0.0.1:{port}", token="wrong", retry_for=2) as c, pytest.raises(SwarmAPIError) as e:
+            c.status()
+        assert e.value.status == 403
+    finally:
+        proc.terminate()
+        proc.wait(10)
