@@ -11,7 +11,9 @@ Run: ``python benchmarks/timeline_merge.py [--out benchmarks/results/timeline_me
 
 Synthetic episode (token counts): system 200, task 100, per turn an LLM
 completion of 60-140 and a tool observation of 100-300; the history block of
-an earlier completion has the same text and tokens (no drift).
+an earlier completion has the same text and tokens (no drift). The system prompt is
+the same text and the same tokens in every episode (it used to draw random tokens per
+episode for one text, which no tokenizer does).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 from swarmkit.timeline import Block, merge
 
 SYSTEM, TASK = 200, 100
+#: the system prompt's tokens, shared by all episodes (as its text is)
+SYSTEM_IDS = [random.Random(0).randrange(32000) for _ in range(SYSTEM)]
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -39,7 +43,8 @@ def episode_calls(rng: random.Random, episode: int, turns: int, drift: bool = Fa
     """
     header = Block("template", "<|im_start|>assistant\n", [1, 77, 13])
     trailer = Block("template", "\n", [13])
-    prompt = [Block("user", "system prompt", _ids(rng, SYSTEM)),
+    # one system prompt for every episode: same text, same tokens (a block of its own per episode)
+    prompt = [Block("user", "system prompt", list(SYSTEM_IDS)),
               Block("user", f"task {episode}", _ids(rng, TASK))]
     calls = []
     for t in range(turns):

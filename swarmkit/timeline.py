@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from swarmkit.interfaces import MatchStrategy
@@ -254,14 +254,18 @@ def _absorb_block(target: Block, source: Block) -> Block:
     """``target`` after absorbing the generated block ``source`` (a new block).
 
     Built without re-validation: ``source`` is a valid block, and the result has
-    its lengths, author ``llm`` and a loss mask of ones.
+    its lengths, author ``llm`` and a loss mask of ones. The ``token_ids`` and
+    ``logprobs`` lists are ``source``'s own, and so is its loss mask when that is
+    all ones already: shared, as untouched blocks are (copying ~100 scattered int
+    objects per block was most of the merge's time); the merge never mutates a list.
     """
     new = object.__new__(Block)
     new.author = "llm"
     new.text = target.text
-    new.token_ids = list(source.token_ids)
-    new.logprobs = list(source.logprobs)
-    new.loss_mask = [1] * len(new.token_ids)
+    new.token_ids = source.token_ids
+    new.logprobs = source.logprobs
+    mask = source.loss_mask
+    new.loss_mask = mask if mask.count(1) == len(mask) else [1] * len(mask)
     return new
 
 
@@ -352,7 +356,7 @@ def _llm_positions(blocks: list[Block]) -> list[int]:
 _AUTHOR_OF = attrgetter("author")
 
 
-def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> MergeResult:
+def _merge_dynamic(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> MergeResult:
     """Buckets of timelines by their whole key sequence.
 
     Keys are interned to ints; ``bucket[ids]`` lists (ascending) the timelines
@@ -445,3 +449,182 @@ def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> M
                 lst.clear()  # every member < i was absorbed, members >= i are never needed again
     survivors = [t for t in range(n) if absorbed_into[t] is None]
     return MergeResult([_rewrap(timelines[t], cur[t]) for t in survivors], survivors, absorbed_into)
+
+
+#: leaf buckets up to this size are resolved by a (identity-accelerated) pairwise walk
+_LEAF = 32
+_MISS = object()
+_GET_TEXT = attrgetter("text")
+
+
+def _builtin_kind(strategy: MatchStrategy) -> str | None:
+    """``"text"`` / ``"token"`` for the built-in strategies, whose keys no absorption changes."""
+    cls = type(strategy)
+    if cls.__module__.endswith("match.strategies"):
+        return {"TextMatch": "text", "TokenMatch": "token"}.get(cls.__qualname__)
+    return None
+
+
+def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> MergeResult:
+    """Algorithm 1 without the walk, for keys that absorption does not change.
+
+    With fixed keys, T_j is absorbed into the *largest* i > j whose key
+    sequence extends T_j's (the walk meets that i first; any larger extender
+    of that i would extend T_j too), and every absorber is a survivor. So:
+
+    1. Bucket the timelines by their keys at depth 0, 1, ... (a trie that stops
+       splitting once a bucket holds at most ``_LEAF`` timelines). A timeline
+       that ends at a trie node is a prefix of every member of the node's
+       subtree: its absorber is the subtree's largest index. Inside a leaf,
+       the walk runs over the bucket's members only, and a pair is compared
+       first by list equality (identical block objects, C speed; equal blocks
+       have equal keys) on all but the last block, then by the last block's
+       key; a failed fast check falls back to comparing keys block by block.
+    2. Apply the updates survivor by survivor, absorbed timelines in
+       descending order, as the walk does. When the fast check showed that
+       T_j equals T_i's blocks except the last, only that block can change.
+
+    Keys are computed once per block object (cached by identity; for the
+    built-in ``text`` strategy, the attribute itself). For a strategy other
+    than the built-in ``text`` / ``token`` (whose keys an update never changes:
+    the updated block keeps its text and takes equal tokens), each update
+    checks that the key is unchanged; if one changes, the merge is redone
+    by :func:`_merge_dynamic`, which follows the walk's in-place semantics.
+    """
+    key = strategy.key
+    builtin = _builtin_kind(strategy)
+    lists = [_blocks_of(t) for t in timelines]
+    n = len(lists)
+    if builtin == "text":
+        kf = _GET_TEXT
+    else:
+        cache: dict[int, Any] = {}
+        cget = cache.get
+
+        def kf(b: Block) -> Any:
+            v = cget(id(b), _MISS)
+            if v is _MISS:
+                v = cache[id(b)] = key(b)
+            return v
+
+    text = builtin == "text"
+    if builtin == "token":
+        def same(x: Block, y: Block) -> bool:
+            return x.token_ids == y.token_ids  # == tuple(...) keys, without building them
+    else:
+        def same(x: Block, y: Block) -> bool:
+            return kf(x) == kf(y)
+
+    absorbed: list[int | None] = [None] * n
+    only_last = bytearray(n)  # 1: T_j equals its absorber's blocks except (maybe) the last
+
+    def leaf(bucket: list[int], depth: int) -> None:
+        for a in range(len(bucket) - 1, 0, -1):
+            i = bucket[a]
+            if absorbed[i] is not None:
+                continue
+            ib = lists[i]
+            li = len(ib)
+            for b in range(a - 1, -1, -1):
+                j = bucket[b]
+                if absorbed[j] is not None:
+                    continue
+                jb = lists[j]
+                lj = len(jb)
+                if lj > li:
+                    continue
+                if lj <= depth:  # ended above: a prefix of every bucket member
+                    absorbed[j] = i
+                    continue
+                k = lj - 1
+                if (k == 0 or ib[k - 1] is jb[k - 1]) and ib[:k] == jb[:k]:
+                    x, y = ib[k], jb[k]
+                    if x is y or (x.text == y.text if text else same(x, y)):
+                        absorbed[j] = i
+                        only_last[j] = 1
+                    continue
+                for k in range(depth, lj):
+                    x, y = ib[k], jb[k]
+                    if x is not y and kf(x) != kf(y):
+                        break
+                else:
+                    absorbed[j] = i
+
+    stack = [(list(range(n)), 0)]
+    while stack:
+        idxs, depth = stack.pop()
+        if len(idxs) <= _LEAF:
+            leaf(idxs, depth)
+            continue
+        top = idxs[-1]  # ascending: the subtree's largest index, never absorbed
+        bls = [lists[t] for t in idxs]
+        if min(map(len, bls)) > depth:
+            keys = list(map(kf, map(itemgetter(depth), bls)))
+            if keys.count(keys[0]) == len(keys):  # one key at this depth: descend (C speed)
+                stack.append((idxs, depth + 1))
+                continue
+            groups = {}
+            for t, k in zip(idxs, keys, strict=True):
+                g = groups.get(k)
+                if g is None:
+                    groups[k] = [t]
+                else:
+                    g.append(t)
+            stack.extend((g, depth + 1) for g in groups.values())
+            continue
+        groups: dict[Any, list[int]] = {}
+        for t in idxs:
+            bl = lists[t]
+            if len(bl) > depth:
+                k = kf(bl[depth])
+                g = groups.get(k)
+                if g is None:
+                    groups[k] = [t]
+                else:
+                    g.append(t)
+            elif t != top:
+                absorbed[t] = top
+        stack.extend((g, depth + 1) for g in groups.values())
+
+    # updates, per survivor in descending order of the absorbed timelines (as the walk)
+    cur: dict[int, list[Block]] = {}
+    check = builtin is None
+    for j in range(n - 1, -1, -1):
+        s = absorbed[j]
+        if s is None:
+            continue
+        jb = lists[j]
+        if only_last[j]:
+            k = len(jb) - 1
+            bj = jb[k]
+            if bj.author != "llm":
+                continue
+            cs = cur.get(s)
+            old = lists[s][k] if cs is None else cs[k]
+            if old.author == "llm":
+                continue
+            if cs is None:
+                cs = cur[s] = list(lists[s])
+            new = cs[k] = _absorb_block(old, bj)
+            if check and key(new) != kf(old):
+                return _merge_dynamic(timelines, strategy)
+            continue
+        sb = lists[s]
+        cs = cur.get(s)
+        for k, bj in enumerate(jb):
+            if bj is sb[k] or bj.author != "llm":
+                continue
+            old = sb[k] if cs is None else cs[k]
+            if old.author == "llm":
+                continue
+            if cs is None:
+                cs = cur[s] = list(sb)
+            new = cs[k] = _absorb_block(old, bj)
+            if check and key(new) != key(old):
+                return _merge_dynamic(timelines, strategy)
+    survivors = [t for t in range(n) if absorbed[t] is None]
+    out = []
+    for t in survivors:
+        cs = cur.get(t)
+        out.append(_rewrap(timelines[t], list(lists[t]) if cs is None else cs))
+    return MergeResult(out, survivors, absorbed)

@@ -104,3 +104,33 @@ def test_fast_equals_reference_interleaved_episodes(n_episodes, turns, rnd):
     ts = [c[2] for c in calls]
     for strategy in ("text", "token"):
         _check(ts, strategy)
+
+
+@_SETTINGS
+@given(timeline_sets())
+def test_fast_equals_reference_small_leaves(ts):
+    """The trie levels (buckets split by key per depth, timelines ending at a node) and not
+    only the leaf walk: with leaves of at most 1 timeline every bucket is split."""
+    import swarmkit.timeline as tl
+
+    old = tl._LEAF
+    tl._LEAF = 1
+    try:
+        for strategy in ("text", "token", FlipKey()):
+            _check(ts, strategy)
+    finally:
+        tl._LEAF = old
+
+
+def test_updated_block_shares_generated_lists():
+    """An absorbed llm block's token ids / logprobs are the generated block's lists (not copied)."""
+    gen = Block("llm", "g", [5, 6], [-0.5, -0.25])
+    t1 = [Block("user", "u", [1]), gen]
+    t2 = [Block("user", "u", [1]), Block("history", "g", [5, 6]), Block("env", "o", [7])]
+    for method in ("fast", "reference"):
+        res = merge([t1, t2], "text", method=method)
+        assert res.absorbed_into == [1, None]
+        b = res.timelines[0][1]
+        assert b.author == "llm" and b.text == "g" and b.loss_mask == [1, 1]
+        assert b.token_ids is gen.token_ids and b.logprobs is gen.logprobs
+        assert t2[1].author == "history"  # the input is not mutated

@@ -15,3 +15,8 @@ class VLLMBackendConfig:
     enforce_eager: bool = True
     enable_lora: bool = False
     max_lora_rank: int = 64
+    max_loras: int = 1
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+    seed: int = 0

@@ -1,0 +1,184 @@
+"""Tokens/s generated through the swarm endpoint vs calling the same engine directly.
+
+For each backend available here (``hf`` always, ``vllm`` when importable) one
+engine is started inside a real swarm server (uvicorn in a thread of this
+process, ``swarmkit.server.serve.start_server_thread``). Then, for 1, 8 and 32
+concurrent episodes:
+
+- **direct**: ``C`` concurrent ``backend.generate(prompt_ids, params)`` calls on
+  the engine (prompt already rendered with the chat template);
+- **endpoint**: ``C`` episodes registered (``POST /api/v1/episodes``), then ``C``
+  concurrent ``POST /v1/chat/completions`` with each episode's ``api_key`` (so
+  every call goes through auth, chat rendering, the context tracker and the
+  OpenAI answer), then rewards reported; only the chat calls are timed.
+
+tokens/s = completion tokens generated / wall time of the concurrent calls,
+summed over ``--rounds`` rounds. Same messages, ``max_tokens`` and temperature
+in both paths.
+
+    python benchmarks/rollout_throughput.py [--model tiny|smollm2] [--max-tokens 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer the question."},
+            {"role": "user", "content": "What is 12 + 7? Think step by step."}]
+
+
+def _model(name: str) -> dict[str, Any]:
+    from swarmkit.testing import build_test_model
+
+    if name == "tiny":
+        path = str(build_test_model(Path(tempfile.gettempdir()) / "swarmkit-bench-tiny"))
+    else:
+        path = name if os.path.isdir(name) else f"builtin:{name}"
+    return {"name": name, "path": path, "max_context": 1024, "lora_rank": 0}
+
+
+def _backend(kind: str, model: dict[str, Any]) -> Any:
+    if kind == "hf":
+        from swarmkit_plugins.backend_hf.engine import HFBackend
+
+        return HFBackend(config={"name": "hf", "device": "cpu", "max_batch_size": 32}, model=model)
+    from swarmkit_plugins.backend_vllm.engine import VLLMBackend
+
+    return VLLMBackend(config={"name": "vllm", "dtype": "float32", "cpu_kvcache_gib": 1,
+                               "max_model_len": 1024}, model=model)
+
+
+async def _direct(backend: Any, prompt: list[int], c: int, rounds: int, params: Any) -> tuple[int, float]:
+    tokens, wall = 0, 0.0
+    for r in range(rounds):
+        ps = [type(params)(**{**params.__dict__, "seed": 1000 * r + i}) for i in range(c)]
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(backend.generate(prompt, p) for p in ps))
+        wall += time.perf_counter() - t0
+        tokens += sum(len(o[0].token_ids) for o in outs)
+    return tokens, wall
+
+
+async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature: float) -> tuple[int, float]:
+    import httpx
+
+    tokens, wall = 0, 0.0
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        for r in range(rounds):
+            eps = await asyncio.gather(*(http.post("/api/v1/episodes", json={"task_id": f"bench-{r}-{i}"})
+                                         for i in range(c)))
+            eps = [e.json() for e in eps]
+
+            async def chat(ep: dict[str, Any], i: int, r: int = r) -> int:
+                resp = await http.post(
+                    ep["base_url"].rstrip("/") + "/chat/completions",
+                    headers={"Authorization": f"Bearer {ep['api_key']}"},
+                    json={"model": "m", "messages": MESSAGES, "max_tokens": max_tokens,
+                          "temperature": temperature, "seed": 1000 * r + i})
+                resp.raise_for_status()
+                return int(resp.json()["usage"]["completion_tokens"])
+
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(chat(ep, i) for i, ep in enumerate(eps)))
+            wall += time.perf_counter() - t0
+            tokens += sum(counts)
+            await asyncio.gather(*(http.post(f"/api/v1/episodes/{ep['episode_id']}/report",
+                                             headers={"Authorization": f"Bearer {ep['api_key']}"},
+                                             json={"reward": 0.0}) for ep in eps))
+    return tokens, wall
+
+
+def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], rounds: int,
+                 max_tokens: int, temperature: float) -> list[dict[str, Any]]:
+    from swarmkit.cli import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.interfaces import SamplingParams
+    from swarmkit.plugins import get_registry
+    from swarmkit.server.serve import start_server_thread
+
+    backend = _backend(kind, model)
+    cfg = validate_config(compose([f"model={'tiny' if model['name'] == 'tiny' else 'smollm2'}",
+                                   f"model.path={model['path']}"]), get_registry())
+    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench", "run_dir": f"runs/bench-rollout-{kind}",
+                                             "episode_timeout_s": 3600}},
+                                 config=cfg, backend_factory=lambda c: backend)
+    rows = []
+    try:
+        import httpx
+
+        httpx.post(handle.url + "/api/v1/admin/start", headers={"Authorization": "Bearer bench"}, json={})
+        end = time.monotonic() + 300
+        while handle.swarm.state.state != "ROLLING":
+            if handle.swarm.state.last_error:
+                raise RuntimeError(f"server boot failed: {handle.swarm.state.last_error}")
+            if time.monotonic() > end:
+                raise TimeoutError("server did not reach ROLLING")
+            time.sleep(0.05)
+        prompt = list(backend.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                            return_dict=True)["input_ids"])
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        # warm-up both paths
+        asyncio.run(_direct(backend, prompt, 2, 1, params))
+        asyncio.run(_endpoint(handle.url, 2, 1, max_tokens, temperature))
+        for c in concurrency:
+            dt, dw = asyncio.run(_direct(backend, prompt, c, rounds, params))
+            et, ew = asyncio.run(_endpoint(handle.url, c, rounds, max_tokens, temperature))
+            rows.append({"backend": kind, "concurrency": c, "direct_tok_s": dt / dw, "endpoint_tok_s": et / ew,
+                         "direct_tokens": dt, "endpoint_tokens": et, "endpoint_vs_direct": (et / ew) / (dt / dw)})
+            print(f"  {kind} C={c}: direct {dt / dw:.1f} tok/s, endpoint {et / ew:.1f} tok/s", file=sys.stderr)
+    finally:
+        handle.stop()
+        with contextlib.suppress(Exception):
+            asyncio.run(backend.close())
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="tiny, smollm2 or a local HF folder")
+    ap.add_argument("--backends", default="hf,vllm")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--json", default="benchmarks/results/rollout_throughput.json")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.getLogger("swarmkit").setLevel(logging.WARNING)
+    kinds = [k for k in args.backends.split(",") if k == "hf" or importlib.util.find_spec(k) is not None]
+    model = _model(args.model)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    rows: list[dict[str, Any]] = []
+    for kind in kinds:
+        rows += _run_backend(kind, model, concurrency, args.rounds, args.max_tokens, args.temperature)
+    print(f"model {args.model}, max_tokens {args.max_tokens}, temperature {args.temperature}, "
+          f"{args.rounds} rounds, {os.cpu_count()} CPUs")
+    print(f"{'backend':10}{'episodes':>10}{'direct tok/s':>14}{'endpoint tok/s':>16}{'endpoint/direct':>17}")
+    for r in rows:
+        print(f"{r['backend']:10}{r['concurrency']:>10}{r['direct_tok_s']:>14.1f}{r['endpoint_tok_s']:>16.1f}"
+              f"{r['endpoint_vs_direct']:>17.2f}")
+    result = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "rounds": args.rounds, "rows": rows, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+    print(json.dumps(result))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
