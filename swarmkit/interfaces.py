@@ -103,7 +103,7 @@ class InferenceBackend(ABC):
         or ``path`` (a folder with safetensors / a peft adapter).
         """
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Free the engine."""
 
 

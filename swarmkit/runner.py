@@ -15,10 +15,25 @@ def run(cfg: DictConfig) -> int:
         return 0
     if cfg.mode == "server":
         return serve(cfg)
-    print("resolved configuration:")
-    print(json.dumps(to_dict(cfg), indent=2))
-    print(f"mode={cfg.mode}: not implemented yet")
-    return 0
+    if cfg.mode == "client":
+        return run_client(cfg)
+    from swarmkit.local import run_local
+
+    return run_local(cfg)
+
+
+def run_client(cfg: DictConfig) -> int:
+    """``mode=client``: the example client against ``http://server.host:server.port``."""
+    from swarmkit.client.example import main as client_main
+
+    return client_main([
+        "--url", f"http://{cfg.server.host}:{cfg.server.port}",
+        "--task", str(cfg.task.name),
+        "--train-size", str(cfg.task.train_size),
+        "--rollouts-per-task", str(cfg.batching.rollouts_per_task),
+        "--max-tokens", str(cfg.task.max_tokens),
+        "--concurrency", str(cfg.task.concurrency),
+    ])
 
 
 def serve(cfg: DictConfig) -> int:

@@ -8,9 +8,10 @@ from disjoint seeds.
   reward 1.0 for the right number in the tag, 0.2 for a well-formed tag
   with a wrong number, 0 otherwise (the format credit gives a small model a
   learning signal before it gets sums right).
-- ``token_rule``: any prompt; reward 1.0 when the reply starts with the target
-  word (default ``yes``). A trivial rule a tiny random model can learn in a
-  few dozen steps: used by the fast learning test.
+- ``token_rule``: any prompt; the reward is the share of the reply's
+  non-space characters that are the target letter (default ``e``). A
+  trivial, dense rule a tiny random model learns in a few dozen steps
+  (by emitting the tokens made of that letter): used by the fast learning test.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _arithmetic(n: int, seed: int, split: str, options: dict[str, Any]) -> list[
 def _token_rule(n: int, seed: int, split: str, options: dict[str, Any]) -> list[Task]:
     rng = random.Random(f"rule-{split}-{seed}")
     words = ["apple", "banana", "hello", "world", "weather", "Paris", "tool", "think"]
-    target = str(options.get("target", "yes"))
+    target = str(options.get("target", "e"))
     return [
         Task(
             task_id=f"rule-{split}-{i}",
@@ -92,7 +93,8 @@ def score(task: Task, completion: str) -> float:
             return 0.0
         return 1.0 if m.group(1) == task.answer else 0.2
     if task.family == "token_rule":
-        return 1.0 if completion.strip().lower().startswith(task.answer.lower()) else 0.0
+        chars = [c for c in completion if not c.isspace()]
+        return sum(c in task.answer for c in chars) / len(chars) if chars else 0.0
     raise ValueError(f"no scorer for task family '{task.family}'")
 
 

@@ -242,6 +242,12 @@ class SwarmServer:
         self.checkpoint_fn = checkpoint_fn
         self.renderer_factory = renderer_factory
         self.on_client_ready: Callable[[str, bool], None] | None = None
+        #: awaited at the end of BOOTING with the server (e.g. build the trainer); raising fails the boot
+        #: the training cycle driving this server, when one is wired in
+        self.cycle: Any = None
+        self.after_boot: Callable[[SwarmServer], Awaitable[None]] | None = None
+        #: awaited when the server stops (e.g. final checkpoint, free the trainer)
+        self.before_stop: Callable[[SwarmServer], Awaitable[None]] | None = None
         self.backend: InferenceBackend | None = None
         self.renderer: Any = None
         self.tracker: ContextTracker | None = None
@@ -395,6 +401,8 @@ class SwarmServer:
                 self.episodes.default_timeout_s = self.episode_timeout_s
             if scfg.get("drain_timeout_s"):
                 self.drain_timeout_s = float(scfg["drain_timeout_s"])
+            if self.after_boot is not None:
+                await self.after_boot(self)
             self.started_at = time.time()
             self.state.transition(ServerState.ROLLING)
             try:
@@ -439,6 +447,11 @@ class SwarmServer:
                 pass
         self._boot_task = None
         self.episodes.abort_all(reason)
+        if self.before_stop is not None and self.state.state is not ServerState.OFFLINE:
+            try:
+                await self.before_stop(self)
+            except Exception:  # noqa: BLE001 - stopping must always succeed
+                log.exception("before_stop hook failed")
         backend, self.backend = self.backend, None
         await self._close_backend(backend)
         if self.state.state is not ServerState.OFFLINE:

@@ -38,13 +38,25 @@ def _server_cfg(cfg: Any) -> dict[str, Any]:
     return dict(full.get("server", full))
 
 
-def build(cfg: Any, **kwargs: Any) -> tuple[SwarmServer, Any]:
-    """A :class:`SwarmServer` and its app from a full config (only ``server`` is read) or a server group."""
+def build(cfg: Any, *, cycle: bool | None = None, step_fn: Any = None, **kwargs: Any) -> tuple[SwarmServer, Any]:
+    """A :class:`SwarmServer` and its app from a full config (only ``server`` is read) or a server group.
+
+    :param cycle: wire in the pool + batching + trainer cycle
+        (:class:`swarmkit.server.cycle.TrainingCycle`); default: yes, unless an
+        ``on_episode_accepted`` hook is passed.
+    :param step_fn: a custom step function for the cycle (replaces the trainer).
+    """
     scfg = _server_cfg(cfg)
     run_dir = scfg.get("run_dir")
     if not run_dir or run_dir == "auto":
         scfg["run_dir"] = str(Path("runs") / time.strftime("server_%Y-%m-%d_%H-%M-%S"))
     srv = SwarmServer(scfg, **kwargs)
+    if cycle is None:
+        cycle = "on_episode_accepted" not in kwargs
+    if cycle:
+        from swarmkit.server.cycle import TrainingCycle
+
+        srv.cycle = TrainingCycle(srv, step_fn=step_fn)
     return srv, create_app(srv)
 
 
