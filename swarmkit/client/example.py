@@ -111,6 +111,7 @@ class TrainingClient:
         concurrency: int = 8,
         seed: int = 0,
         on_result: Callable[[EpisodeResult], None] | None = None,
+        ready_every: int = 0,
     ):
         self.client = client
         self.tasks = tasks
@@ -120,6 +121,8 @@ class TrainingClient:
         self.concurrency = concurrency
         self.seed = seed
         self.on_result = on_result
+        #: vote "ready" (batching C4/C5) after every this many finished episodes; 0 = never
+        self.ready_every = ready_every
         self.stop_event = threading.Event()
         self.finished = 0
         self.failures = 0
@@ -153,6 +156,11 @@ class TrainingClient:
                     self.finished += 1
                     if self.on_result:
                         self.on_result(result)
+                    if self.ready_every and self.finished % self.ready_every == 0:
+                        try:
+                            self.client.ready(True)
+                        except SwarmError as exc:
+                            self.last_error = f"ready vote failed: {exc}"
             for fut in running:
                 fut.cancel()
 
@@ -176,15 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollouts-per-task", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--ready-every", type=int, default=0,
+                   help="vote ready (batching c4/c5) after every this many episodes")
+    p.add_argument("--client-id", default=None)
     p.add_argument("--eval", action="store_true", help="run one eval pass instead of training")
     args = p.parse_args(argv)
-    client = SwarmClient(args.url, token=args.token, retry_for=900)
+    client = SwarmClient(args.url, token=args.token, retry_for=900, client_id=args.client_id)
     if args.eval:
         result = evaluate(client, make_tasks(args.task, args.train_size, split="eval"), max_tokens=args.max_tokens)
         print(f"eval reward: {result}")
         return 0
     tc = TrainingClient(client, make_tasks(args.task, args.train_size), rollouts_per_task=args.rollouts_per_task,
-                        max_tokens=args.max_tokens, concurrency=args.concurrency,
+                        max_tokens=args.max_tokens, concurrency=args.concurrency, ready_every=args.ready_every,
                         on_result=lambda r: print(f"{r.task_id}: reward {r.reward:.2f}"))
     try:
         tc.run()

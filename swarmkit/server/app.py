@@ -524,6 +524,7 @@ class SwarmServer:
         return {
             "state": str(self.state.state),
             "since": self.state.since,
+            "state_history": [str(st) for _, st in self.state.history[-40:]],
             "last_error": self.state.last_error,
             "global_step": self.global_step,
             "policy_version": self.policy_version,

@@ -1,0 +1,142 @@
+"""The roll/train cycle end to end: a real server process, several client processes.
+
+Each batching policy C1-C5 must cycle ROLLING -> ROLLING_POST -> WEIGHT_SYNCING
+-> ROLLING at least three times with real training steps (tiny model), and a
+SIGKILLed server must come back with every accepted episode in its pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swarmkit.client import SwarmClient
+
+TOKEN = "test-admin-token"
+CYCLE = ["ROLLING", "ROLLING_POST", "WEIGHT_SYNCING", "ROLLING"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, SWARMKIT_ADMIN_TOKEN=TOKEN, SWARMKIT_TORCH_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def start_server(run_dir: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={port}",
+         f"server.run_dir={run_dir}", f"hydra.run.dir={run_dir}/hydra"],
+        env=_env(), stdout=subprocess.DEVNULL, stderr=open(run_dir / "server.err", "ab"),
+    )
+    client = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+    client.wait_for_state("OFFLINE", timeout=60)
+    return proc
+
+
+def start_clients(port: int, n: int, ready_every: int = 0) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "swarmkit.client.example", "--url", f"http://127.0.0.1:{port}",
+             "--task", "token_rule", "--train-size", "8", "--rollouts-per-task", "2",
+             "--max-tokens", "4", "--concurrency", "2", "--ready-every", str(ready_every),
+             "--client-id", f"client-{i}"],
+            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for i in range(n)
+    ]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _cycles(history: list[str]) -> int:
+    n, i = 0, 0
+    while i + 3 < len(history) + 0:
+        if history[i:i + 4] == CYCLE:
+            n += 1
+            i += 3
+        else:
+            i += 1
+    return n
+
+
+@pytest.mark.parametrize("policy", ["c1", "c2", "c3", "c4", "c5"])
+def test_each_policy_cycles_three_times(tmp_path, policy):
+    port = _free_port()
+    server = start_server(tmp_path, port)
+    clients: list[subprocess.Popen] = []
+    try:
+        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+        ctl.configure(["model=tiny", "task=token_rule", f"batching={policy}", "batching.batch_size=2",
+                       "batching.rollouts_per_task=2", "optim.lr=1e-3", "trainer.total_steps=3",
+                       "batching.active_window_s=30"])
+        ctl.start()
+        ctl.wait_for_state("ROLLING", timeout=120)
+        clients = start_clients(port, 2, ready_every=4 if policy in ("c4", "c5") else 0)
+        deadline = time.monotonic() + 120
+        status = ctl.status()
+        while status["global_step"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.3)
+            status = ctl.status()
+        assert status["global_step"] >= 3, status
+        assert _cycles(status["state_history"]) >= 3, status["state_history"]
+        assert status["pool"]["trained"] >= 3 * (4 if policy in ("c1", "c2", "c3") else 1)
+        assert status["clients"]["active"] == 2
+    finally:
+        _stop(clients)
+        _stop([server])
+
+
+def test_killed_server_loses_no_accepted_episode(tmp_path):
+    port = _free_port()
+    server = start_server(tmp_path, port)
+    try:
+        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+        # a policy that cannot fire: every accepted episode stays in the pool
+        ctl.configure(["model=tiny", "task=token_rule", "batching=c2", "batching.batch_size=1000"])
+        ctl.start()
+        ctl.wait_for_state("ROLLING", timeout=120)
+        accepted = []
+        for i in range(6):
+            with ctl.episode(task_id=f"t{i % 3}") as ep:
+                import httpx
+
+                httpx.post(f"{ep.base_url}/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+                           timeout=60).raise_for_status()
+                ep.report(0.5 * (i % 2))
+                accepted.append(ep.episode_id)
+        assert ctl.status()["pool"]["episodes"] == 6
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+
+        server = start_server(tmp_path, port)
+        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+        assert ctl.status()["pool"]["episodes"] == 6
+        from swarmkit.pool import SamplePool
+
+        pool = SamplePool(tmp_path / "journal.sqlite")
+        assert sorted(r.episode_id for r in pool.untrained()) == sorted(accepted)
+        assert all(r.timelines for r in pool.untrained())
+        pool.close()
+    finally:
+        _stop([server])
