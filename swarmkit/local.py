@@ -39,9 +39,9 @@ def _step_line(m: dict[str, Any], fill: dict[str, Any] | None) -> str:
     fill_txt = f"{fill['current']:g}/{fill['target']:g} {fill['unit']}" if fill else "-"
     return (
         f"step {int(m['step']):>3}  reward {m.get('reward_mean', float('nan')):.3f}  "
-        f"loss {m.get('loss', float('nan')):+.4f}  episodes {int(m.get('episodes', 0))}  "
-        f"samples {int(m.get('samples', 0))}  tokens {int(m.get('trained_tokens', m.get('tokens', 0)))}  "
-        f"pool {fill_txt}  step {m.get('cycle_time_s', 0.0):.1f}s  sync {m.get('weight_sync_s', 0.0):.2f}s"
+        f"loss {m.get('loss', float('nan')):+.4f}  samples {int(m.get('samples', 0))}  "
+        f"tokens {int(m.get('trained_tokens', m.get('tokens', 0)))}  pool {fill_txt}  "
+        f"{m.get('cycle_time_s', 0.0):.1f}s (sync {m.get('weight_sync_s', 0.0):.2f}s)"
     )
 
 

@@ -4,10 +4,11 @@ A task yields :class:`Task` items (chat messages plus the expected answer) and
 scores a completion with :func:`score`. Train and held-out eval items come
 from disjoint seeds.
 
-- ``arithmetic``: "What is a + b?" with the answer in ``<answer></answer>``;
-  reward 1.0 for the right number in the tag, 0.2 for a well-formed tag
-  with a wrong number, 0 otherwise (the format credit gives a small model a
-  learning signal before it gets sums right).
+- ``arithmetic``: "What is a + b?"; reward 1.0 for the right number in
+  ``<answer></answer>``, 0.5 when the first number after the first ``=`` is
+  right ("3 + 4 = 7", the way a small chat model answers before it learns
+  the tag), 0 otherwise. The partial credit gives SmolLM2-135M a learning
+  signal from its first step.
 - ``token_rule``: any prompt; the reward is the share of the reply's
   non-space characters that are the target letter (default ``e``). A
   trivial, dense rule a tiny random model learns in a few dozen steps
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+_EQUALS_RE = re.compile(r"=\s*(-?\d+)")
 
 
 @dataclass
@@ -89,9 +91,10 @@ def score(task: Task, completion: str) -> float:
     """Reward of ``completion`` (the assistant's reply text) for ``task``."""
     if task.family == "arithmetic":
         m = _ANSWER_RE.search(completion)
-        if m is None:
-            return 0.0
-        return 1.0 if m.group(1) == task.answer else 0.2
+        if m is not None and m.group(1) == task.answer:
+            return 1.0
+        m = _EQUALS_RE.search(completion)
+        return 0.5 if m is not None and m.group(1) == task.answer else 0.0
     if task.family == "token_rule":
         chars = [c for c in completion if not c.isspace()]
         return sum(c in task.answer for c in chars) / len(chars) if chars else 0.0

@@ -670,7 +670,7 @@ class HFBackend(InferenceBackend):
                 n += 1
         if unknown:
             raise KeyError(f"update_weights: {len(unknown)} unknown weight name(s), e.g. {unknown[:3]}")
-        log.info("hf backend: copied %d tensors", n)
+        log.debug("hf backend: copied %d tensors", n)
 
     def _restore_lora_base(self) -> None:
         import torch
