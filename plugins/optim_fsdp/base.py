@@ -1,0 +1,437 @@
+"""The training loop shared by the FSDP2 and DeepSpeed engines.
+
+A subclass supplies the distributed wrapping (:meth:`BaseEngine._wrap`),
+backward / optimizer step, full state dicts and checkpoint I/O. Everything
+else — model loading (full weights or LoRA), packing, gradient accumulation,
+PPO epochs / mini-batches, pre-passes (reference logprobs, missing rollout
+logprobs, PPO values), LoRA merging for weight export — lives here.
+
+``train_step(samples)`` expects the *whole* batch on every rank (every rank
+gets the same list); the engine deals packed micro-batches to ranks itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmkit.interfaces import OptimEngine
+from swarmkit_plugins.optim_fsdp.core import (
+    DEFAULT_LOGIT_CHUNK_ELEMENTS,
+    MicroBatch,
+    PolicyModel,
+    Prepared,
+    loss_agg_mode,
+    loss_units,
+    loss_weight,
+    micro_batch_tensors,
+    plan_micro_batches,
+    prepare_sample,
+    resolve_dtype,
+    split_mini_batches,
+)
+
+PEFT_PREFIX = "base_model.model."
+
+
+def dist_info() -> tuple[bool, int, int]:
+    """(initialized, rank, world size) of torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True, dist.get_rank(), dist.get_world_size()
+    return False, 0, 1
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def load_lm(model_path: str | Path, model_cfg: dict[str, Any], seed: int) -> nn.Module:
+    """The HF causal LM in float32 (master weights), with LoRA adapters when ``lora_rank > 0``."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32,
+                              "trust_remote_code": bool(model_cfg.get("trust_remote_code", False))}
+    if model_cfg.get("attn_implementation"):
+        kwargs["attn_implementation"] = model_cfg["attn_implementation"]
+    lm = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    rank = int(model_cfg.get("lora_rank", 0) or 0)
+    if rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed)  # same adapter init on every rank
+        cfg = LoraConfig(
+            r=rank, lora_alpha=int(model_cfg.get("lora_alpha", 2 * rank)),
+            lora_dropout=float(model_cfg.get("lora_dropout", 0.0)),
+            target_modules=list(model_cfg.get("lora_target_modules") or ["q_proj", "k_proj", "v_proj", "o_proj"]),
+            task_type="CAUSAL_LM",
+        )
+        lm = get_peft_model(lm, cfg)
+    return lm
+
+
+def merge_lora_state(sd: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+    """peft-named state dict → base-model HF names with ``W + scaling · B @ A`` merged in.
+
+    ``sd`` keys are relative to the peft model (``base_model.model.…``);
+    ``scalings`` maps HF module names (``model.layers.0.self_attn.q_proj``) to
+    the adapter's scaling.
+    """
+    out: dict[str, torch.Tensor] = {}
+    lora: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in sd.items():
+        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        if ".lora_A." in name or ".lora_B." in name:
+            mod, kind = (name.split(".lora_A.")[0], "A") if ".lora_A." in name else (name.split(".lora_B.")[0], "B")
+            lora.setdefault(mod, {})[kind] = t
+            continue
+        if ".lora_" in name:  # embedding / magnitude variants are not supported for export
+            continue
+        out[name.replace(".base_layer.", ".")] = t
+    for mod, ab in lora.items():
+        w = out[mod + ".weight"]
+        delta = (ab["B"].float() @ ab["A"].float()) * scalings.get(mod, 1.0)
+        out[mod + ".weight"] = (w.float() + delta).to(w.dtype)
+    return out
+
+
+class BaseEngine(OptimEngine):
+    """Common engine: ``FSDPEngine`` / ``DeepSpeedEngine`` fill in the distributed parts.
+
+    :param model_path: local HF model folder.
+    :param model_cfg: the ``model`` group (``lora_rank``, ``lora_alpha``, …).
+    :param optim_cfg: the ``optim`` group (``lr``, ``token_budget``, ``grad_clip``, …).
+    :param algo: the RL algorithm object (``loss``, ``ppo_epochs``, ``mini_batches``,
+        ``needs_reference``, ``needs_values``).
+    """
+
+    def __init__(self, model_path: str | Path, model_cfg: dict[str, Any], optim_cfg: dict[str, Any],
+                 algo: Any):
+        self.model_path = str(model_path)
+        self.model_cfg = dict(model_cfg or {})
+        self.optim_cfg = dict(optim_cfg or {})
+        self.algo = algo
+        self.distributed, self.rank, self.world = dist_info()
+        self.device = torch.device(self.optim_cfg["device"]) if self.optim_cfg.get("device") else default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.compute_dtype = resolve_dtype(self.optim_cfg.get("dtype", "auto"), self.device)
+        self.seed = int(self.optim_cfg.get("seed", 0))
+        self.token_budget = int(self.optim_cfg.get("token_budget", 8192))
+        self.grad_clip = float(self.optim_cfg.get("grad_clip", 1.0) or 0.0)
+        self.lora = int(self.model_cfg.get("lora_rank", 0) or 0) > 0
+        self.optimizer_steps = 0  # optimizer updates taken
+        self.train_steps = 0  # train_step calls that updated the model
+        self.needs_values = bool(getattr(algo, "needs_values", False))
+        self.needs_reference = bool(getattr(algo, "needs_reference", False))
+        chunk = int(self.optim_cfg.get("logit_chunk_elements", DEFAULT_LOGIT_CHUNK_ELEMENTS))
+
+        torch.manual_seed(self.seed)
+        lm = load_lm(self.model_path, self.model_cfg, self.seed)
+        if self.optim_cfg.get("activation_checkpointing"):
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.policy = PolicyModel(lm, self.compute_dtype, value_head=self.needs_values, chunk_elements=chunk)
+        self.policy.train()
+        self.pad_id = int(getattr(self.policy.causal_lm.config, "pad_token_id", None) or 0)
+        self.reference: nn.Module | None = None
+        if self.needs_reference and not self.lora:
+            ref_lm = load_lm(self.model_path, {**self.model_cfg, "lora_rank": 0}, self.seed)
+            self.reference = PolicyModel(ref_lm, self.compute_dtype, chunk_elements=chunk).eval()
+            self.reference.requires_grad_(False)
+        self._wrap()
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _wrap(self) -> None:
+        """Shard / wrap ``self.policy`` (and ``self.reference``); create optimizer + scheduler."""
+        raise NotImplementedError
+
+    def _forward(self, mb: MicroBatch, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (M,) and values (M,) | None of a packed micro-batch."""
+        raise NotImplementedError
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> float:
+        """Clip, step optimizer and scheduler, zero grads; returns the grad norm before clipping."""
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) state dict of ``self.policy`` on CPU, on rank 0 (others: {}); collective."""
+        raise NotImplementedError
+
+    def current_lr(self) -> float:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    def _autocast(self):
+        use = self.device.type == "cuda" and self.compute_dtype != torch.float32 and not self._native_low_precision
+        return torch.autocast("cuda", dtype=self.compute_dtype, enabled=use)
+
+    #: True when the wrapper already computes in ``compute_dtype`` (FSDP2 mixed precision, DeepSpeed bf16)
+    _native_low_precision = False
+
+    def _all_gather_objects(self, obj: Any) -> list[Any]:
+        if not self.distributed or self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    @torch.no_grad()
+    def _prepass(self, prepared: list[Prepared]) -> None:
+        """Fill missing rollout logprobs, reference logprobs and PPO values/advantages.
+
+        Every rank scores every sample (same number of collective forwards on all
+        ranks); cheap next to training, and only run when needed.
+        """
+        missing = any(torch.isnan(p.old_logprobs).any() for p in prepared)
+        want_ref = self.needs_reference
+        if not (missing or want_ref or self.needs_values):
+            return
+        plan = plan_micro_batches([len(p.input_ids) for p in prepared], self.token_budget, 1)
+        for bin_ in plan.per_rank[0]:
+            mb = micro_batch_tensors(prepared, bin_, self.device, self.pad_id)
+            with self._autocast():
+                lp, values = self._forward(mb)
+            if missing or self.needs_values:
+                for i, x, v in zip(bin_, mb.split(lp), mb.split(values) if values is not None else [None] * len(bin_), strict=True):
+                    p = prepared[i]
+                    nan = torch.isnan(p.old_logprobs)
+                    if nan.any():
+                        p.old_logprobs = torch.where(nan, x.float().cpu(), p.old_logprobs)
+                    if v is not None:
+                        p.old_values = v.float().cpu()
+            if want_ref:
+                ref_lp = self._reference_logprobs(mb)
+                for i, x in zip(bin_, mb.split(ref_lp), strict=True):
+                    prepared[i].ref_logprobs = x.float().cpu()
+        if self.needs_values:
+            self._ppo_advantages(prepared)
+
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if self.lora:
+            with self.policy.lm.disable_adapter(), self._autocast():
+                lp, _ = self._forward(mb)
+            return lp
+        with self._autocast():
+            lp, _ = self._forward(mb, model=self.reference)
+        return lp
+
+    def _ppo_advantages(self, prepared: list[Prepared]) -> None:
+        t = max(p.k for p in prepared)
+        mask = torch.zeros(len(prepared), t)
+        values = torch.zeros(len(prepared), t)
+        for r, p in enumerate(prepared):
+            mask[r, : p.k] = 1.0
+            values[r, : p.k] = p.old_values
+        rewards = torch.tensor([p.reward for p in prepared])
+        adv, ret = self.algo.token_advantages(rewards, values, mask)
+        for r, p in enumerate(prepared):
+            p.advantages = adv[r, : p.k].float()
+            p.returns = ret[r, : p.k].float()
+
+    def _loss(self, mb: MicroBatch, lp: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        if mb.tokens == 0:  # dummy: gradient 0, graph still touches every parameter group
+            loss = lp.sum() * 0.0
+            if values is not None:
+                loss = loss + values.sum() * 0.0
+            return loss, {}
+        kw: dict[str, Any] = {"logprobs": mb.scatter(lp), "old_logprobs": mb.old_logprobs,
+                              "advantages": mb.advantages, "mask": mb.mask}
+        if mb.ref_logprobs is not None:
+            kw["ref_logprobs"] = mb.ref_logprobs
+        if self.needs_values:
+            kw.update(values=mb.scatter(values), old_values=mb.old_values, returns=mb.returns)
+        return self.algo.loss(**kw)
+
+    # ------------------------------------------------------------------ OptimEngine
+    def train_step(self, batch: Sequence[Any]) -> dict[str, float]:
+        """PPO epochs × mini-batches of optimizer steps over ``batch`` (TrainSamples).
+
+        Returns metrics: ``loss`` (mean over the optimizer steps of the full
+        mini-batch loss), ``tokens`` (packed tokens forwarded, all ranks, one
+        epoch), ``trained_tokens``, ``samples``, ``micro_batches``, ``grad_norm``,
+        ``lr``, ``optimizer_steps``, ``step_time_s`` and the algorithm's metrics.
+        """
+        t0 = time.perf_counter()
+        prepared = [p for p in (prepare_sample(s) for s in batch) if p.k > 0]
+        if not prepared:
+            return {"skipped": 1.0, "samples": 0.0, "trained_tokens": 0.0, "step_time_s": time.perf_counter() - t0}
+        self._prepass(prepared)
+        mode = loss_agg_mode(self.algo)
+        epochs = int(getattr(self.algo, "ppo_epochs", 1) or 1)
+        n_mini = int(getattr(self.algo, "mini_batches", 1) or 1)
+        sums: dict[str, float] = {}
+        losses: list[float] = []
+        grad_norm = 0.0
+        micro = 0
+        for epoch in range(epochs):
+            split_seed = self.seed * 1_000_003 + self.optimizer_steps * 31 + epoch
+            for idxs in split_mini_batches(len(prepared), n_mini, split_seed):
+                subset = [prepared[i] for i in idxs]
+                plan = plan_micro_batches([len(p.input_ids) for p in subset], self.token_budget, self.world)
+                total = loss_units(subset, mode)
+                self._zero_grad()
+                local: dict[str, float] = {"loss": 0.0}
+                for k, bin_ in enumerate(plan.per_rank[self.rank]):
+                    mb = micro_batch_tensors(subset, bin_, self.device, self.pad_id)
+                    units = loss_units([subset[j] for j in bin_], mode)
+                    share = units / total if total else 0.0
+                    with self._autocast():
+                        lp, values = self._forward(mb)
+                    loss, metrics = self._loss(mb, lp, values)
+                    self._backward(loss * loss_weight(units, total, self.world), last=k == plan.steps - 1)
+                    local["loss"] += float(loss.detach().item()) * share
+                    for key, v in metrics.items():
+                        if key != "loss":
+                            local[key] = local.get(key, 0.0) + float(v) * share
+                    micro += 1
+                merged: dict[str, float] = {}
+                for part in self._all_gather_objects(local):
+                    for key, v in part.items():
+                        merged[key] = merged.get(key, 0.0) + v
+                grad_norm = self._optimizer_step()
+                self.optimizer_steps += 1
+                losses.append(merged.pop("loss"))
+                for key, v in merged.items():
+                    sums[key] = sums.get(key, 0.0) + v
+        self.train_steps += 1
+        n_opt = len(losses)
+        out = {key: v / n_opt for key, v in sums.items()}
+        out.update(
+            loss=sum(losses) / n_opt,
+            loss_last=losses[-1],
+            tokens=float(sum(len(p.input_ids) for p in prepared)),
+            trained_tokens=float(sum(p.k for p in prepared)),
+            samples=float(len(prepared)),
+            micro_batches=float(sum(self._all_gather_objects(micro))),
+            grad_norm=float(grad_norm),
+            lr=self.current_lr(),
+            optimizer_steps=float(self.optimizer_steps),
+            step_time_s=time.perf_counter() - t0,
+        )
+        return out
+
+    def _lora_scalings(self) -> dict[str, float]:
+        from peft.tuners.lora import LoraLayer
+
+        out = {}
+        for name, mod in self._unwrapped().causal_lm.named_modules():
+            if isinstance(mod, LoraLayer) and "default" in mod.scaling:
+                out[name] = float(mod.scaling["default"])
+        return out
+
+    def _unwrapped(self) -> PolicyModel:
+        return self.policy
+
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        """Full state dict with HF names of the *causal LM* (LoRA merged); rank 0 only."""
+        full = self._full_state_dict()
+        if not full:
+            return {}
+        lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.")}
+        if self.lora:
+            return merge_lora_state(lm_sd, self._lora_scalings())
+        return lm_sd
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of the full HF model (LoRA merged into base names); rank 0 only.
+
+        Collective under torch.distributed: every rank must call it; ranks > 0
+        get an empty list. Tensors are detached CPU tensors (GPU tensors when not
+        sharded); treat them as read-only and valid until the next ``train_step``.
+        """
+        sd = self._hf_state()
+        return [(k, v.detach().to(dtype) if dtype else v.detach()) for k, v in sd.items()]
+
+    def export_adapter(self, path: str | Path) -> None:
+        """Write the LoRA adapter as a peft folder (``adapter_config.json`` + safetensors); rank 0."""
+        if not self.lora:
+            raise ValueError("export_adapter needs model.lora_rank > 0")
+        full = self._full_state_dict()
+        if self.rank != 0:
+            return
+        lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.") and ".lora_" in k}
+        lm = self._unwrapped().lm
+        lm.peft_config["default"].base_model_name_or_path = self.model_path
+        lm.save_pretrained(str(path), state_dict=lm_sd, safe_serialization=True)
+
+    def save_hf(self, path: str | Path) -> None:
+        """HF-format model at ``path`` (full: ``save_pretrained`` + tokenizer; LoRA: peft adapter)."""
+        path = Path(path)
+        if self.lora:
+            self.export_adapter(path / "adapter")
+            return
+        full = self._full_state_dict()
+        if self.rank != 0:
+            return
+        from transformers import AutoTokenizer
+
+        lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.")}
+        self._unwrapped().causal_lm.save_pretrained(str(path / "model"), state_dict=lm_sd, safe_serialization=True)
+        try:
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(str(path / "model"))
+        except Exception:  # noqa: BLE001 - a model folder without tokenizer still saves
+            pass
+
+    def value_head_state(self) -> dict[str, torch.Tensor]:
+        full = self._full_state_dict()
+        return {k: v for k, v in full.items() if k.startswith("value_head.")}
+
+    # ------------------------------------------------------------------ RNG / meta
+    def _rng_state(self) -> dict[str, Any]:
+        st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            st["cuda"] = torch.cuda.get_rng_state_all()
+        try:
+            import numpy as np
+
+            st["numpy"] = np.random.get_state()
+        except ImportError:  # pragma: no cover
+            pass
+        return st
+
+    def _set_rng_state(self, st: dict[str, Any]) -> None:
+        torch.set_rng_state(st["torch"])
+        random.setstate(st["python"])
+        if "cuda" in st and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(st["cuda"])
+        if "numpy" in st:
+            import numpy as np
+
+            np.random.set_state(st["numpy"])
+
+    def _meta(self) -> dict[str, Any]:
+        return {"optimizer_steps": self.optimizer_steps, "train_steps": self.train_steps,
+                "world": self.world, "lora": self.lora, "model_path": self.model_path}
+
+    def _set_meta(self, meta: dict[str, Any]) -> None:
+        self.optimizer_steps = int(meta["optimizer_steps"])
+        self.train_steps = int(meta["train_steps"])
+
+
+def warmup_lambda(warmup_steps: int):
+    """LR multiplier: linear warm-up over ``warmup_steps`` optimizer steps, then constant."""
+    w = int(warmup_steps or 0)
+
+    def f(step: int) -> float:
+        return 1.0 if w <= 0 else min(1.0, (step + 1) / w)
+
+    return f
+
