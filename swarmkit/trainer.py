@@ -175,8 +175,8 @@ class Trainer:
 
         self.model_cfg = _plain(model_cfg)
         self.optim_cfg = _plain(optim_cfg)
-        if seed is not None:
-            self.optim_cfg.setdefault("seed", int(seed))
+        if seed is not None and self.optim_cfg.get("seed") is None:
+            self.optim_cfg["seed"] = int(seed)
         self.algo_cfg = _plain(algo_cfg)
         self.match = match if not isinstance(match, Mapping) else match.get("name", "text")
         self.run_dir = Path(run_dir) if run_dir is not None else None

@@ -6,12 +6,12 @@ import importlib
 import threading
 
 import pytest
-from swarmkit_plugins.batching import policies as P
-from swarmkit_plugins.batching.schema import BatchingConfig
 
 from swarmkit.clients import ClientTracker
 from swarmkit.errors import ConfigError
 from swarmkit.interfaces import ClientState, PoolEpisode
+from swarmkit_plugins.batching import policies as P
+from swarmkit_plugins.batching.schema import BatchingConfig
 
 
 def pool(spec: list[tuple[str, float] | tuple[str, float, str]]) -> list[PoolEpisode]:

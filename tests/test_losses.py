@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 import torch
+
 from swarmkit_plugins.algo_rl import losses as L
 from swarmkit_plugins.algo_rl.grpo import GRPO
 from swarmkit_plugins.algo_rl.ppo import PPO

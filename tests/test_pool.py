@@ -10,10 +10,10 @@ import textwrap
 import threading
 
 import pytest
-from swarmkit_plugins.batching.policies import NonDegenerateTaskCount, TaskCount
 
 from swarmkit.interfaces import ClientState
 from swarmkit.pool import DuplicateEpisodeError, EpisodeRecord, SamplePool, scalar_reward
+from swarmkit_plugins.batching.policies import NonDegenerateTaskCount, TaskCount
 
 TIMELINE = {"blocks": [{"author": "llm", "text": "hi", "token_ids": [1, 2],
                         "logprobs": [-0.1, -0.2], "loss_mask": [1, 1]}]}

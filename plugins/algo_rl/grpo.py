@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from swarmkit_plugins.algo_rl import losses
 
 from swarmkit.interfaces import Algorithm
+from swarmkit_plugins.algo_rl import losses
 
 
 def _check_common(clip_low: float, clip_high: float, loss_agg: str, loss_norm_constant: float,

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from swarmkit_plugins.algo_rl import losses
-from swarmkit_plugins.algo_rl.grpo import _check_common, expand_advantages
 
 from swarmkit.interfaces import Algorithm
+from swarmkit_plugins.algo_rl import losses
+from swarmkit_plugins.algo_rl.grpo import _check_common, expand_advantages
 
 
 class PPO(Algorithm):

@@ -14,5 +14,11 @@ class DeepSpeedConfig:
     nprocs: int = 1
     token_budget: int = 8192
     dtype: str = "auto"
+    #: "auto" = cuda if available else cpu
+    device: str = "auto"
+    #: RNG seed of the engine (null = the run's seed)
+    seed: int | None = None
+    #: logits computed per chunk in the logprob kernel (bounds activation memory)
+    logit_chunk_elements: int = 67108864
     #: ZeRO stage: 2 or 3
     zero_stage: int = 2

@@ -122,11 +122,12 @@ class BaseEngine(OptimEngine):
         self.optim_cfg = dict(optim_cfg or {})
         self.algo = algo
         self.distributed, self.rank, self.world = dist_info()
-        self.device = torch.device(self.optim_cfg["device"]) if self.optim_cfg.get("device") else default_device()
+        device = self.optim_cfg.get("device")
+        self.device = torch.device(device) if device and device != "auto" else default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.compute_dtype = resolve_dtype(self.optim_cfg.get("dtype", "auto"), self.device)
-        self.seed = int(self.optim_cfg.get("seed", 0))
+        self.seed = int(self.optim_cfg.get("seed") or 0)
         self.token_budget = int(self.optim_cfg.get("token_budget", 8192))
         self.grad_clip = float(self.optim_cfg.get("grad_clip", 1.0) or 0.0)
         self.lora = int(self.model_cfg.get("lora_rank", 0) or 0) > 0

@@ -17,4 +17,10 @@ class FSDPConfig:
     token_budget: int = 8192
     #: "auto" = bfloat16 on CUDA, float32 on CPU
     dtype: str = "auto"
+    #: "auto" = cuda if available else cpu
+    device: str = "auto"
+    #: RNG seed of the engine (null = the run's seed)
+    seed: int | None = None
+    #: logits computed per chunk in the logprob kernel (bounds activation memory)
+    logit_chunk_elements: int = 67108864
     activation_checkpointing: bool = False

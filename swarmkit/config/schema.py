@@ -26,6 +26,8 @@ class ModelConfig:
     max_context: int = 2048
     #: HF trust_remote_code for local models
     trust_remote_code: bool = False
+    #: transformers attention implementation ("sdpa", "eager", "flash_attention_2")
+    attn_implementation: str = "sdpa"
 
 
 @dataclass
