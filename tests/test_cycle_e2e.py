@@ -140,3 +140,43 @@ def test_killed_server_loses_no_accepted_episode(tmp_path):
         pool.close()
     finally:
         _stop([server])
+
+
+def test_resume_after_crash_loses_and_repeats_no_step(tmp_path):
+    port = _free_port()
+    overrides = ["model=tiny", "task=token_rule", "batching=c1", "batching.batch_size=1",
+                 "batching.rollouts_per_task=2", "optim.lr=1e-3", "trainer.checkpoint_every=1",
+                 "trainer.total_steps=2"]
+    server = start_server(tmp_path, port)
+    clients: list[subprocess.Popen] = []
+    try:
+        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+        ctl.configure(overrides)
+        ctl.start()
+        ctl.wait_for_state("ROLLING", timeout=120)
+        clients = start_clients(port, 1)
+        deadline = time.monotonic() + 90
+        while ctl.status()["global_step"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        _stop(clients)
+        time.sleep(1.0)  # the step-2 checkpoint is written right after the step
+        trained_before = ctl.status()["pool"]["trained"]
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        assert (tmp_path / "checkpoints" / "latest").exists()
+
+        server = start_server(tmp_path, port)
+        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+        ctl.configure([*overrides[:-1], "trainer.total_steps=3", "trainer.resume=true"])
+        ctl.start()
+        status = ctl.wait_for_state("ROLLING", timeout=120)
+        assert status["global_step"] == 2, "resumed at the checkpointed step"
+        assert status["pool"]["trained"] == trained_before
+        clients = start_clients(port, 1)
+        deadline = time.monotonic() + 90
+        while ctl.status()["global_step"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert ctl.status()["global_step"] == 3
+    finally:
+        _stop(clients)
+        _stop([server])
