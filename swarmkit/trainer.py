@@ -112,7 +112,12 @@ def build_samples(records: Sequence[Any], algo: Any, match: Any = "text") -> lis
     if fallbacks:
         log.warning("%d timeline role(s) had no entry in their episode's role rewards; "
                     "used the episode's mean reward", fallbacks)
-    advantages = list(algo.episode_advantages(rewards, groups)) if rewards else []
+    if getattr(algo, "needs_values", False) or not hasattr(algo, "episode_advantages"):
+        # PPO-style: token advantages come from GAE over the value head inside the
+        # engine (from each sample's ``reward``); none are assigned here
+        advantages = [0.0] * len(rewards)
+    else:
+        advantages = list(algo.episode_advantages(rewards, groups)) if rewards else []
 
     samples: list[TrainSample] = []
     for r, rec in enumerate(records):

@@ -13,13 +13,16 @@ import os
 import subprocess
 import sys
 
+import pytest
 
-def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path):
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
     env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
     out = subprocess.run(
         [sys.executable, "-m", "swarmkit", "model=tiny", "task=token_rule", "task.max_tokens=8",
          "batching.batch_size=4", "batching.rollouts_per_task=8", "optim.lr=1e-2",
-         "trainer.total_steps=30", "server.port=0", f"hydra.run.dir={tmp_path}"],
+         "trainer.total_steps=30", f"algo={algo}", "server.port=0", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
