@@ -145,6 +145,20 @@ def validated(cfg: DictConfig) -> DictConfig:
     return validate_config(cfg, get_registry())
 
 
+def _missing_engines(cfg: DictConfig) -> list[str]:
+    """Selected components whose heavy dependency is not installed, with the extra to install."""
+    from swarmkit.plugins import get_registry
+
+    problems = []
+    for kind in KINDS:
+        component = get_registry().get(kind, str(cfg[kind].name))
+        missing = component.missing_requirements()
+        if missing:
+            problems.append(f"{kind} '{component.name}' needs {', '.join(missing)}, which is not installed: "
+                            f"{component.install_hint()}")
+    return problems
+
+
 def run_job(cfg: DictConfig) -> int:
     """Run what ``cfg.mode`` asks for; returns the exit status."""
     from swarmkit.runner import run
@@ -160,6 +174,11 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(2)
     from hydra.core.hydra_config import HydraConfig
 
+    if checked.mode == "local":
+        missing = _missing_engines(checked)
+        if missing:
+            print("error: " + "; ".join(missing), file=sys.stderr)
+            sys.exit(2)
     if checked.server.run_dir == "auto":
         checked.server.run_dir = HydraConfig.get().runtime.output_dir
     status = run_job(checked)

@@ -116,3 +116,13 @@ def test_multirun_runs_each_job_in_a_fresh_process(tmp_path):
 def test_defaults_match_packaged_options():
     for group, option in DEFAULT_CHOICES.items():
         assert option in _packaged_options("swarmkit.conf", group)
+
+
+def test_cli_missing_engine_names_the_extra(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    out = _cli("backend=sglang", "server.port=0", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2
+    assert "backend 'sglang' needs sglang" in out.stderr and "swarmkit[sglang]" in out.stderr
