@@ -126,3 +126,28 @@ def test_cli_missing_engine_names_the_extra(tmp_path):
     out = _cli("backend=sglang", "server.port=0", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2
     assert "backend 'sglang' needs sglang" in out.stderr and "swarmkit[sglang]" in out.stderr
+
+
+def test_schema_only_component_gets_a_config_option(monkeypatch):
+    """A plugin that ships no YAML still gets ``<kind>/<name>`` from its schema's defaults."""
+    from dataclasses import dataclass
+
+    from swarmkit import hookimpl, plugins
+
+    @dataclass
+    class C9Config:
+        name: str = "c9"
+        batch_size: int = 2
+        rollouts_per_task: int = 2
+        patience_s: float = 5.0
+
+    class C9:
+        @hookimpl
+        def register_batching_policies(self, register):
+            register("c9", "swarmkit_plugins.batching.policies:EpisodeCount", schema=C9Config)
+
+    monkeypatch.setattr(plugins, "_state", plugins.build_state(extra_plugins=[("c9-plugin", C9())]))
+    cfg = validated(compose(["batching=c9", "batching.patience_s=7"]))
+    assert cfg.batching.name == "c9" and cfg.batching.patience_s == 7.0 and cfg.batching.batch_size == 2
+    with pytest.raises(ConfigError, match="batching.nope: unknown key"):
+        validated(compose(["batching=c9", "+batching.nope=1"]))
