@@ -1,0 +1,233 @@
+"""Heterogeneous multi-model training, end to end (examples/multi_model/run.py).
+
+Two real server processes train two different tiny models (``builtin:tiny``
+and a 3-layer Qwen2 built with another seed); ONE client process runs
+two-role episodes, role ``a`` on server A and role ``b`` on server B, each
+role's reward reported to its own server. Checked: both servers train; each
+journal holds only its own role's timelines, with the tokens that server
+answered; keys and episode ids of one server mean nothing to the other; a
+client SIGKILLed mid-episode leaves both servers up, its open episodes are
+reaped, and a restarted (edited) client continues the same training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from swarmkit.client import SwarmAPIError, SwarmClient
+
+RUN = Path(__file__).resolve().parents[1] / "examples" / "multi_model" / "run.py"
+TOKEN = "multi-model-test-token"
+ROLES = ("a", "b")
+SPECIAL = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("swarmkit_example_multi_model", RUN)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+mm = _load_example()
+
+
+def _client_proc(swarm: dict, log: Path, *extra: str) -> subprocess.Popen:
+    routes = [f"--route={s.role}={s.url}" for s in swarm["servers"]]
+    return subprocess.Popen(
+        [sys.executable, str(RUN), "client", *routes, "--max-tokens", "4", "--rollouts", "2",
+         "--train-size", "8", "--concurrency", "3", "--episode-log", str(log), *extra],
+        env=mm.server_env(TOKEN), stdout=subprocess.DEVNULL, stderr=open(log.with_suffix(".err"), "ab"),
+    )
+
+
+def _journal(server) -> list[dict]:
+    db = sqlite3.connect(f"file:{server.run_dir / 'journal.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        rows = db.execute("SELECT episode_id, task_family, reward, timelines, meta, status FROM episodes "
+                          "ORDER BY seq").fetchall()
+    finally:
+        db.close()
+    return [{"id": r[0], "family": r[1], "reward": json.loads(r[2]), "timelines": json.loads(r[3]),
+             "meta": json.loads(r[4]), "status": r[5]} for r in rows]
+
+
+def _logged(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def _wait_steps(ctls: dict[str, SwarmClient], at_least: dict[str, int], timeout: float = 60.0) -> dict:
+    end = time.monotonic() + timeout
+    status = {}
+    while time.monotonic() < end:
+        status = {r: c.status() for r, c in ctls.items()}
+        if all(status[r]["global_step"] >= at_least[r] for r in ctls):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"servers did not reach steps {at_least}: "
+                         + str({r: (s["global_step"], s["state"], s["pool"]) for r, s in status.items()}))
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    work = tmp_path_factory.mktemp("multi_model")
+    paths = mm.model_paths(2, work)  # builtin:tiny, and a 3-layer tiny Qwen2 with seed 1
+    assert paths[0] == "builtin:tiny" and Path(paths[1], "config.json").exists()
+    servers = [mm.launch_server(role, work / f"server_{role}", token=TOKEN) for role in ROLES]
+    procs: list[subprocess.Popen] = []
+    try:
+        overrides = {s.role: mm.training_overrides(p, s.role, "cpu", task="token_rule", steps=100000, batch_size=2,
+                                                   rollouts=2, lr=1e-2, episode_timeout_s=4.0)
+                     for s, p in zip(servers, paths, strict=True)}
+        mm.boot_servers(servers, overrides, timeout=90)
+        ctls = {s.role: s.client(retry_for=30) for s in servers}
+        log = work / "client1.jsonl"
+        procs.append(_client_proc({"servers": servers}, log))
+        status = _wait_steps(ctls, {"a": 2, "b": 2})
+        yield {"servers": servers, "ctls": ctls, "work": work, "log": log, "procs": procs, "status": status,
+               "paths": paths}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for s in servers:
+            s.stop()
+
+
+def test_both_servers_train_their_own_model(swarm):
+    status = swarm["status"]
+    for role in ROLES:
+        st = status[role]
+        assert st["global_step"] >= 2 and st["pool"]["trained"] >= 2 * 4, st
+        assert st["model"] == f"model-{role}"
+        assert st["pool"]["last_step"]["samples"] > 0
+    # different models: the two servers answer the same prompts differently
+    assert swarm["paths"][0] != swarm["paths"][1]
+
+
+def test_each_journal_holds_only_its_own_roles_tokens(swarm):
+    servers = {s.role: s for s in swarm["servers"]}
+    journals = {r: _journal(servers[r]) for r in ROLES}
+    logged = _logged(swarm["log"])
+    assert len(logged) >= 8
+    ids = {r: {rec["id"] for rec in journals[r]} for r in ROLES}
+    assert not ids["a"] & ids["b"]
+    for role in ROLES:
+        other = "b" if role == "a" else "a"
+        recs = journals[role]
+        assert len(recs) >= 8
+        for rec in recs:
+            assert rec["meta"]["roles"] == [role], rec["meta"]
+            assert set(rec["reward"]) == {role}
+            assert rec["family"] == "token_rule"
+            assert rec["timelines"] and all(tl["role"] == role for tl in rec["timelines"])
+        # every episode the client logged for this role sits in this server's journal, with the exact
+        # text this server answered (the other server's replies are never there)
+        texts = {rec["id"]: "".join(b["text"] for tl in rec["timelines"] for b in tl["blocks"]
+                                    if b["author"] == "llm") for rec in recs}
+        checked = 0
+        for entry in logged:
+            eid = entry["episode_ids"][role]
+            assert eid in ids[role] and eid not in ids[other]
+            assert entry["urls"][role] == servers[role].url
+            got = texts[eid]
+            for tok in SPECIAL:
+                got = got.replace(tok, "")
+            assert got.strip() == entry["completions"][role].strip(), (got, entry)
+            checked += 1
+        assert checked == len(logged)
+        # role b's prompt carries role a's reply (the relay), role a's never mentions b
+        for rec in recs:
+            prompt = "".join(b["text"] for b in rec["timelines"][0]["blocks"] if b["author"] != "llm")
+            assert ("agent a:" in prompt) == (role == "b")
+
+
+def test_keys_and_ids_of_one_server_are_rejected_by_the_other(swarm):
+    ctl_a, ctl_b = swarm["ctls"]["a"], swarm["ctls"]["b"]
+    url_b = swarm["servers"][1].url
+    ep_a = ctl_a.register("cross-check", roles=["a"])
+    ep_b = ctl_b.register("cross-check", roles=["b"])
+    try:
+        r = httpx.post(f"{url_b}/v1/chat/completions", headers={"Authorization": f"Bearer {ep_a.key_for('a')}"},
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(SwarmAPIError) as exc:  # A's episode id is unknown on B
+            ctl_b._request("POST", f"/api/v1/episodes/{ep_a.episode_id}/report", json_body={"reward": 1.0},
+                           key=ep_a.api_key)
+        assert exc.value.status == 404 and exc.value.code == "episode_not_found"
+        with pytest.raises(SwarmAPIError) as exc:  # B's key does not own A's episode
+            ctl_a._request("POST", f"/api/v1/episodes/{ep_a.episode_id}/report", json_body={"reward": 1.0},
+                           key=ep_b.api_key)
+        assert exc.value.status == 403 and exc.value.code == "wrong_episode_key"
+    finally:
+        ep_a.abort("cross-check done")
+        ep_b.abort("cross-check done")
+    assert ep_a.episode_id not in {r["id"] for r in _journal(swarm["servers"][0])}
+
+
+def test_killed_client_is_reaped_and_a_restarted_client_continues(swarm):
+    servers, ctls, procs = swarm["servers"], swarm["ctls"], swarm["procs"]
+    client = procs[0]
+    # freeze the client until both servers have one of its episodes open, then kill it there
+    open_ids: dict[str, set[str]] = {}
+    for _ in range(50):
+        client.send_signal(signal.SIGSTOP)
+        open_ids = {r: {e["episode_id"] for e in c._request("GET", "/api/v1/episodes", admin=True).json()["running"]}
+                    for r, c in ctls.items()}
+        if all(open_ids.values()):
+            break
+        client.send_signal(signal.SIGCONT)
+        time.sleep(0.1)
+    assert all(open_ids.values()), open_ids
+    client.send_signal(signal.SIGKILL)
+    client.wait(10)
+    accepted_before = {s.role: {r["id"] for r in _journal(s)} for s in servers}
+    steps_before = {r: c.status()["global_step"] for r, c in ctls.items()}
+
+    # both servers stay up; the abandoned episodes pass their 4 s deadline and are reaped
+    end = time.monotonic() + 20
+    ended: dict[str, dict[str, dict]] = {}
+    while time.monotonic() < end:
+        ended = {r: {e["episode_id"]: e for e in c._request("GET", "/api/v1/episodes?ended=4096",
+                                                             admin=True).json()["ended"]}
+                 for r, c in ctls.items()}
+        if all(open_ids[r] <= set(ended[r]) for r in ctls):
+            break
+        time.sleep(0.25)
+    for s in servers:
+        assert s.proc.poll() is None, f"server {s.role} died"
+        st = ctls[s.role].status()
+        assert st["state"] in ("ROLLING", "ROLLING_POST", "WEIGHT_SYNCING"), st
+        assert st["episodes"]["reaped"] >= 1
+        journal_ids = {r["id"] for r in _journal(s)}
+        assert accepted_before[s.role] <= journal_ids  # nothing accepted was lost
+        for eid in open_ids[s.role]:
+            e = ended[s.role][eid]
+            assert e["status"] == "aborted" and e["abort_reason"] == "deadline", e
+            assert eid not in journal_ids
+
+    # hot swap: a restarted client with an edited reward (another target letter) continues the same run
+    log2 = swarm["work"] / "client2.jsonl"
+    procs.append(_client_proc(swarm, log2, "--target", "a"))
+    _wait_steps(ctls, {r: steps_before[r] + 1 for r in ctls})
+    new = _logged(log2)
+    assert new, "the restarted client finished no episode"
+    for s in servers:
+        ids = {r["id"] for r in _journal(s)}
+        assert accepted_before[s.role] <= ids
+        assert any(e["episode_ids"][s.role] in ids for e in new)
