@@ -35,18 +35,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from swarmkit.client import SwarmClient, SwarmError
-from swarmkit.tasks import Task, cycle, make_tasks, score
+from swarmkit.client import SwarmClient
+from swarmkit.client.example import EpisodeLoop
+from swarmkit.tasks import Task, make_tasks, score
 
 ROLE_NAMES = "abcdefghijklmnopqrstuvwxyz"
 DEFAULT_TOKEN = "multi-model-demo-token"
@@ -261,69 +260,30 @@ def run_multi_episode(routes: dict[str, SwarmClient], task: Task, *, max_tokens:
             http.close()
 
 
-class MultiModelClient:
+class MultiModelClient(EpisodeLoop):
     """Keeps ``concurrency`` multi-model episodes running until stopped (or ``max_episodes``)."""
 
     def __init__(self, routes: dict[str, SwarmClient], tasks: list[Task], *, rollouts_per_task: int,
                  max_tokens: int, temperature: float = 1.0, concurrency: int = 2, seed: int = 0,
                  max_episodes: int = 0, log_path: str | None = None, timeout_s: float | None = None):
+        super().__init__(tasks, rollouts_per_task=rollouts_per_task, concurrency=concurrency, seed=seed,
+                         max_episodes=max_episodes)
         self.routes = routes
-        self.tasks = tasks
-        self.rollouts_per_task = rollouts_per_task
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self.concurrency = concurrency
-        self.seed = seed
-        self.max_episodes = max_episodes
         self.timeout_s = timeout_s
         self.log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
-        self.stop_event = threading.Event()
-        self.finished = 0
-        self.failures = 0
         self.rewards: dict[str, list[float]] = {r: [] for r in routes}
-        self.last_error = ""
-        self._thread: threading.Thread | None = None
 
-    def _jobs(self):
-        for task in cycle(self.tasks, self.seed):
-            for _ in range(self.rollouts_per_task):
-                yield task
+    def run_one(self, task: Task, http: httpx.Client) -> MultiResult:
+        return run_multi_episode(self.routes, task, max_tokens=self.max_tokens, temperature=self.temperature,
+                                 http=http, timeout_s=self.timeout_s)
 
-    def run(self) -> None:
-        jobs = self._jobs()
-        with httpx.Client(timeout=600.0) as http, ThreadPoolExecutor(self.concurrency) as pool:
-            running: set = set()
-            while not self.stop_event.is_set():
-                if self.max_episodes and self.finished >= self.max_episodes:
-                    break
-                while len(running) < self.concurrency:
-                    running.add(pool.submit(run_multi_episode, self.routes, next(jobs), max_tokens=self.max_tokens,
-                                            temperature=self.temperature, http=http, timeout_s=self.timeout_s))
-                done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    try:
-                        res = fut.result()
-                    except (SwarmError, httpx.HTTPError) as exc:
-                        self.failures += 1
-                        self.last_error = f"{type(exc).__name__}: {exc}"
-                        continue
-                    self.finished += 1
-                    for role, r in res.rewards.items():
-                        self.rewards[role].append(r)
-                    if self.log is not None:
-                        self.log.write(res.to_json() + "\n")
-            for fut in running:
-                fut.cancel()
-
-    def start(self) -> MultiModelClient:
-        self._thread = threading.Thread(target=self.run, name="multi-model-client", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 60.0) -> None:
-        self.stop_event.set()
-        if self._thread:
-            self._thread.join(timeout)
+    def handle(self, result: MultiResult) -> None:
+        for role, r in result.rewards.items():
+            self.rewards[role].append(r)
+        if self.log is not None:
+            self.log.write(result.to_json() + "\n")
 
 
 # ----------------------------------------------------------------------------- monitoring

@@ -1,11 +1,16 @@
-"""Config schema of the ``fsdp`` optimizer engine (group ``optim``)."""
+"""Config schemas of the optimizer engines (group ``optim``).
+
+:class:`EngineConfig` holds what every engine takes; the ``fsdp`` and
+``deepspeed`` options add their own keys.
+"""
 
 from dataclasses import dataclass, field
 
 
 @dataclass
-class FSDPConfig:
-    name: str = "fsdp"
+class EngineConfig:
+    name: str = ""
+    #: AdamW learning rate (the packaged option files set 3e-4, tuned for LoRA)
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -23,4 +28,9 @@ class FSDPConfig:
     seed: int | None = None
     #: logits computed per chunk in the logprob kernel (bounds activation memory)
     logit_chunk_elements: int = 67108864
+
+
+@dataclass
+class FSDPConfig(EngineConfig):
+    name: str = "fsdp"
     activation_checkpointing: bool = False

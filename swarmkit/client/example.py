@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -93,12 +94,75 @@ def evaluate(
     return EvalResult(mean, 1.96 * sd / math.sqrt(max(1, len(rewards))), len(rewards), rewards)
 
 
-class TrainingClient:
-    """Keeps ``concurrency`` episodes running: each task ``rollouts_per_task`` times, until stopped.
+class EpisodeLoop:
+    """Keeps ``concurrency`` episodes running, each task ``rollouts_per_task`` times, until stopped.
 
-    Episodes whose server call fails are aborted by the SDK and counted in
-    ``failures``; the loop keeps going (the server may be busy training).
+    Subclasses implement :meth:`run_one` (one episode of one task) and may
+    override :meth:`handle` (what to do with its result). Episodes whose server
+    call fails are aborted by the SDK and counted in ``failures``; the loop keeps
+    going (the server may be busy training). ``max_episodes`` > 0 stops the loop
+    after that many finished episodes.
     """
+
+    def __init__(self, tasks: list[Task], *, rollouts_per_task: int, concurrency: int = 8, seed: int = 0,
+                 max_episodes: int = 0):
+        self.tasks = tasks
+        self.rollouts_per_task = rollouts_per_task
+        self.concurrency = concurrency
+        self.seed = seed
+        self.max_episodes = max_episodes
+        self.stop_event = threading.Event()
+        self.finished = 0
+        self.failures = 0
+        self.last_error = ""
+        self._thread: threading.Thread | None = None
+
+    def run_one(self, task: Task, http: httpx.Client) -> Any:
+        raise NotImplementedError
+
+    def handle(self, result: Any) -> None:
+        """Called in the loop's thread for every finished episode."""
+
+    def _jobs(self):
+        for task in cycle(self.tasks, self.seed):
+            for _ in range(self.rollouts_per_task):
+                yield task
+
+    def run(self) -> None:
+        jobs = self._jobs()
+        with httpx.Client(timeout=600.0) as http, ThreadPoolExecutor(self.concurrency) as pool:
+            running: set[Future] = set()
+            while not self.stop_event.is_set():
+                if self.max_episodes and self.finished >= self.max_episodes:
+                    break
+                while len(running) < self.concurrency:
+                    running.add(pool.submit(self.run_one, next(jobs), http))
+                done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    try:
+                        result = fut.result()
+                    except (SwarmError, httpx.HTTPError) as exc:
+                        self.failures += 1
+                        self.last_error = f"{type(exc).__name__}: {exc}"
+                        continue
+                    self.finished += 1
+                    self.handle(result)
+            for fut in running:
+                fut.cancel()
+
+    def start(self) -> EpisodeLoop:
+        self._thread = threading.Thread(target=self.run, name=type(self).__name__, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.stop_event.set()
+        if self._thread:
+            self._thread.join(timeout)
+
+
+class TrainingClient(EpisodeLoop):
+    """The example client's training loop: one chat call per episode, scored and reported."""
 
     def __init__(
         self,
@@ -113,66 +177,25 @@ class TrainingClient:
         on_result: Callable[[EpisodeResult], None] | None = None,
         ready_every: int = 0,
     ):
+        super().__init__(tasks, rollouts_per_task=rollouts_per_task, concurrency=concurrency, seed=seed)
         self.client = client
-        self.tasks = tasks
-        self.rollouts_per_task = rollouts_per_task
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self.concurrency = concurrency
-        self.seed = seed
         self.on_result = on_result
         #: vote "ready" (batching C4/C5) after every this many finished episodes; 0 = never
         self.ready_every = ready_every
-        self.stop_event = threading.Event()
-        self.finished = 0
-        self.failures = 0
-        self.last_error = ""
-        self._thread: threading.Thread | None = None
 
-    def _jobs(self):
-        for task in cycle(self.tasks, self.seed):
-            for _ in range(self.rollouts_per_task):
-                yield task
+    def run_one(self, task: Task, http: httpx.Client) -> EpisodeResult:
+        return run_episode(self.client, task, max_tokens=self.max_tokens, temperature=self.temperature, http=http)
 
-    def run(self) -> None:
-        jobs = self._jobs()
-        with httpx.Client(timeout=600.0) as http, ThreadPoolExecutor(self.concurrency) as pool:
-            running: set[Future] = set()
-            while not self.stop_event.is_set():
-                while len(running) < self.concurrency:
-                    task = next(jobs)
-                    running.add(pool.submit(
-                        run_episode, self.client, task, max_tokens=self.max_tokens,
-                        temperature=self.temperature, http=http,
-                    ))
-                done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    try:
-                        result = fut.result()
-                    except (SwarmError, httpx.HTTPError) as exc:
-                        self.failures += 1
-                        self.last_error = f"{type(exc).__name__}: {exc}"
-                        continue
-                    self.finished += 1
-                    if self.on_result:
-                        self.on_result(result)
-                    if self.ready_every and self.finished % self.ready_every == 0:
-                        try:
-                            self.client.ready(True)
-                        except SwarmError as exc:
-                            self.last_error = f"ready vote failed: {exc}"
-            for fut in running:
-                fut.cancel()
-
-    def start(self) -> TrainingClient:
-        self._thread = threading.Thread(target=self.run, name="swarm-example-client", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 60.0) -> None:
-        self.stop_event.set()
-        if self._thread:
-            self._thread.join(timeout)
+    def handle(self, result: EpisodeResult) -> None:
+        if self.on_result:
+            self.on_result(result)
+        if self.ready_every and self.finished % self.ready_every == 0:
+            try:
+                self.client.ready(True)
+            except SwarmError as exc:
+                self.last_error = f"ready vote failed: {exc}"
 
 
 def main(argv: list[str] | None = None) -> int:
