@@ -155,8 +155,18 @@ def register_varlen() -> None:
     AttentionMaskInterface.register(VARLEN, lambda *a, **k: None)
 
 
+def compute_lm(engine):
+    """The causal LM that runs forward/backward (the engine's bf16 compute copy when it keeps one)."""
+    get = getattr(engine, "_compute_model", None)
+    return (get() if callable(get) else engine.policy).causal_lm
+
+
 def set_attn(engine, name: str) -> None:
-    lm = engine.policy.causal_lm
+    for lm in {id(m): m for m in (engine.policy.causal_lm, compute_lm(engine))}.values():
+        _set_attn(lm, name)
+
+
+def _set_attn(lm, name: str) -> None:
     if hasattr(lm, "set_attn_implementation"):
         lm.set_attn_implementation(name)
     lm.config._attn_implementation = name
@@ -503,7 +513,8 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
         info = build_model(folder, shape, dev)
         r["model"] = {**info, "build_s": time.perf_counter() - t}
         algo = GRPO()
-        optim = {"lr": 1e-6, "token_budget": args.token_budget, "grad_clip": 1.0, "device": "cuda:0" if dev.type == "cuda" else "cpu"}
+        optim = {"lr": 1e-6, "token_budget": args.token_budget, "grad_clip": 1.0,
+                 "device": "cuda" if dev.type == "cuda" else "cpu", "mixed_precision": args.mixed_precision}
         mem_reset(dev)
         t = time.perf_counter()
         engine = FSDPEngine(str(folder), {"attn_implementation": "sdpa"}, optim, algo)
@@ -517,15 +528,13 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
         print(f"[{name}] attention check {r['attention_check']}", flush=True)
         flops = model_flops(info, [args.seq_len] * args.seqs)
         variants = [v for v in args.variants.split(",") if v]
-        if name != args.models.split(",")[0] and "sdpa" in variants and not smoke:
-            variants = [v for v in variants if v != "sdpa"]  # the before-row once, on the first model
         r["throughput"] = {}
         for v in variants:
             attn, *opts = v.split("+")
             ac = "ac" if "ac" in opts else ""
             set_attn(engine, "sdpa" if attn == "sdpa" else VARLEN)
             set_logprob("lpc" in opts)
-            lm = engine.policy.causal_lm
+            lm = compute_lm(engine)
             if ac == "ac":
                 lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             mem_reset(dev)
@@ -548,24 +557,26 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
                   flush=True)
             dump()
         # merging on vs off, with the last variant's settings
-        set_attn(engine, VARLEN)
-        recs = appworld_records(args.episodes, args.turns, args.prompt, args.per_turn, vocab, seed=2)
-        merged, unmerged = unmerged_samples(recs, algo)
-        r["merge"] = {"workload": {"episodes": args.episodes, "turns": args.turns, "prompt": args.prompt,
-                                   "per_turn": args.per_turn}}
-        for label, samples in (("merge_off", unmerged), ("merge_on", merged)):
-            mem_reset(dev)
-            try:
-                res = run_steps(engine, samples, args.merge_steps, dev)
-                res.update(mem_peak(dev))
-                res["samples"] = len(samples)
-                res["model_tflops"] = model_flops(info, [len(s.input_ids) for s in samples]) / res["step_s"] / 1e12
-                res["mfu"] = res["model_tflops"] / peak
-            except Exception as exc:  # noqa: BLE001
-                res = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            r["merge"][label] = res
-            print(f"[{name}] {label}: {json.dumps({k: res.get(k) for k in ('step_s', 'tokens', 'trained_tokens', 'samples', 'mfu', 'error')})}",
-                  flush=True)
+        set_attn(engine, "sdpa" if variants and variants[-1].split("+")[0] == "sdpa" else VARLEN)
+        r["merge"] = {}
+        if not args.no_merge:
+            recs = appworld_records(args.episodes, args.turns, args.prompt, args.per_turn, vocab, seed=2)
+            merged, unmerged = unmerged_samples(recs, algo)
+            r["merge"] = {"workload": {"episodes": args.episodes, "turns": args.turns, "prompt": args.prompt,
+                                       "per_turn": args.per_turn}}
+            for label, samples in (("merge_off", unmerged), ("merge_on", merged)):
+                mem_reset(dev)
+                try:
+                    res = run_steps(engine, samples, args.merge_steps, dev)
+                    res.update(mem_peak(dev))
+                    res["samples"] = len(samples)
+                    res["model_tflops"] = model_flops(info, [len(s.input_ids) for s in samples]) / res["step_s"] / 1e12
+                    res["mfu"] = res["model_tflops"] / peak
+                except Exception as exc:  # noqa: BLE001
+                    res = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                r["merge"][label] = res
+                print(f"[{name}] {label}: {json.dumps({k: res.get(k) for k in ('step_s', 'tokens', 'trained_tokens', 'samples', 'mfu', 'error')})}",
+                      flush=True)
         off, on = r["merge"].get("merge_off", {}), r["merge"].get("merge_on", {})
         if "step_s" in off and "step_s" in on:
             r["merge"]["time_ratio"] = off["step_s"] / on["step_s"]
@@ -623,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, small workload (CPU test)")
     p.add_argument("--models", default="0.5b,1.5b")
-    p.add_argument("--variants", default="sdpa,varlen,varlen+lpc",
+    p.add_argument("--variants", default="sdpa,varlen",
                    help="comma list of sdpa|varlen[+ac][+lpc]; lpc = fused logprob prototype; the last one "
                         "is also used for the merge runs")
     p.add_argument("--fsdp1", action="store_true",
@@ -640,6 +651,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge-steps", type=int, default=2)
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--no-sync", action="store_true")
+    p.add_argument("--no-merge", action="store_true", help="skip the timeline-merging runs")
+    p.add_argument("--mixed-precision", default="auto", choices=["auto", "autocast"],
+                   help="engine optim.mixed_precision: auto = bf16 compute copy (one process), autocast = "
+                        "fp32 params under autocast (the engine before 2026-12-03)")
     p.add_argument("--profile", default=None, help="folder: profile one varlen step per model there")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -663,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "models": {},
         "engine_mode": "fully_shard, 1-rank group" if args.fsdp1 else "in-process (no process group)",
+        "mixed_precision": args.mixed_precision,
     }
     out = args.json or (os.path.join(os.environ["OUT"], "gpu_train.json") if os.environ.get("OUT") else None)
 

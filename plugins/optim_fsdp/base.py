@@ -124,6 +124,9 @@ class BaseEngine(OptimEngine):
         self.distributed, self.rank, self.world = dist_info()
         device = self.optim_cfg.get("device")
         self.device = torch.device(device) if device and device != "auto" else default_device()
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": this rank's / the current card
+            idx = os.environ.get("LOCAL_RANK") if self.distributed else None
+            self.device = torch.device("cuda", int(idx) if idx is not None else torch.cuda.current_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.compute_dtype = resolve_dtype(self.optim_cfg.get("dtype", "auto"), self.device)
@@ -225,9 +228,13 @@ class BaseEngine(OptimEngine):
         if self.needs_values:
             self._ppo_advantages(prepared)
 
+    def _compute_model(self) -> nn.Module:
+        """The module that runs forward/backward (``self.policy`` unless the engine keeps a compute copy)."""
+        return self.policy
+
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.lora:
-            with self.policy.lm.disable_adapter(), self._autocast():
+            with self._compute_model().lm.disable_adapter(), self._autocast():
                 lp, _ = self._forward(mb)
             return lp
         with self._autocast():
@@ -341,9 +348,13 @@ class BaseEngine(OptimEngine):
     def _unwrapped(self) -> PolicyModel:
         return self.policy
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
+    def _export_state_dict(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """State dict ``export_weights`` reads (default: the full state dict); collective."""
+        return self._full_state_dict()
+
+    def _hf_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Full state dict with HF names of the *causal LM* (LoRA merged); rank 0 only."""
-        full = self._full_state_dict()
+        full = self._export_state_dict(dtype)
         if not full:
             return {}
         lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.")}
@@ -355,10 +366,12 @@ class BaseEngine(OptimEngine):
         """``(name, tensor)`` of the full HF model (LoRA merged into base names); rank 0 only.
 
         Collective under torch.distributed: every rank must call it; ranks > 0
-        get an empty list. Tensors are detached CPU tensors (GPU tensors when not
-        sharded); treat them as read-only and valid until the next ``train_step``.
+        get an empty list. Tensors are detached; on the engine's GPU when it trains in one
+        process (bf16 compute weights on CUDA, or the fp32 weights) or in a 1-rank group,
+        on the CPU when sharded over several ranks. Treat them as read-only and valid until
+        the next ``train_step``.
         """
-        sd = self._hf_state()
+        sd = self._hf_state(dtype)
         return [(k, v.detach().to(dtype) if dtype else v.detach()) for k, v in sd.items()]
 
     def export_adapter(self, path: str | Path) -> None:

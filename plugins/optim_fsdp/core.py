@@ -4,8 +4,9 @@
   returns, for a *packed* row of samples, the log-probability of each trained
   token only. Logits are never materialised for the whole vocabulary and all
   tokens at once: hidden states of the selected positions are multiplied with
-  the output embedding in chunks inside :class:`SelectedLogprob`, whose
-  backward recomputes each chunk (memory O(chunk · vocab), not O(tokens · vocab)).
+  the output embedding slice by slice of the vocabulary inside
+  :class:`SelectedLogprob`, whose backward recomputes each slice (memory
+  O(tokens · slice), not O(tokens · vocab)).
 - :func:`plan_micro_batches` packs samples into micro-batches of at most
   ``token_budget`` tokens (first-fit decreasing) and spreads them over ranks.
 - :func:`micro_batch_tensors` builds one micro-batch of packed rows (R, C):
@@ -22,6 +23,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,64 +32,120 @@ from typing import Any
 import torch
 from torch import nn
 
-#: logits elements computed at once by :class:`SelectedLogprob` (fp32: 4 bytes each)
+#: logits elements computed at once by :class:`SelectedLogprob` (one vocabulary slice of all rows)
 DEFAULT_LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
 # --------------------------------------------------------------------------- logprobs
+def _chunk_lse(logits: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """(M,) log-sum-exp in ``acc`` of one (M, Vc) logits slice."""
+    return torch.logsumexp(logits.to(acc), dim=-1)
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, go: torch.Tensor, local: torch.Tensor,
+                hit: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """d(Σ go·logp)/d logits of one slice: ``go · (onehot(target) − softmax)``, in the logits dtype."""
+    p = torch.exp(logits.to(acc) - lse[:, None]) * (-go[:, None])
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == local[:, None]
+    p = p + (onehot & hit[:, None]).to(acc) * go[:, None]
+    return p.to(logits.dtype)
+
+
+_KERNELS: dict[str, Any] = {}
+
+
+def _kernels(device: torch.device):
+    """(lse, grad) slice functions: ``torch.compile``-d on CUDA (one fused pass over the bf16 slice,
+    no fp32 copy), eager elsewhere or where compiling fails (``SWARMKIT_COMPILE_LOGPROB=0`` disables it)."""
+    if device.type != "cuda" or os.environ.get("SWARMKIT_COMPILE_LOGPROB", "1") == "0":
+        return _chunk_lse, _chunk_grad
+    if "lse" not in _KERNELS:
+        try:
+            _KERNELS["lse"] = torch.compile(_chunk_lse, dynamic=True)
+            _KERNELS["grad"] = torch.compile(_chunk_grad, dynamic=True)
+        except Exception:  # noqa: BLE001 - no compiler: eager
+            _KERNELS["lse"], _KERNELS["grad"] = _chunk_lse, _chunk_grad
+    return _KERNELS["lse"], _KERNELS["grad"]
+
+
+def _call(name: str, device: torch.device, *args):
+    """Run kernel ``name`` (compiled when possible); a compile/runtime failure falls back to eager for good."""
+    lse_fn, grad_fn = _kernels(device)
+    fn = lse_fn if name == "lse" else grad_fn
+    eager = _chunk_lse if name == "lse" else _chunk_grad
+    if fn is eager:
+        return eager(*args)
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - inductor missing / failed: eager from now on
+        import warnings
+
+        warnings.warn(f"compiled logprob kernel failed ({type(exc).__name__}: {exc}); using eager", stacklevel=2)
+        _KERNELS["lse"], _KERNELS["grad"] = _chunk_lse, _chunk_grad
+        return eager(*args)
+
+
 class SelectedLogprob(torch.autograd.Function):
-    """``log_softmax(hidden @ weight.T)[i, targets[i]]`` computed chunk by chunk.
+    """``log_softmax(hidden @ weight.T)[i, targets[i]]`` computed slice by slice of the vocabulary.
 
     Inputs: ``hidden`` (M, H), ``weight`` (V, H), ``targets`` (M,) int64.
-    Output: (M,) float32 (float64 for float64 inputs). Matmuls run in ``compute_dtype`` (bf16 on GPU), the
-    log-sum-exp in float32. Backward recomputes the chunk logits, so only
-    ``hidden``, ``weight`` and the (M,) log-sum-exp are kept for it.
+    Output: (M,) float32 (float64 for float64 inputs). Matmuls run in ``compute_dtype`` (bf16 on GPU),
+    log-sum-exp and softmax in float32. The vocabulary is cut into slices of ``chunk`` rows of
+    ``weight``, so every matmul has all M rows (large K for the weight gradient, which is written
+    once per slice instead of accumulated); per-slice log-sum-exps are combined at the end. Backward
+    recomputes each slice's logits, so only ``hidden``, ``weight``, ``targets`` and the (M,)
+    log-sum-exp are kept (memory O(M · chunk), not O(M · V)).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype: torch.dtype):  # type: ignore[override]
-        m = hidden.shape[0]
-        w = weight.to(compute_dtype)
+        m, v = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
         acc = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        out = torch.empty(m, dtype=acc, device=hidden.device)
-        lse = torch.empty(m, dtype=acc, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, m, chunk):
-                e = min(m, s + chunk)
-                logits = (hidden[s:e].to(compute_dtype) @ w.T).to(acc)
-                lse_c = torch.logsumexp(logits, dim=-1)
-                out[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - lse_c
-                lse[s:e] = lse_c
+        with torch.autocast(dev.type, enabled=False):
+            h = hidden.to(compute_dtype)
+            w = weight.to(compute_dtype)
+            picked = torch.zeros(m, dtype=acc, device=dev)
+            lses = []
+            for s in range(0, v, chunk):
+                e = min(v, s + chunk)
+                logits = h @ w[s:e].T  # (M, Vc) in compute dtype
+                lses.append(_call("lse", dev, logits, acc))
+                local = targets - s
+                hit = (local >= 0) & (local < e - s)
+                val = logits.gather(1, local.clamp(0, e - s - 1)[:, None]).squeeze(1).to(acc)
+                picked = torch.where(hit, val, picked)
+            lse = lses[0] if len(lses) == 1 else torch.logsumexp(torch.stack(lses, dim=1), dim=1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk = chunk
         ctx.compute_dtype = compute_dtype
-        return out
+        return picked - lse
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
         cd = ctx.compute_dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w = weight.to(cd)
-        grad_h = torch.empty_like(hidden) if need_h else None
         acc = lse.dtype
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        m = hidden.shape[0]
-        with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, m, ctx.chunk):
-                e = min(m, s + ctx.chunk)
-                h = hidden[s:e].to(cd)
-                logits = (h @ w.T).to(acc)
-                go = grad_out[s:e].to(acc)
-                # d logp / d logits = onehot(target) - softmax
-                g = torch.exp(logits - lse[s:e, None]).mul_(-go[:, None])
-                g[torch.arange(e - s, device=g.device), targets[s:e]] += go
-                g = g.to(cd)
+        dev = hidden.device
+        v = weight.shape[0]
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=dev) if need_h else None
+        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
+        with torch.autocast(dev.type, enabled=False):
+            h = hidden.to(cd)
+            w = weight.to(cd)
+            go = grad_out.to(acc)
+            for s in range(0, v, ctx.chunk):
+                e = min(v, s + ctx.chunk)
+                wc = w[s:e]
+                local = targets - s
+                hit = (local >= 0) & (local < e - s)
+                g = _call("grad", dev, h @ wc.T, lse, go, local, hit, acc)  # (M, Vc) in cd
                 if need_h:
-                    grad_h[s:e] = (g @ w).to(hidden.dtype)
+                    grad_h += g @ wc
                 if need_w:
-                    grad_w += (g.T @ h).to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+                    grad_w[s:e] = g.T @ h
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None
 
 
 def selected_logprobs(
@@ -95,7 +153,10 @@ def selected_logprobs(
     compute_dtype: torch.dtype | None = None, chunk_elements: int = DEFAULT_LOGIT_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Log-prob (M,) of ``targets`` (M,) under logits ``hidden (M,H) @ weight (V,H).T``."""
-    chunk = max(1, chunk_elements // max(1, weight.shape[0]))
+    chunk = max(1, chunk_elements // max(1, hidden.shape[0]))  # vocabulary rows per slice
+    if chunk >= 256:
+        chunk = chunk // 128 * 128  # aligned slices for the matmuls
+    chunk = min(chunk, weight.shape[0])
     return SelectedLogprob.apply(hidden, weight, targets, chunk, compute_dtype or hidden.dtype)
 
 

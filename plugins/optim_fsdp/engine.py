@@ -1,8 +1,13 @@
 """``FSDPEngine``: PyTorch FSDP2 (``fully_shard``) optimizer engine.
 
 - Not initialised torch.distributed (the server's own process): the model
-  trains plainly on one device (fp32 on CPU; bf16 autocast over fp32 master
-  weights on CUDA).
+  trains plainly on one device: fp32 on CPU; on CUDA a bf16 *compute copy*
+  of the model runs forward/backward (no per-micro-batch weight casts, bf16
+  activations), each gradient is added into the fp32 master weights' ``.grad``
+  as soon as it is ready (fp32 accumulation over micro-batches), fused AdamW
+  steps the fp32 masters and the compute copy is refreshed from them
+  (``optim.mixed_precision: autocast`` keeps the older fp32-params-under-autocast
+  path). Checkpoints, ``save_hf`` and the optimizer see only the fp32 masters.
 - Under ``torchrun`` (torch.distributed initialised, any world size ≥ 1):
   every decoder layer and then the root are ``fully_shard``-ed over a 1-D
   device mesh (gloo on CPU, NCCL on GPUs), with bf16 params / fp32 gradient
@@ -22,6 +27,7 @@ Checkpoints (``save_checkpoint(path)``)::
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -50,7 +56,51 @@ class FSDPEngine(BaseEngine):
             fully_shard(layer, mesh=self._mesh, mp_policy=mp)
         fully_shard(module, mesh=self._mesh, mp_policy=mp)
 
+    _compute: nn.Module | None = None
+
+    def _wants_compute_copy(self) -> bool:
+        mode = str(self.optim_cfg.get("mixed_precision", "auto") or "auto")
+        if mode not in ("auto", "autocast"):
+            raise ValueError(f"optim.mixed_precision must be 'auto' or 'autocast', not {mode!r}")
+        return (mode == "auto" and not self.distributed and self.device.type == "cuda"
+                and self.compute_dtype != torch.float32)
+
+    def _make_compute_copy(self) -> None:
+        """bf16 copy of the policy for forward/backward; its grads flow into the fp32 masters."""
+        cd = self.compute_dtype
+        compute = copy.deepcopy(self.policy)  # on the CPU, before the masters move: no fp32 GPU transient
+        with torch.no_grad():
+            for p in compute.parameters():  # params only: buffers (rotary inv_freq) stay fp32
+                p.data = p.data.to(cd)
+        compute.to(self.device)
+        masters = dict(self.policy.named_parameters())
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for name, p in compute.named_parameters():
+            master = masters[name]
+            self._pairs.append((master, p))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_grad_to_master(master))
+        self._compute = compute
+        if self.reference is not None:
+            with torch.no_grad():
+                for p in self.reference.parameters():
+                    p.data = p.data.to(cd)
+        self._native_low_precision = True
+
+    @torch.no_grad()
+    def _sync_compute(self, everything: bool = False) -> None:
+        """Copy the fp32 masters into the compute copy: trainable ones after an optimizer step, all after a load."""
+        if self._compute is None:
+            return
+        pairs = [(m, p) for m, p in self._pairs if everything or p.requires_grad]
+        torch._foreach_copy_([p.data for _, p in pairs], [m.data for m, _ in pairs])
+
+    def _compute_model(self) -> nn.Module:
+        return self._compute if self._compute is not None else self.policy
+
     def _wrap(self) -> None:
+        if self._wants_compute_copy():
+            self._make_compute_copy()
         self.policy.to(self.device)
         if self.reference is not None:
             self.reference.to(self.device)
@@ -72,7 +122,7 @@ class FSDPEngine(BaseEngine):
         self._params = params
 
     def _forward(self, mb: MicroBatch, model: nn.Module | None = None):
-        m = model if model is not None else self.policy
+        m = model if model is not None else self._compute_model()
         return m(mb.input_ids, mb.position_ids, mb.select, mb.targets)
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
@@ -91,6 +141,7 @@ class FSDPEngine(BaseEngine):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._sync_compute()
         return float(norm)
 
     def current_lr(self) -> float:
@@ -103,6 +154,25 @@ class FSDPEngine(BaseEngine):
 
         sd = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.rank == 0 else {}
+
+    def _export_state_dict(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """Weights for ``export_weights``, kept on the GPU where one device holds them all.
+
+        In one process with a compute copy: the bf16 compute weights when ``dtype`` is None or
+        the compute dtype (they equal the fp32 masters rounded, i.e. what a bf16 backend holds), so
+        a same-GPU backend does one plain copy per tensor. In a 1-rank group the full state dict is
+        gathered on the GPU (no CPU offload); with more ranks it is offloaded to rank 0's CPU.
+        """
+        if self._compute is not None and dtype in (None, self.compute_dtype):
+            return dict(self._compute.state_dict())
+        if self.distributed and self.world == 1:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            return get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        return self._full_state_dict()
 
     # ------------------------------------------------------------------ checkpoints
     def _barrier(self) -> None:
@@ -175,7 +245,21 @@ class FSDPEngine(BaseEngine):
             set_model_state_dict(self.policy, state["model"], options=opts)
         self.scheduler.load_state_dict(st["scheduler"])
         self._set_meta(st["meta"])
+        self._sync_compute(everything=True)
         rng = path_ / f"rng_rank{self.rank}.pt"
         if rng.exists():
             self._set_rng_state(torch.load(rng, weights_only=False))
         self._barrier()
+
+
+def _grad_to_master(master: nn.Parameter):
+    """Post-accumulate-grad hook: add the compute param's (bf16) gradient into ``master.grad`` (fp32)."""
+
+    def hook(p: torch.Tensor) -> None:
+        if master.grad is None:
+            master.grad = p.grad.to(master.dtype)
+        else:
+            master.grad.add_(p.grad)
+        p.grad = None
+
+    return hook

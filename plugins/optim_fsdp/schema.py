@@ -34,3 +34,6 @@ class EngineConfig:
 class FSDPConfig(EngineConfig):
     name: str = "fsdp"
     activation_checkpointing: bool = False
+    #: one process on CUDA: "auto" = bf16 compute copy with fp32 master weights
+    #: and fp32 gradient accumulation; "autocast" = fp32 params under bf16 autocast
+    mixed_precision: str = "auto"
