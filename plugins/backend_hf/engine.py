@@ -647,30 +647,45 @@ class HFBackend(InferenceBackend):
                 return None
 
     def _copy_tensors(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Copy named tensors into the served weights: checks first, then one batched copy.
+
+        Tied weights (e.g. ``lm_head`` and ``embed_tokens``) share storage and are
+        copied once; the state dict is built once per model (names are stable).
+        """
         import torch
 
-        state = self._state()
+        if getattr(self, "_state_cache", None) is None or self._state_cache[0] is not self._model:
+            self._state_cache = (self._model, self._state())
+        state = self._state_cache[1]
         unknown: list[str] = []
-        n = 0
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                key = self._resolve_name(name, state)
-                if key is None:
-                    if "lora_" in name:
-                        raise ValueError(
-                            f"'{name}' is a LoRA tensor: pass merged weights, or the adapter folder as path=")
-                    unknown.append(name)
-                    continue
-                dst = state[key]
-                src = torch.as_tensor(tensor)
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"weight '{name}': shape {tuple(src.shape)} != served {tuple(dst.shape)}")
-                dst.data.copy_(src.to(device=dst.device, dtype=dst.dtype))
-                self._lora_base.pop(key, None)  # new base value: nothing to restore
-                n += 1
+        dsts: list[Any] = []
+        srcs: list[Any] = []
+        seen: set[int] = set()
+        for name, tensor in named_tensors:
+            key = self._resolve_name(name, state)
+            if key is None:
+                if "lora_" in name:
+                    raise ValueError(
+                        f"'{name}' is a LoRA tensor: pass merged weights, or the adapter folder as path=")
+                unknown.append(name)
+                continue
+            dst = state[key]
+            src = torch.as_tensor(tensor)
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"weight '{name}': shape {tuple(src.shape)} != served {tuple(dst.shape)}")
+            self._lora_base.pop(key, None)  # new base value: nothing to restore
+            ptr = dst.data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            dsts.append(dst.data)
+            srcs.append(src)
         if unknown:
             raise KeyError(f"update_weights: {len(unknown)} unknown weight name(s), e.g. {unknown[:3]}")
-        log.debug("hf backend: copied %d tensors", n)
+        with torch.no_grad():
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+        log.debug("hf backend: copied %d tensors", len(dsts))
 
     def _restore_lora_base(self) -> None:
         import torch
