@@ -64,15 +64,6 @@ def _packaged_options(module: str, group: str) -> set[str]:
         return set()
 
 
-def config_dir() -> str:
-    """Folder of the packaged configs."""
-    from pathlib import Path
-
-    import swarmkit.conf
-
-    return str(Path(swarmkit.conf.__file__).parent)
-
-
 def plugin_search_paths() -> list[str]:
     from swarmkit.plugins import get_hooks
 
@@ -197,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     sys.argv = [sys.argv[0] if sys.argv else "swarmkit", *hargs]
-    entry = hydra.main(config_path=None, config_name="config", version_base="1.3")(_hydra_entry)
-    # hydra.main with config_path=None finds no primary config: point it at the package.
-    sys.argv.insert(1, f"--config-dir={config_dir()}")
+    entry = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(_hydra_entry)
     entry()
 
 

@@ -151,3 +151,10 @@ def test_schema_only_component_gets_a_config_option(monkeypatch):
     assert cfg.batching.name == "c9" and cfg.batching.patience_s == 7.0 and cfg.batching.batch_size == 2
     with pytest.raises(ConfigError, match="batching.nope: unknown key"):
         validated(compose(["batching=c9", "+batching.nope=1"]))
+
+
+def test_cli_help_lists_modes_and_groups():
+    out = _cli("--help")
+    assert out.returncode == 0
+    assert "mode=server" in out.stdout and "backend: hf, sglang, vllm" in out.stdout
+    assert "conf/" not in out.stdout
