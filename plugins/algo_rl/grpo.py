@@ -11,25 +11,42 @@ from swarmkit.interfaces import Algorithm
 from swarmkit_plugins.algo_rl import losses
 
 
-def _check_common(clip_low: float, clip_high: float, loss_agg: str, loss_norm_constant: float,
-                  ppo_epochs: int, mini_batches: int, kl_coef: float) -> None:
-    problems = []
-    if not 0 <= clip_low < 1:
-        problems.append(f"algo.clip_low must be in [0, 1), got {clip_low}")
-    if clip_high < 0:
-        problems.append(f"algo.clip_high must be >= 0, got {clip_high}")
-    if loss_agg not in losses.AGG_MODES:
-        problems.append(f"algo.loss_agg must be one of {losses.AGG_MODES}, got {loss_agg!r}")
-    if loss_norm_constant <= 0:
-        problems.append(f"algo.loss_norm_constant must be > 0, got {loss_norm_constant}")
-    if ppo_epochs < 1 or mini_batches < 1:
-        problems.append("algo.ppo_epochs and algo.mini_batches must be >= 1")
-    if kl_coef < 0:
-        problems.append(f"algo.kl_coef must be >= 0, got {kl_coef}")
-    if problems:
-        from swarmkit.errors import ConfigError
+class ClippedPolicyAlgorithm(Algorithm):
+    """What GRPO and PPO share: the clipped surrogate's settings, loss aggregation and KL."""
 
-        raise ConfigError(problems)
+    def _init_common(self, name: str, clip_low: float, clip_high: float, kl_coef: float, kl_kind: str,
+                     loss_agg: str, loss_norm_constant: float, ppo_epochs: int, mini_batches: int) -> None:
+        problems = []
+        if not 0 <= clip_low < 1:
+            problems.append(f"algo.clip_low must be in [0, 1), got {clip_low}")
+        if clip_high < 0:
+            problems.append(f"algo.clip_high must be >= 0, got {clip_high}")
+        if loss_agg not in losses.AGG_MODES:
+            problems.append(f"algo.loss_agg must be one of {losses.AGG_MODES}, got {loss_agg!r}")
+        if loss_norm_constant <= 0:
+            problems.append(f"algo.loss_norm_constant must be > 0, got {loss_norm_constant}")
+        if ppo_epochs < 1 or mini_batches < 1:
+            problems.append("algo.ppo_epochs and algo.mini_batches must be >= 1")
+        if kl_coef < 0:
+            problems.append(f"algo.kl_coef must be >= 0, got {kl_coef}")
+        if problems:
+            from swarmkit.errors import ConfigError
+
+            raise ConfigError(problems)
+        self.name = name
+        self.clip_low = float(clip_low)
+        self.clip_high = float(clip_high)
+        self.kl_coef = float(kl_coef)
+        self.kl_kind = kl_kind
+        self.loss_agg = loss_agg
+        self.loss_norm_constant = float(loss_norm_constant)
+        self.ppo_epochs = int(ppo_epochs)
+        self.mini_batches = int(mini_batches)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the engine must keep a frozen reference policy (``kl_coef > 0``)."""
+        return self.kl_coef > 0
 
 
 def expand_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -39,7 +56,7 @@ def expand_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return advantages
 
 
-class GRPO(Algorithm):
+class GRPO(ClippedPolicyAlgorithm):
     """GRPO built from the ``algo`` group (fields of ``GRPOConfig``).
 
     Every generated token of an episode (all spans of all its merged samples)
@@ -55,24 +72,10 @@ class GRPO(Algorithm):
         loss_norm_constant: float = 1024.0, ppo_epochs: int = 1, mini_batches: int = 1,
         adv_eps: float = 1e-6, kl_kind: str = "k3",
     ):
-        _check_common(clip_low, clip_high, loss_agg, loss_norm_constant, ppo_epochs,
-                      mini_batches, kl_coef)
-        self.name = name
+        self._init_common(name, clip_low, clip_high, kl_coef, kl_kind, loss_agg, loss_norm_constant,
+                          ppo_epochs, mini_batches)
         self.std_normalize = bool(std_normalize)
-        self.clip_low = float(clip_low)
-        self.clip_high = float(clip_high)
-        self.kl_coef = float(kl_coef)
-        self.kl_kind = kl_kind
-        self.loss_agg = loss_agg
-        self.loss_norm_constant = float(loss_norm_constant)
-        self.ppo_epochs = int(ppo_epochs)
-        self.mini_batches = int(mini_batches)
         self.adv_eps = float(adv_eps)
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the engine must keep a frozen reference policy (``kl_coef > 0``)."""
-        return self.kl_coef > 0
 
     def episode_advantages(self, rewards: Sequence[float], task_ids: Sequence[str]) -> list[float]:
         """One advantage per episode, relative to the other episodes of its task."""

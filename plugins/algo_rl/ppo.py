@@ -7,12 +7,11 @@ from typing import Any
 
 import torch
 
-from swarmkit.interfaces import Algorithm
 from swarmkit_plugins.algo_rl import losses
-from swarmkit_plugins.algo_rl.grpo import _check_common, expand_advantages
+from swarmkit_plugins.algo_rl.grpo import ClippedPolicyAlgorithm, expand_advantages
 
 
-class PPO(Algorithm):
+class PPO(ClippedPolicyAlgorithm):
     """PPO built from the ``algo`` group (fields of ``PPOConfig``).
 
     The sequence reward sits on the row's last generated token; GAE runs over
@@ -29,27 +28,13 @@ class PPO(Algorithm):
         ppo_epochs: int = 1, mini_batches: int = 1, normalize_advantages: bool = True,
         kl_kind: str = "k3",
     ):
-        _check_common(clip_low, clip_high, loss_agg, loss_norm_constant, ppo_epochs,
-                      mini_batches, kl_coef)
-        self.name = name
+        self._init_common(name, clip_low, clip_high, kl_coef, kl_kind, loss_agg, loss_norm_constant,
+                          ppo_epochs, mini_batches)
         self.gamma = float(gamma)
         self.lam = float(lam)
-        self.clip_low = float(clip_low)
-        self.clip_high = float(clip_high)
         self.value_clip = float(value_clip)
         self.vf_coef = float(vf_coef)
-        self.kl_coef = float(kl_coef)
-        self.kl_kind = kl_kind
-        self.loss_agg = loss_agg
-        self.loss_norm_constant = float(loss_norm_constant)
-        self.ppo_epochs = int(ppo_epochs)
-        self.mini_batches = int(mini_batches)
         self.normalize_advantages = bool(normalize_advantages)
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the engine must keep a frozen reference policy (``kl_coef > 0``)."""
-        return self.kl_coef > 0
 
     def token_advantages(
         self, rewards_per_sequence: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
