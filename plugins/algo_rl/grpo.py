@@ -48,6 +48,18 @@ class ClippedPolicyAlgorithm(Algorithm):
         """Whether the engine must keep a frozen reference policy (``kl_coef > 0``)."""
         return self.kl_coef > 0
 
+    def _add_kl(self, loss: torch.Tensor, metrics: dict[str, float], logprobs: torch.Tensor,
+                ref_logprobs: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """``loss + kl_coef * KL(policy || reference)`` when ``kl_coef > 0``; records its metrics."""
+        if self.kl_coef <= 0:
+            return loss
+        if ref_logprobs is None:
+            raise ValueError(f"{type(self).__name__} with kl_coef > 0 needs ref_logprobs")
+        kl, kl_metrics = losses.kl_penalty(logprobs, ref_logprobs, mask, self.kl_kind,
+                                           self.loss_agg, self.loss_norm_constant)
+        metrics.update(kl_metrics)
+        return loss + self.kl_coef * kl
+
 
 def expand_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence advantages (B,) broadcast to (B, T); (B, T) passes through."""
@@ -105,12 +117,6 @@ class GRPO(ClippedPolicyAlgorithm):
         loss, metrics = losses.policy_loss(
             logprobs, old_logprobs, adv, mask, self.clip_low, self.clip_high, self.loss_agg,
             self.loss_norm_constant)
-        if self.kl_coef > 0:
-            if ref_logprobs is None:
-                raise ValueError("GRPO with kl_coef > 0 needs ref_logprobs")
-            kl, kl_metrics = losses.kl_penalty(logprobs, ref_logprobs, mask, self.kl_kind,
-                                               self.loss_agg, self.loss_norm_constant)
-            loss = loss + self.kl_coef * kl
-            metrics.update(kl_metrics)
+        loss = self._add_kl(loss, metrics, logprobs, ref_logprobs, mask)
         metrics["loss"] = float(loss.detach().item())
         return loss, metrics

@@ -70,12 +70,6 @@ class PPO(ClippedPolicyAlgorithm):
                                           self.loss_agg, self.loss_norm_constant)
         loss = loss + self.vf_coef * vl
         metrics.update(v_metrics)
-        if self.kl_coef > 0:
-            if ref_logprobs is None:
-                raise ValueError("PPO with kl_coef > 0 needs ref_logprobs")
-            kl, kl_metrics = losses.kl_penalty(logprobs, ref_logprobs, mask, self.kl_kind,
-                                               self.loss_agg, self.loss_norm_constant)
-            loss = loss + self.kl_coef * kl
-            metrics.update(kl_metrics)
+        loss = self._add_kl(loss, metrics, logprobs, ref_logprobs, mask)
         metrics["loss"] = float(loss.detach().item())
         return loss, metrics
