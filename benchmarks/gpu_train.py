@@ -14,9 +14,14 @@ Measures, in one run on one GPU:
   row × row score matrix) against per-document varlen flash attention
   (``swarmkit_varlen``, registered below with transformers'
   ``AttentionInterface`` and selected through ``model.attn_implementation``);
+  Options switch engine features off on the same engine: ``+eager`` (the
+  decoder layers' uncompiled forward), ``+nokeep`` (logits recomputed in
+  backward), ``+tbN`` (token budget N); ``--check-compile`` compares compiled
+  and eager layers on one micro-batch;
 - timeline merging on vs off on a synthetic AppWorld-like workload (16
   episodes × 12 turns, prompt 300 tokens, +200 tokens per turn): trained /
-  forwarded tokens and actor-update wall time per step, same data;
+  forwarded tokens, the FLOPs the engine runs (LM head on trained tokens
+  only) and actor-update wall time per step, same data;
 - weight sync: ``HFBackend.update_weights(named_tensors=engine.export_weights())``
   on the GPU against a device-to-device copy of the same tensors (into
   preallocated bf16 tensors: the same conversion) and against one
@@ -338,6 +343,82 @@ def model_flops(info: dict[str, Any], doc_lens: list[int]) -> float:
     return 6.0 * info["params"] * t + attn
 
 
+def engine_flops(info: dict[str, Any], samples) -> float:
+    """FLOPs the engine actually runs for ``samples``: the decoder on every forwarded token, the
+    LM head only on trained tokens (``SelectedLogprob`` skips the rest), causal attention per
+    sample. Merging shrinks the first and the last, never the head's share."""
+    head = info["vocab"] * info["hidden"]
+    body = info["params"] - head  # tied embeddings: the lookup costs no matmul
+    fwd = sum(len(s.input_ids) for s in samples)
+    trained = sum(sum(1 for m in s.loss_mask[1:] if m) for s in samples)
+    attn = sum(6 * info["layers"] * len(s.input_ids) ** 2 * info["hidden"] for s in samples)
+    return 6.0 * body * fwd + 6.0 * head * trained + attn
+
+
+def compute_policy(engine):
+    get = getattr(engine, "_compute_model", None)
+    return get() if callable(get) else engine.policy
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``t`` (DTensor gradients of a fully_shard-ed model are gathered)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def check_compile(engine, samples, dev: torch.device) -> dict[str, float]:
+    """Compiled vs eager decoder layers on one micro-batch of 2 samples: max |Δ logprob| and the
+    relative difference of the gradient (flattened, all trainable compute params)."""
+    from swarmkit_plugins.optim_fsdp.core import micro_batch_tensors, prepare_sample
+
+    pol = compute_policy(engine)
+    if not engine.compiled_layers:
+        return {"skipped": 1.0}
+    mb = micro_batch_tensors([prepare_sample(s) for s in samples[:2]], [0, 1], dev, engine.pad_id)
+    out = {}
+    for mode in ("compiled", "eager"):
+        restore = apply_knobs(engine, ["eager"] if mode == "eager" else [])
+        pol.zero_grad(set_to_none=True)
+        with engine._autocast():
+            lp, _ = engine._forward(mb)
+        (lp.float().sum() / lp.numel()).backward()
+        grads = [_full(p.grad).detach().float().flatten() for p in pol.parameters() if p.grad is not None]
+        out[mode] = (lp.detach().float(), torch.cat(grads) if grads else torch.zeros(1, device=dev))
+        restore()
+    pol.zero_grad(set_to_none=True)
+    engine._zero_grad()
+    (a, ga), (b, gb) = out["compiled"], out["eager"]
+    return {"max_abs_logprob_diff": float((a - b).abs().max()), "mean_abs_logprob_diff": float((a - b).abs().mean()),
+            "grad_rel_diff": float((ga - gb).norm() / gb.norm().clamp_min(1e-30))}
+
+
+def apply_knobs(engine, opts: list[str]):
+    """Variant options: ``eager`` (the layers' uncompiled forward), ``nokeep`` (recompute logits in
+    backward), ``tbN`` (token budget N, e.g. tb32768). Returns a function that undoes them."""
+    pol = compute_policy(engine)
+    undo = []
+    if "eager" in opts:
+        saved = [(layer, layer.__dict__.get("forward")) for layer in pol.decoder_layers()]
+        for layer, _ in saved:
+            layer.__dict__.pop("forward", None)
+
+        def back(saved=saved):
+            for layer, fwd in saved:
+                if fwd is not None:
+                    layer.forward = fwd
+        undo.append(back)
+    if "nokeep" in opts:
+        keep = pol.keep_logits_bytes
+        pol.keep_logits_bytes = 0
+        undo.append(lambda keep=keep: setattr(pol, "keep_logits_bytes", keep))
+    for o in opts:
+        if o.startswith("tb") and o[2:].isdigit():
+            tb = engine.token_budget
+            engine.token_budget = int(o[2:])
+            undo.append(lambda tb=tb: setattr(engine, "token_budget", tb))
+    return lambda: [f() for f in reversed(undo)]
+
+
 def flat_samples(n: int, length: int, vocab: int, seed: int):
     from swarmkit.trainer import TrainSample
 
@@ -514,26 +595,37 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
         r["model"] = {**info, "build_s": time.perf_counter() - t}
         algo = GRPO()
         optim = {"lr": 1e-6, "token_budget": args.token_budget, "grad_clip": 1.0,
-                 "device": "cuda" if dev.type == "cuda" else "cpu", "mixed_precision": args.mixed_precision}
+                 "device": "cuda" if dev.type == "cuda" else "cpu", "mixed_precision": args.mixed_precision,
+                 "compile": args.compile}
         mem_reset(dev)
         t = time.perf_counter()
         engine = FSDPEngine(str(folder), {"attn_implementation": "sdpa"}, optim, algo)
         r["model"]["engine_init_s"] = time.perf_counter() - t
         vocab = shape["vocab_size"]
         flat = flat_samples(args.seqs, args.seq_len, vocab, seed=1)
-        try:
-            r["attention_check"] = check_attention(engine, flat, dev)
-        except Exception as exc:  # noqa: BLE001
-            r["attention_check"] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"[{name}] attention check {r['attention_check']}", flush=True)
+        if any(v.split("+")[0] == "varlen" for v in args.variants.split(",")):
+            try:
+                r["attention_check"] = check_attention(engine, flat, dev)
+            except Exception as exc:  # noqa: BLE001
+                r["attention_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{name}] attention check {r['attention_check']}", flush=True)
+        if args.check_compile:
+            try:
+                r["compile_check"] = check_compile(engine, flat, dev)
+            except Exception as exc:  # noqa: BLE001
+                r["compile_check"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(f"[{name}] compile check {r['compile_check']}", flush=True)
         flops = model_flops(info, [args.seq_len] * args.seqs)
         variants = [v for v in args.variants.split(",") if v]
+        r["model"]["compiled_layers"] = engine.compiled_layers
+        r["model"]["keep_logits_bytes"] = compute_policy(engine).keep_logits_bytes
         r["throughput"] = {}
         for v in variants:
             attn, *opts = v.split("+")
             ac = "ac" if "ac" in opts else ""
             set_attn(engine, "sdpa" if attn == "sdpa" else VARLEN)
             set_logprob("lpc" in opts)
+            restore = apply_knobs(engine, opts)
             lm = compute_lm(engine)
             if ac == "ac":
                 lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -550,6 +642,7 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
                 mem_reset(dev)
             if ac == "ac":
                 lm.gradient_checkpointing_disable()
+            restore()
             r["throughput"][v] = res
             if args.profile and v == variants[-1]:
                 r["profile"] = profile_step(engine, flat, dev, args.profile, f"{name}{args.tag}")
@@ -570,6 +663,7 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
                     res = run_steps(engine, samples, args.merge_steps, dev)
                     res.update(mem_peak(dev))
                     res["samples"] = len(samples)
+                    res["engine_tflop"] = engine_flops(info, samples) / 1e12
                     res["model_tflops"] = model_flops(info, [len(s.input_ids) for s in samples]) / res["step_s"] / 1e12
                     res["mfu"] = res["model_tflops"] / peak
                 except Exception as exc:  # noqa: BLE001
@@ -582,8 +676,9 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
             r["merge"]["time_ratio"] = off["step_s"] / on["step_s"]
             r["merge"]["token_ratio"] = off["tokens"] / on["tokens"]
             r["merge"]["trained_token_ratio"] = off["trained_tokens"] / on["trained_tokens"]
+            r["merge"]["work_ratio"] = off["engine_tflop"] / on["engine_tflop"]
             print(f"[{name}] merge time ratio {r['merge']['time_ratio']:.2f} vs token ratio "
-                  f"{r['merge']['token_ratio']:.2f}", flush=True)
+                  f"{r['merge']['token_ratio']:.2f}, work ratio {r['merge']['work_ratio']:.2f}", flush=True)
         dump()
         if not args.no_sync:
             try:
@@ -591,6 +686,9 @@ def bench_model(name: str, args, dev: torch.device, peak: float, results: dict, 
             except Exception as exc:  # noqa: BLE001
                 r["weight_sync"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(f"[{name}] weight sync {r['weight_sync']}", flush=True)
+        from torch._dynamo.utils import counters
+
+        r["compile"] = {"graphs": dict(counters["stats"]), "failed": getattr(compute_policy(engine), "compile_failed", [])}
         del engine
         mem_reset(dev)
         dump()
@@ -609,17 +707,18 @@ def table(results: dict) -> str:
                 continue
             lines.append(f"| {name} | {v} | {x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['model_tflops']:.0f} | "
                          f"{100 * x['mfu']:.1f}% | {x.get('peak_alloc_gb', 0):.1f} |")
-    lines += ["", "| model | merge | samples | tokens | trained | step s | peak mem GB |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | merge | samples | tokens | trained | engine TFLOP | step s | peak mem GB |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, r in results["models"].items():
         m = r.get("merge", {})
         for label in ("merge_off", "merge_on"):
             x = m.get(label, {})
             if "step_s" in x:
                 lines.append(f"| {name} | {label} | {x['samples']} | {x['tokens']:,.0f} | {x['trained_tokens']:,.0f} | "
-                             f"{x['step_s']:.3f} | {x.get('peak_alloc_gb', 0):.1f} |")
+                             f"{x['engine_tflop']:.1f} | {x['step_s']:.3f} | {x.get('peak_alloc_gb', 0):.1f} |")
         if "time_ratio" in m:
             lines.append(f"| {name} | ratio off/on | | {m['token_ratio']:.2f}× | {m['trained_token_ratio']:.2f}× | "
-                         f"{m['time_ratio']:.2f}× | |")
+                         f"{m['work_ratio']:.2f}× | {m['time_ratio']:.2f}× | |")
     lines += ["", "| model | hf update_weights s | copy same tensors s | memcpy same bytes s | ratio vs copy |",
               "|---|---|---|---|---|"]
     for name, r in results["models"].items():
@@ -635,8 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model, small workload (CPU test)")
     p.add_argument("--models", default="0.5b,1.5b")
     p.add_argument("--variants", default="sdpa,varlen",
-                   help="comma list of sdpa|varlen[+ac][+lpc]; lpc = fused logprob prototype; the last one "
-                        "is also used for the merge runs")
+                   help="comma list of sdpa|varlen[+ac][+lpc][+eager][+nokeep][+tbN]; lpc = fused logprob "
+                        "prototype, eager = uncompiled layers, nokeep = recompute logits in backward, tbN = "
+                        "token budget N; the last one is also used for the merge runs")
     p.add_argument("--fsdp1", action="store_true",
                    help="init a 1-rank process group so the engine fully_shard-s (bf16 params, FSDP2 path)")
     p.add_argument("--tag", default="")
@@ -655,6 +755,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-precision", default="auto", choices=["auto", "autocast"],
                    help="engine optim.mixed_precision: auto = bf16 compute copy (one process), autocast = "
                         "fp32 params under autocast (the engine before 2026-12-03)")
+    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                   help="engine optim.compile (auto = compiled decoder layers on CUDA in one process)")
+    p.add_argument("--check-compile", action="store_true",
+                   help="compare compiled and eager layers on one micro-batch (logprobs and gradient)")
     p.add_argument("--profile", default=None, help="folder: profile one varlen step per model there")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -85,6 +85,69 @@ def test_selected_logprobs_match_log_softmax_and_gradients():
     assert torch.autograd.gradcheck(lambda a, b: selected_logprobs(a, b, t, chunk_elements=80), (h, w))
 
 
+def test_kept_logits_give_the_same_values_and_gradients():
+    """keep_logits_bytes large enough: backward reuses forward's logits; same numbers as recomputing."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(11, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(53, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 53, (11,), generator=g)
+    go = torch.randn(11, generator=g, dtype=torch.float64)
+    res = {}
+    for keep in (0, 1 << 20):
+        lp = selected_logprobs(h, w, t, chunk_elements=11 * 8, keep_logits_bytes=keep)
+        res[keep] = (lp.detach(), *torch.autograd.grad(lp, (h, w), go))
+    for a, b in zip(res[0], res[1 << 20], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda a, b: selected_logprobs(a, b, t, chunk_elements=80, keep_logits_bytes=1 << 20), (h, w))
+
+
+def _compiled_vs_eager(backend: str) -> None:
+    batch = make_batch(old=-6.0)
+    curves = {}
+    for mode in ("false", "true"):
+        e = engine(compile=mode, compile_backend=backend)
+        assert e.compiled_layers == (len(e.policy.decoder_layers()) if mode == "true" else 0)
+        curves[mode] = [e.train_step(batch)["loss"] for _ in range(3)]
+        if mode == "true":  # names, checkpoints and export are unchanged by compiling
+            assert all("_orig_mod" not in k for k in e.policy.state_dict())
+    assert curves["true"] == pytest.approx(curves["false"], rel=1e-4, abs=1e-6)
+
+
+def test_compiled_layers_train_like_eager():
+    """optim.compile=true wraps each decoder layer's forward (aot_eager here: no C++ build in the fast suite)."""
+    _compiled_vs_eager("aot_eager")
+
+
+@pytest.mark.slow
+def test_inductor_compiled_layers_train_like_eager():
+    """The real inductor backend (C++ kernels on CPU, Triton on CUDA) gives the same curve."""
+    _compiled_vs_eager("inductor")
+
+
+def test_a_failing_compile_falls_back_to_eager():
+    """A backend that cannot compile (no Triton, no C++ compiler): one warning, then eager, same curve."""
+    from torch._dynamo import register_backend
+
+    @register_backend(name="swarmkit_test_broken")
+    def broken(gm, example_inputs):  # noqa: ARG001
+        raise RuntimeError("no compiler here")
+
+    batch = make_batch(old=-6.0)
+    plain = engine()
+    want = [plain.train_step(batch)["loss"] for _ in range(2)]
+    e = engine(compile="true", compile_backend="swarmkit_test_broken")
+    with pytest.warns(UserWarning, match="running eager"):
+        got = [e.train_step(batch)["loss"] for _ in range(2)]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert "no compiler here" in e.policy.compile_failed[0]
+
+
+def test_compile_option_is_checked():
+    with pytest.raises(ValueError, match="optim.compile"):
+        engine(compile="sometimes")
+
+
 def test_packed_row_equals_separate_forwards():
     e = engine()
     samples = make_batch()

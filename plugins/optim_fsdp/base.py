@@ -144,7 +144,9 @@ class BaseEngine(OptimEngine):
         lm = load_lm(self.model_path, self.model_cfg, self.seed)
         if self.optim_cfg.get("activation_checkpointing"):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.policy = PolicyModel(lm, self.compute_dtype, value_head=self.needs_values, chunk_elements=chunk)
+        keep = self._keep_logits_bytes()
+        self.policy = PolicyModel(lm, self.compute_dtype, value_head=self.needs_values, chunk_elements=chunk,
+                                  keep_logits_bytes=keep)
         self.policy.train()
         self.pad_id = int(getattr(self.policy.causal_lm.config, "pad_token_id", None) or 0)
         self.reference: nn.Module | None = None
@@ -153,6 +155,35 @@ class BaseEngine(OptimEngine):
             self.reference = PolicyModel(ref_lm, self.compute_dtype, chunk_elements=chunk).eval()
             self.reference.requires_grad_(False)
         self._wrap()
+        self.compiled_layers = 0
+        if self._wants_compile():
+            backend = str(self.optim_cfg.get("compile_backend") or "inductor")
+            self.compiled_layers = self._compute_model().compile_layers(backend)
+            if self.reference is not None:
+                self.reference.compile_layers(backend)
+
+    def _wants_compile(self) -> bool:
+        """``optim.compile``: "auto" = on CUDA in one process (no process group); true / false force it."""
+        mode = self.optim_cfg.get("compile", "auto")
+        if isinstance(mode, str):
+            low = mode.strip().lower()
+            if low == "auto":
+                return self.device.type == "cuda" and not self.distributed
+            if low in ("true", "on", "1", "yes"):
+                return True
+            if low in ("false", "off", "0", "no", ""):
+                return False
+            raise ValueError(f"optim.compile must be auto, true or false, not {mode!r}")
+        return bool(mode)
+
+    def _keep_logits_bytes(self) -> int:
+        """``optim.keep_logits_bytes``: -1 (auto) = a tenth of the GPU's memory on CUDA, 0 on CPU."""
+        val = int(self.optim_cfg.get("keep_logits_bytes", -1))
+        if val >= 0:
+            return val
+        if self.device.type == "cuda":
+            return int(torch.cuda.get_device_properties(self.device).total_memory // 10)
+        return 0
 
     # ------------------------------------------------------------------ subclass hooks
     def _wrap(self) -> None:

@@ -94,14 +94,18 @@ class SelectedLogprob(torch.autograd.Function):
     ``weight``, so every matmul has all M rows (large K for the weight gradient, which is written
     once per slice instead of accumulated); per-slice log-sum-exps are combined at the end. Backward
     recomputes each slice's logits, so only ``hidden``, ``weight``, ``targets`` and the (M,)
-    log-sum-exp are kept (memory O(M · chunk), not O(M · V)).
+    log-sum-exp are kept (memory O(M · chunk), not O(M · V)) — unless ``keep_logits``: then the
+    slices computed in forward are kept (M · V in ``compute_dtype``) and reused, trading that
+    memory for one of the head's four matmuls.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype: torch.dtype):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype: torch.dtype,  # type: ignore[override]
+                keep_logits: bool = False):
         m, v = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         acc = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        kept: list[torch.Tensor] = []
         with torch.autocast(dev.type, enabled=False):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
@@ -115,10 +119,13 @@ class SelectedLogprob(torch.autograd.Function):
                 hit = (local >= 0) & (local < e - s)
                 val = logits.gather(1, local.clamp(0, e - s - 1)[:, None]).squeeze(1).to(acc)
                 picked = torch.where(hit, val, picked)
+                if keep_logits:
+                    kept.append(logits)
             lse = lses[0] if len(lses) == 1 else torch.logsumexp(torch.stack(lses, dim=1), dim=1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk = chunk
         ctx.compute_dtype = compute_dtype
+        ctx.kept = kept  # the logits slices, when kept: backward skips their recompute
         return picked - lse
 
     @staticmethod
@@ -140,24 +147,38 @@ class SelectedLogprob(torch.autograd.Function):
                 wc = w[s:e]
                 local = targets - s
                 hit = (local >= 0) & (local < e - s)
-                g = _call("grad", dev, h @ wc.T, lse, go, local, hit, acc)  # (M, Vc) in cd
+                logits = ctx.kept[s // ctx.chunk] if ctx.kept else h @ wc.T
+                if ctx.kept:
+                    ctx.kept[s // ctx.chunk] = None  # free each kept slice once used
+                g = _call("grad", dev, logits, lse, go, local, hit, acc)  # (M, Vc) in cd
+                del logits
                 if need_h:
                     grad_h += g @ wc
                 if need_w:
                     grad_w[s:e] = g.T @ h
-        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None
+        ctx.kept = []
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
 
 
 def selected_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     compute_dtype: torch.dtype | None = None, chunk_elements: int = DEFAULT_LOGIT_CHUNK_ELEMENTS,
+    keep_logits_bytes: int = 0,
 ) -> torch.Tensor:
-    """Log-prob (M,) of ``targets`` (M,) under logits ``hidden (M,H) @ weight (V,H).T``."""
+    """Log-prob (M,) of ``targets`` (M,) under logits ``hidden (M,H) @ weight (V,H).T``.
+
+    When the (M, V) logits in ``compute_dtype`` fit in ``keep_logits_bytes`` and a gradient is
+    needed, forward keeps them and backward skips recomputing them (one matmul of the head fewer).
+    """
+    cd = compute_dtype or hidden.dtype
     chunk = max(1, chunk_elements // max(1, hidden.shape[0]))  # vocabulary rows per slice
     if chunk >= 256:
         chunk = chunk // 128 * 128  # aligned slices for the matmuls
     chunk = min(chunk, weight.shape[0])
-    return SelectedLogprob.apply(hidden, weight, targets, chunk, compute_dtype or hidden.dtype)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    nbytes = hidden.shape[0] * weight.shape[0] * torch.empty((), dtype=cd).element_size()
+    keep = bool(grad and keep_logits_bytes > 0 and nbytes <= keep_logits_bytes)
+    return SelectedLogprob.apply(hidden, weight, targets, chunk, cd, keep)
 
 
 def _causal_lm(lm: nn.Module) -> nn.Module:
@@ -174,11 +195,12 @@ class PolicyModel(nn.Module):
     """
 
     def __init__(self, lm: nn.Module, compute_dtype: torch.dtype, value_head: bool = False,
-                 chunk_elements: int = DEFAULT_LOGIT_CHUNK_ELEMENTS):
+                 chunk_elements: int = DEFAULT_LOGIT_CHUNK_ELEMENTS, keep_logits_bytes: int = 0):
         super().__init__()
         self.lm = lm
         self.compute_dtype = compute_dtype
         self.chunk_elements = chunk_elements
+        self.keep_logits_bytes = keep_logits_bytes
         hidden = _causal_lm(lm).config.hidden_size
         self.value_head = nn.Linear(hidden, 1) if value_head else None
         if self.value_head is not None:
@@ -209,11 +231,56 @@ class PolicyModel(nn.Module):
             logits = head(hidden).float()
             lp = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
         else:
-            lp = selected_logprobs(hidden, head.weight, targets, self.compute_dtype, self.chunk_elements)
+            lp = selected_logprobs(hidden, head.weight, targets, self.compute_dtype, self.chunk_elements,
+                                   self.keep_logits_bytes)
         values = None
         if self.value_head is not None:
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         return lp, values
+
+    def decoder_layers(self) -> list[nn.Module]:
+        clm = self.causal_lm
+        return list(getattr(getattr(clm, clm.base_model_prefix), "layers", []))
+
+    def compile_layers(self, backend: str = "inductor") -> int:
+        """``torch.compile`` every decoder layer's ``forward`` in place; returns how many.
+
+        The layers share one code object, so they share compiled graphs (one per input
+        shape kind: static, then dynamic after the first new shape). Only ``forward`` is
+        replaced: module hooks (FSDP2's unshard/reshard, gradient checkpointing) stay
+        outside the compiled region and parameter names do not change. What it fuses is
+        the memory-bound work between the matmuls: RMSNorm, rotary, SiLU gate, residuals.
+        """
+        layers = self.decoder_layers()
+        failed: list[str] = []  # shared by this model's layers: one failure sends them all to eager
+        for layer in layers:
+            if "forward" not in layer.__dict__:
+                layer.forward = _compiled_forward(layer.forward, torch.compile(layer.forward, backend=backend),
+                                                  failed)
+        self.compile_failed = failed
+        return len(layers)
+
+
+def _compiled_forward(eager, compiled, failed: list[str]):
+    """A layer forward that runs ``compiled`` and, if compiling fails (no Triton, no C++ compiler, an
+    unsupported op), warns once and runs ``eager`` for good; errors of the model itself still raise."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    def forward(*args, **kwargs):
+        if failed:
+            return eager(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except TorchDynamoException as exc:
+            import warnings
+
+            failed.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            warnings.warn(f"torch.compile of the decoder layers failed ({failed[0]}); running eager. "
+                          "Set optim.compile=false to skip compiling.", stacklevel=2)
+            return eager(*args, **kwargs)
+
+    forward.__wrapped__ = eager  # type: ignore[attr-defined]
+    return forward
 
 
 # --------------------------------------------------------------------------- packing

@@ -57,6 +57,7 @@ class FSDPEngine(BaseEngine):
         fully_shard(module, mesh=self._mesh, mp_policy=mp)
 
     _compute: nn.Module | None = None
+    _export_cache: dict[str, torch.Tensor] | None = None
 
     def _wants_compute_copy(self) -> bool:
         mode = str(self.optim_cfg.get("mixed_precision", "auto") or "auto")
@@ -164,7 +165,10 @@ class FSDPEngine(BaseEngine):
         gathered on the GPU (no CPU offload); with more ranks it is offloaded to rank 0's CPU.
         """
         if self._compute is not None and dtype in (None, self.compute_dtype):
-            return dict(self._compute.state_dict())
+            # the compute copy is refreshed in place, so its state dict (name -> tensor) is built once
+            if self._export_cache is None:
+                self._export_cache = dict(self._compute.state_dict())
+            return self._export_cache
         if self.distributed and self.world == 1:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,

@@ -28,6 +28,14 @@ class EngineConfig:
     seed: int | None = None
     #: logits computed per chunk in the logprob kernel (bounds activation memory)
     logit_chunk_elements: int = 67108864
+    #: keep a micro-batch's logits for backward when they fit in this many bytes (saves one
+    #: matmul of the LM head); -1 = auto (a tenth of the GPU's memory on CUDA, 0 on CPU)
+    keep_logits_bytes: int = -1
+    #: torch.compile every decoder layer (fuses RMSNorm, rotary, SiLU gate, residuals):
+    #: "auto" = on CUDA in one process, or true / false
+    compile: str = "auto"
+    #: torch.compile backend ("inductor"; "aot_eager" to debug)
+    compile_backend: str = "inductor"
 
 
 @dataclass

@@ -46,7 +46,7 @@ def launch(nproc: int, samples: str | Path, out: str | Path, engine: str = "fsdp
            *(extra or [])]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
-        raise RuntimeError(f"worker failed (rc {res.returncode}): {' '.join(cmd)}\n{res.stderr[-4000:]}")
+        raise RuntimeError(f"worker failed (rc {res.returncode}): {' '.join(cmd)}\n{res.stderr[-8000:]}")
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -117,4 +117,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())
+    code = main()
+    # Skip interpreter finalisation: gloo's worker threads can still be torn down while Python
+    # shuts down and abort the process ("terminate called without an active exception", SIGABRT)
+    # after all the work is written. Outputs are flushed and closed at this point.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
