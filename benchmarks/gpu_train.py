@@ -371,25 +371,36 @@ def check_compile(engine, samples, dev: torch.device) -> dict[str, float]:
     relative difference of the gradient (flattened, all trainable compute params)."""
     from swarmkit_plugins.optim_fsdp.core import micro_batch_tensors, prepare_sample
 
-    pol = compute_policy(engine)
     if not engine.compiled_layers:
         return {"skipped": 1.0}
     mb = micro_batch_tensors([prepare_sample(s) for s in samples[:2]], [0, 1], dev, engine.pad_id)
     out = {}
-    for mode in ("compiled", "eager"):
+    # fp32: the uncompiled fp32 master model itself, the reference both bf16 paths are measured against
+    has_fp32 = compute_policy(engine) is not engine.policy
+    for mode in ("compiled", "eager") + (("fp32",) if has_fp32 else ()):
         restore = apply_knobs(engine, ["eager"] if mode == "eager" else [])
-        pol.zero_grad(set_to_none=True)
+        engine._zero_grad()
         with engine._autocast():
-            lp, _ = engine._forward(mb)
+            lp, _ = engine._forward(mb, model=engine.policy if mode == "fp32" else None)
         (lp.float().sum() / lp.numel()).backward()
-        grads = [_full(p.grad).detach().float().flatten() for p in pol.parameters() if p.grad is not None]
-        out[mode] = (lp.detach().float(), torch.cat(grads) if grads else torch.zeros(1, device=dev))
+        # the gradient lands on the fp32 masters (the compute copy hands its grads over in a hook)
+        grads = [_full(p.grad).detach().float().flatten() for p in engine.policy.parameters() if p.grad is not None]
+        if not grads:
+            raise RuntimeError("no gradient reached the master weights")
+        out[mode] = (lp.detach().float(), torch.cat(grads))
         restore()
-    pol.zero_grad(set_to_none=True)
     engine._zero_grad()
-    (a, ga), (b, gb) = out["compiled"], out["eager"]
-    return {"max_abs_logprob_diff": float((a - b).abs().max()), "mean_abs_logprob_diff": float((a - b).abs().mean()),
-            "grad_rel_diff": float((ga - gb).norm() / gb.norm().clamp_min(1e-30))}
+
+    def diff(x: str, y: str) -> dict[str, float]:
+        (a, ga), (b, gb) = out[x], out[y]
+        return {"max_abs_logprob_diff": float((a - b).abs().max()),
+                "mean_abs_logprob_diff": float((a - b).abs().mean()),
+                "grad_rel_diff": float((ga - gb).norm() / gb.norm().clamp_min(1e-30))}
+    res = diff("compiled", "eager")
+    if has_fp32:
+        res["compiled_vs_fp32"] = diff("compiled", "fp32")
+        res["eager_vs_fp32"] = diff("eager", "fp32")
+    return res
 
 
 def apply_knobs(engine, opts: list[str]):
