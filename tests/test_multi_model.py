@@ -224,8 +224,13 @@ def test_killed_client_is_reaped_and_a_restarted_client_continues(swarm):
     # hot swap: a restarted client with an edited reward (another target letter) continues the same run
     log2 = swarm["work"] / "client2.jsonl"
     procs.append(_client_proc(swarm, log2, "--target", "a"))
+    # a step may come from samples the killed client left in the pool, so wait for the new client itself
     _wait_steps(ctls, {r: steps_before[r] + 1 for r in ctls})
+    end = time.monotonic() + 60
     new = _logged(log2)
+    while not new and time.monotonic() < end:
+        time.sleep(0.25)
+        new = _logged(log2)
     assert new, "the restarted client finished no episode"
     for s in servers:
         ids = {r["id"] for r in _journal(s)}

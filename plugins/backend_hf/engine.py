@@ -64,6 +64,7 @@ from typing import Any
 
 from swarmkit.interfaces import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
 from swarmkit.models import resolve_model_path
+from swarmkit.streaming import StreamTextBuffer, cut_at_stop
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,10 @@ class _Seq:
     finish: str | None = None
     hide_last: bool = False
     sent_tokens: int = 0
-    sent_chars: int = 0
+    text_out: StreamTextBuffer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.text_out = StreamTextBuffer(self.req.params.stop)
 
 
 # --------------------------------------------------------------------------- backend
@@ -547,10 +551,8 @@ class HFBackend(InferenceBackend):
         if seq.finish is None and p.stop:
             # re-scan the tail: a stop string may end in the new text, and trailing
             # replacement chars of a split UTF-8 character may have been resolved
-            start = max(0, seq.text_len_checked - max(len(s) for s in p.stop) - 3)
-            hits = [i for i in (seq.text.find(s, start) for s in p.stop if s) if i >= 0]
-            if hits:
-                seq.text = seq.text[: min(hits)]
+            seq.text, hit = cut_at_stop(seq.text, p.stop, checked=seq.text_len_checked)
+            if hit:
                 seq.finish = "stop"
             seq.text_len_checked = len(seq.text)
         if seq.finish is None and len(seq.out_ids) >= seq.max_tokens:
@@ -563,21 +565,15 @@ class HFBackend(InferenceBackend):
             self._finish_request(seq)
 
     def _emit_chunk(self, seq: _Seq) -> None:
-        text = seq.text
-        end = len(text)
-        if seq.finish is None:
-            while end > seq.sent_chars and text[end - 1] == "\ufffd":
-                end -= 1
-            hold = max((len(s) for s in seq.req.params.stop), default=1) - 1
-            end = max(seq.sent_chars, end - hold)
+        out = seq.text_out
         chunk = StreamChunk(
             token_ids=seq.out_ids[seq.sent_tokens:],
             logprobs=seq.out_lp[seq.sent_tokens:],
-            text=text[seq.sent_chars:end],
+            text=out.push(seq.text) if seq.finish is None else out.finish(seq.text),
             finish_reason=seq.finish,
             top_logprobs=seq.out_top[seq.sent_tokens:] if seq.out_top is not None else None,
         )
-        seq.sent_tokens, seq.sent_chars = len(seq.out_ids), end
+        seq.sent_tokens = len(seq.out_ids)
         self._deliver(seq.req, lambda q=seq.req.queue, c=chunk: q.put_nowait(c))
 
     def _finish_request(self, seq: _Seq) -> None:

@@ -63,6 +63,7 @@ from typing import Any
 
 from swarmkit.interfaces import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
 from swarmkit.models import resolve_model_path
+from swarmkit.streaming import StreamTextBuffer, cut_at_stop, find_stop
 
 log = logging.getLogger(__name__)
 
@@ -265,9 +266,8 @@ class SGLangBackend(InferenceBackend):
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         hide_last = bool(ids) and ids[-1] in stop_ids
         text = self._tokenizer.decode(ids[:-1] if hide_last else ids, skip_special_tokens=True)
-        cut = [i for i in (text.find(s) for s in params.stop if s) if i >= 0]
-        if cut:
-            text = text[: min(cut)]
+        text, hit = cut_at_stop(text, params.stop)
+        if hit:
             kind = "stop"
         elif hide_last:
             kind = "stop"
@@ -282,8 +282,8 @@ class SGLangBackend(InferenceBackend):
         ids: list[int] = []
         lps: list[float] = []
         tops: list[dict[int, float]] | None = [] if params.top_logprobs > 0 else None
-        sent_tokens = sent_chars = 0
-        hold = max((len(s) for s in params.stop), default=1) - 1
+        sent_tokens = 0
+        out = StreamTextBuffer(params.stop)
         async with self._client.stream("POST", "/generate", json=body) as r:
             if r.status_code != 200:
                 await r.aread()
@@ -309,18 +309,14 @@ class SGLangBackend(InferenceBackend):
                 text = self._visible_text(ids, params)
                 if text is None:  # a stop was produced: the final event follows
                     continue
-                end = len(text)
-                while end > sent_chars and text[end - 1] == "\ufffd":
-                    end -= 1
-                end = max(sent_chars, end - hold)
                 if len(ids) > sent_tokens:
                     yield StreamChunk(token_ids=ids[sent_tokens:], logprobs=lps[sent_tokens:],
-                                      text=text[sent_chars:end], finish_reason=None,
+                                      text=out.push(text), finish_reason=None,
                                       top_logprobs=tops[sent_tokens:] if tops is not None else None)
-                    sent_tokens, sent_chars = len(ids), end
+                    sent_tokens = len(ids)
         _, _, _, text, reason = self._finalize(ids, lps, tops, params, finish)
         yield StreamChunk(token_ids=ids[sent_tokens:], logprobs=lps[sent_tokens:],
-                          text=text[sent_chars:], finish_reason=reason,
+                          text=out.finish(text), finish_reason=reason,
                           top_logprobs=tops[sent_tokens:] if tops is not None else None)
 
     def _visible_text(self, ids: list[int], params: SamplingParams) -> str | None:
@@ -328,7 +324,7 @@ class SGLangBackend(InferenceBackend):
         if ids and ids[-1] in (self._eos_ids | set(params.stop_token_ids)):
             return None
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
-        if any(s and s in text for s in params.stop):
+        if find_stop(text, params.stop) is not None:
             return None
         return text
 

@@ -80,6 +80,7 @@ from typing import Any
 
 from swarmkit.interfaces import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
 from swarmkit.models import resolve_model_path
+from swarmkit.streaming import StreamTextBuffer, cut_at_stop, find_stop
 
 log = logging.getLogger(__name__)
 
@@ -394,8 +395,8 @@ class VLLMBackend(InferenceBackend):
         ids: list[int] = []
         lps: list[float] = []
         tops: list[dict[int, float]] | None = [] if params.top_logprobs > 0 else None
-        sent_tokens = sent_chars = 0
-        hold = max((len(s) for s in params.stop), default=1) - 1
+        sent_tokens = 0
+        out = StreamTextBuffer(params.stop)
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         finished = False
         try:
@@ -415,23 +416,19 @@ class VLLMBackend(InferenceBackend):
                     text, reason = self._text_and_reason(ids, params, c.finish_reason)
                     self.stats["tokens_generated"] += len(ids)
                     yield StreamChunk(token_ids=ids[sent_tokens:], logprobs=lps[sent_tokens:],
-                                      text=text[sent_chars:], finish_reason=reason,
+                                      text=out.finish(text), finish_reason=reason,
                                       top_logprobs=tops[sent_tokens:] if tops is not None else None)
                     return
                 if ids and ids[-1] in stop_ids:
                     continue
                 text = self._tokenizer.decode(ids, skip_special_tokens=True)
-                if any(s and s in text for s in params.stop):
+                if find_stop(text, params.stop) is not None:
                     continue
-                end = len(text)
-                while end > sent_chars and text[end - 1] == "\ufffd":
-                    end -= 1
-                end = max(sent_chars, end - hold)
                 if len(ids) > sent_tokens:
                     yield StreamChunk(token_ids=ids[sent_tokens:], logprobs=lps[sent_tokens:],
-                                      text=text[sent_chars:end], finish_reason=None,
+                                      text=out.push(text), finish_reason=None,
                                       top_logprobs=tops[sent_tokens:] if tops is not None else None)
-                    sent_tokens, sent_chars = len(ids), end
+                    sent_tokens = len(ids)
         finally:
             if not finished:
                 with contextlib.suppress(RuntimeError):
@@ -454,11 +451,9 @@ class VLLMBackend(InferenceBackend):
         hide_last = bool(ids) and ids[-1] in (self._eos_ids | set(params.stop_token_ids)) \
             and vllm_reason == "stop"
         text = self._tokenizer.decode(ids[:-1] if hide_last else ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in params.stop if s) if i >= 0]
-        if hits:
-            text = text[: min(hits)]
+        text, hit = cut_at_stop(text, params.stop)
         reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(vllm_reason), "length")
-        if hits:
+        if hit:
             reason = "stop"
         return text, reason
 
