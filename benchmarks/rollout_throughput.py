@@ -10,13 +10,18 @@ concurrent episodes:
 - **endpoint**: ``C`` episodes registered (``POST /api/v1/episodes``), then ``C``
   concurrent ``POST /v1/chat/completions`` with each episode's ``api_key`` (so
   every call goes through auth, chat rendering, the context tracker and the
-  OpenAI answer), then rewards reported; only the chat calls are timed.
+  OpenAI answer), then rewards reported; only the chat calls are timed. The
+  HTTP client runs in a separate process, as swarm clients do (``--client
+  thread`` runs it in this process, where it also competes for the GIL).
+
+No training step runs during the measurement: every episode has its own task
+and the batch asks for far more tasks than the run makes.
 
 tokens/s = completion tokens generated / wall time of the concurrent calls,
 summed over ``--rounds`` rounds. Same messages, ``max_tokens`` and temperature
 in both paths.
 
-    python benchmarks/rollout_throughput.py [--model tiny|smollm2] [--max-tokens 32] [--json out.json]
+    python benchmarks/rollout_throughput.py [--model tiny|smollm2] [--max-tokens 32] [--client process|thread] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -70,14 +76,15 @@ async def _direct(backend: Any, prompt: list[int], c: int, rounds: int, params: 
     return tokens, wall
 
 
-async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature: float) -> tuple[int, float]:
+async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature: float,
+                    tag: str = "") -> tuple[int, float]:
     import httpx
 
     tokens, wall = 0, 0.0
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         for r in range(rounds):
-            eps = await asyncio.gather(*(http.post("/api/v1/episodes", json={"task_id": f"bench-{r}-{i}"})
+            eps = await asyncio.gather(*(http.post("/api/v1/episodes", json={"task_id": f"bench{tag}-{c}-{r}-{i}"})
                                          for i in range(c)))
             eps = [e.json() for e in eps]
 
@@ -100,8 +107,14 @@ async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature:
     return tokens, wall
 
 
+def _endpoint_blocking(url: str, c: int, rounds: int, max_tokens: int, temperature: float,
+                       tag: str = "") -> tuple[int, float]:
+    """``_endpoint`` run to completion (the entry point of the client process)."""
+    return asyncio.run(_endpoint(url, c, rounds, max_tokens, temperature, tag))
+
+
 def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], rounds: int,
-                 max_tokens: int, temperature: float) -> list[dict[str, Any]]:
+                 max_tokens: int, temperature: float, client: str = "process") -> list[dict[str, Any]]:
     from swarmkit.cli import compose
     from swarmkit.config.validate import validate_config
     from swarmkit.interfaces import SamplingParams
@@ -109,12 +122,28 @@ def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], round
     from swarmkit.server.serve import start_server_thread
 
     backend = _backend(kind, model)
+    # every episode has its own task and the batch needs far more tasks than the run makes, so no
+    # training step (which would run in this process) disturbs the measurement
     cfg = validate_config(compose([f"model={'tiny' if model['name'] == 'tiny' else 'smollm2'}",
-                                   f"model.path={model['path']}"]), get_registry())
-    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench", "run_dir": f"runs/bench-rollout-{kind}",
+                                   f"model.path={model['path']}", "batching.batch_size=1000000"]), get_registry())
+    run_dir = tempfile.mkdtemp(prefix=f"swarmkit-bench-rollout-{kind}-")
+    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench", "run_dir": run_dir,
                                              "episode_timeout_s": 3600}},
                                  config=cfg, backend_factory=lambda c: backend)
     rows = []
+    # like a real swarm client, the HTTP client runs in its own process (it only imports httpx),
+    # so it shares the CPUs with the server but not the server's GIL; --client thread keeps it here
+    pool = None
+    if client == "process":
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def endpoint(c: int, r: int, tag: str = "") -> tuple[int, float]:
+        args = (handle.url, c, r, max_tokens, temperature, tag)
+        return pool.submit(_endpoint_blocking, *args).result() if pool else _endpoint_blocking(*args)
+
     try:
         import httpx
 
@@ -131,17 +160,22 @@ def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], round
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         # warm-up both paths
         asyncio.run(_direct(backend, prompt, 2, 1, params))
-        asyncio.run(_endpoint(handle.url, 2, 1, max_tokens, temperature))
+        endpoint(2, 1, tag="-warmup")
         for c in concurrency:
             dt, dw = asyncio.run(_direct(backend, prompt, c, rounds, params))
-            et, ew = asyncio.run(_endpoint(handle.url, c, rounds, max_tokens, temperature))
+            et, ew = endpoint(c, rounds)
+            if handle.swarm.state.state != "ROLLING":
+                raise RuntimeError(f"server left ROLLING ({handle.swarm.state.state}): the measurement is void")
             rows.append({"backend": kind, "concurrency": c, "direct_tok_s": dt / dw, "endpoint_tok_s": et / ew,
                          "direct_tokens": dt, "endpoint_tokens": et, "endpoint_vs_direct": (et / ew) / (dt / dw)})
             print(f"  {kind} C={c}: direct {dt / dw:.1f} tok/s, endpoint {et / ew:.1f} tok/s", file=sys.stderr)
     finally:
+        if pool is not None:
+            pool.shutdown()
         handle.stop()
         with contextlib.suppress(Exception):
             asyncio.run(backend.close())
+        shutil.rmtree(run_dir, ignore_errors=True)
     return rows
 
 
@@ -153,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--client", choices=["process", "thread"], default="process",
+                    help="run the HTTP client in its own process (like a swarm client) or in a thread here")
     ap.add_argument("--json", default="benchmarks/results/rollout_throughput.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -162,15 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
     for kind in kinds:
-        rows += _run_backend(kind, model, concurrency, args.rounds, args.max_tokens, args.temperature)
+        rows += _run_backend(kind, model, concurrency, args.rounds, args.max_tokens, args.temperature, args.client)
     print(f"model {args.model}, max_tokens {args.max_tokens}, temperature {args.temperature}, "
-          f"{args.rounds} rounds, {os.cpu_count()} CPUs")
+          f"{args.rounds} rounds, client in a {args.client}, {os.cpu_count()} CPUs")
     print(f"{'backend':10}{'episodes':>10}{'direct tok/s':>14}{'endpoint tok/s':>16}{'endpoint/direct':>17}")
     for r in rows:
         print(f"{r['backend']:10}{r['concurrency']:>10}{r['direct_tok_s']:>14.1f}{r['endpoint_tok_s']:>16.1f}"
               f"{r['endpoint_vs_direct']:>17.2f}")
     result = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "rounds": args.rounds, "rows": rows, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+              "rounds": args.rounds, "client": args.client, "rows": rows, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
     print(json.dumps(result))
     if args.json:
         out = Path(args.json)

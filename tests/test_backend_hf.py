@@ -151,6 +151,35 @@ def test_continuous_batching_admits_late_requests(suite):
     assert b.stats["max_batch_seen"] >= 2
 
 
+def test_batch_window_gathers_a_staggered_burst_up_to_its_cap(model_dir):
+    """An idle engine waits while requests keep arriving (gap ``batch_wait_s``), at most ``batch_wait_max_s``."""
+    prompt = [5, 6, 7, 8]
+
+    async def staggered(b, count, every):
+        async def one(i):
+            await asyncio.sleep(i * every)
+            return await b.generate(prompt, sp(max_tokens=2, stop_token_ids=[]))
+        b.reset_stats()
+        await asyncio.gather(*(one(i) for i in range(count)))
+        return dict(b.stats)
+
+    async def go():
+        b = HFBackend(config={"device": "cpu", "batch_wait_s": 0.08, "batch_wait_max_s": 2.0},
+                      model={"path": str(model_dir), "max_context": 64})
+        await b.start()
+        try:
+            burst = await staggered(b, 6, 0.01)  # 6 calls 10 ms apart: one window, one prefill
+            b.batch_wait_max_s = 0.1  # calls keep coming for 0.5 s: the cap closes the window
+            capped = await staggered(b, 11, 0.05)
+        finally:
+            await b.close()
+        return burst, capped
+
+    burst, capped = asyncio.run(go())
+    assert burst["prefill_passes"] == 1 and burst["max_batch_seen"] == 6, burst
+    assert capped["prefill_passes"] >= 2, capped
+
+
 async def _first_chunk(b, p):
     async for chunk in b.stream(p, sp(max_tokens=2)):
         return chunk

@@ -9,7 +9,9 @@ as one left-padded batch, and merges their KV cache into the running batch
 (continuous batching: a new request never waits for the current batch to
 finish). Each decode step feeds the last sampled token of every active sequence
 in one forward pass. Finished sequences leave the batch at once. When the worker
-was idle, the first request waits ``batch_wait_s`` for others to batch with.
+was idle, the first request waits for others to batch with: the window stays open
+while requests keep arriving less than ``batch_wait_s`` apart, for at most
+``batch_wait_max_s``.
 
 Results go back to the caller's event loop with ``loop.call_soon_threadsafe``;
 ``stream()`` receives a chunk after every decode step (real streaming).
@@ -125,6 +127,7 @@ class HFBackend(InferenceBackend):
         self.max_context: int | None = self.model_cfg.get("max_context")
         self.max_batch_size = int(self.config.get("max_batch_size", 32))
         self.batch_wait_s = float(self.config.get("batch_wait_s", 0.005))
+        self.batch_wait_max_s = max(self.batch_wait_s, float(self.config.get("batch_wait_max_s", 0.1)))
         self.max_prefill_tokens = int(self.config.get("max_prefill_tokens", 16384))
         self.policy_version = 0
         self.model_dir: Path | None = None
@@ -342,10 +345,7 @@ class HFBackend(InferenceBackend):
                 if self._closed:
                     return
                 if not self._active and self.batch_wait_s > 0:
-                    deadline = time.monotonic() + self.batch_wait_s
-                    while (len(self._pending) < self.max_batch_size and not self._closed
-                           and (left := deadline - time.monotonic()) > 0):
-                        self._cv.wait(left)
+                    self._gather_burst()
                 joiners = self._take_joiners()
             try:
                 with self._weights_lock, torch.inference_mode():
@@ -360,6 +360,24 @@ class HFBackend(InferenceBackend):
                     self._fail(seq.req, exc)
                 self._active = []
                 self._kv = self._mask = None
+
+    def _gather_burst(self) -> None:
+        """Idle worker, first request in: wait while requests keep arriving (caller holds ``_cv``).
+
+        The window closes ``batch_wait_s`` after the latest arrival, ``batch_wait_max_s`` after
+        the first at the latest, or when a full batch is waiting, so a burst of calls that reach
+        the server a few milliseconds apart (HTTP parsing, templating) is prefilled as one batch.
+        """
+        start = last = time.monotonic()
+        seen = len(self._pending)
+        while len(self._pending) < self.max_batch_size and not self._closed:
+            now = time.monotonic()
+            if len(self._pending) != seen:
+                seen, last = len(self._pending), now
+            left = min(last + self.batch_wait_s, start + self.batch_wait_max_s) - now
+            if left <= 0:
+                return
+            self._cv.wait(left)
 
     def _take_joiners(self) -> list[_Seq]:
         room = self.max_batch_size - len(self._active)

@@ -12,7 +12,9 @@ class HFBackendConfig:
     device: str = "auto"
     #: most sequences decoded together in one forward pass
     max_batch_size: int = 32
-    #: seconds a new request waits for others to batch with
+    #: an idle engine's first request waits while others keep arriving this many seconds apart
     batch_wait_s: float = 0.005
+    #: ... but no longer than this in all (raised to batch_wait_s if smaller)
+    batch_wait_max_s: float = 0.1
     #: most (padded) prompt tokens prefilled in one forward pass
     max_prefill_tokens: int = 16384
