@@ -187,9 +187,22 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.algo = build_algo(self.algo_cfg)
         self.model_path = resolve_model_path(str(self.model_cfg.get("path", "builtin:tiny")))
-        engine_cls = load_component("optim", self.optim_cfg.get("name", "fsdp"))
-        self.engine = engine_cls(model_path=str(self.model_path), model_cfg=self.model_cfg,
-                                 optim_cfg=self.optim_cfg, algo=self.algo)
+        name = str(self.optim_cfg.get("name", "fsdp"))
+        nprocs = int(self.optim_cfg.get("nprocs", 1) or 1)
+        if nprocs > 1 and "WORLD_SIZE" not in os.environ:
+            # the engine trains in a torchrun group of its own; this process drives it
+            from swarmkit_plugins.optim_fsdp.group import ProcessGroupEngine
+
+            log_path = None
+            if self.run_dir is not None:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                log_path = self.run_dir / "train_group.log"
+            self.engine = ProcessGroupEngine(name, nprocs, str(self.model_path), self.model_cfg, self.optim_cfg,
+                                             self.algo_cfg, log_path=log_path)
+        else:
+            engine_cls = load_component("optim", name)
+            self.engine = engine_cls(model_path=str(self.model_path), model_cfg=self.model_cfg,
+                                     optim_cfg=self.optim_cfg, algo=self.algo)
 
     @property
     def global_step(self) -> int:
@@ -226,6 +239,12 @@ class Trainer:
             global_step=float(self.global_step),
         )
         return metrics
+
+    def close(self) -> None:
+        """Free the engine (stops its training group when ``optim.nprocs > 1``)."""
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
 
     def export_weights(self) -> Iterable[tuple[str, Any]]:
         """Full HF-named weights (LoRA merged) for ``backend.update_weights(named_tensors=...)``."""

@@ -16,8 +16,14 @@ class EngineConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    #: processes (torchrun --nproc_per_node); 1 trains inside the server process
+    #: processes (torchrun --nproc_per_node); 1 trains inside the server process, more start a
+    #: torchrun group that the server drives (swarmkit_plugins.optim_fsdp.group)
     nprocs: int = 1
+    #: with nprocs > 1: seconds for the group to start, and for one command (a step, a sync)
+    group_start_timeout_s: float = 600.0
+    group_step_timeout_s: float = 3600.0
+    #: with nprocs > 1: torch threads per rank
+    threads_per_rank: int = 1
     #: tokens per micro-batch (gradient accumulation over micro-batches)
     token_budget: int = 8192
     #: "auto" = bfloat16 on CUDA, float32 on CPU

@@ -13,6 +13,12 @@ deals micro-batches to ranks). Rank 0 appends one JSON line of metrics per
 step to ``--out``. ``--export`` writes the final full HF weights (safetensors)
 from rank 0; ``--save`` / ``--resume`` write / read an engine checkpoint.
 Backend: gloo on CPU, NCCL on CUDA.
+
+``--serve HOST:PORT`` instead of ``--samples``: a long-lived group driven by a
+swarm server (:class:`swarmkit_plugins.optim_fsdp.group.ProcessGroupEngine`).
+Rank 0 connects back to the server (``multiprocessing.connection``, authkey from
+``SWARMKIT_GROUP_AUTHKEY``), receives one command at a time, broadcasts it to
+every rank, and answers with the result once every rank has run it.
 """
 
 from __future__ import annotations
@@ -57,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-cfg", default="{}")
     ap.add_argument("--optim-cfg", default="{}")
     ap.add_argument("--algo-cfg", default='{"name": "grpo"}')
-    ap.add_argument("--samples", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--samples", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--serve", default="", help="HOST:PORT of the driving server (instead of --samples)")
     ap.add_argument("--steps", type=int, default=0, help="train only the first N steps (0 = all)")
     ap.add_argument("--save", default="")
     ap.add_argument("--resume", default="")
@@ -66,18 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export", default="")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    if not args.serve and not (args.samples and args.out):
+        ap.error("give --samples and --out, or --serve HOST:PORT")
+
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # a served group waits in a collective while the swarm collects rollouts: no 30-minute timeout
+    timeout = timedelta(days=7) if args.serve else timedelta(minutes=30)
     if args.engine == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout)
     rank = dist.get_rank()
 
     from swarmkit.models import resolve_model_path
@@ -92,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                         optim_cfg=optim_cfg, algo=algo)
     if args.resume:
         engine.load_checkpoint(args.resume)
+    if args.serve:
+        from swarmkit_plugins.optim_fsdp.group import serve
+
+        serve(engine, args.serve, TrainSample)
+        dist.destroy_process_group()
+        return 0
     steps = [[TrainSample.from_dict(s) for s in step] for step in json.loads(Path(args.samples).read_text())]
     steps = steps[args.skip:]
     if args.steps:

@@ -133,6 +133,15 @@ class TrainingCycle:
                 pass
             self._task = None
         self.pool.release()
+        self._close_trainer()
+
+    def _close_trainer(self) -> None:
+        trainer, self.trainer = self.trainer, None
+        if trainer is not None:
+            try:
+                trainer.close()
+            except Exception:  # noqa: BLE001 - stopping must always succeed
+                log.exception("closing the trainer failed")
 
     def _checkpoint(self, server: SwarmServer, path: str) -> dict[str, Any]:
         if self.trainer is None:
@@ -232,6 +241,7 @@ class TrainingCycle:
             log.exception("lifecycle hooks failed")
 
     def close(self) -> None:
+        self._close_trainer()
         if self.metrics is not None:
             self.metrics.close()
         self.pool.close()
