@@ -508,6 +508,7 @@ def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> M
             return v
 
     text = builtin == "text"
+    tok = builtin == "token"  # token keys are equal exactly when the id lists are
     if builtin == "token":
         def same(x: Block, y: Block) -> bool:
             return x.token_ids == y.token_ids  # == tuple(...) keys, without building them
@@ -539,7 +540,8 @@ def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> M
                 k = lj - 1
                 if (k == 0 or ib[k - 1] is jb[k - 1]) and ib[:k] == jb[:k]:
                     x, y = ib[k], jb[k]
-                    if x is y or (x.text == y.text if text else same(x, y)):
+                    if x is y or (x.text == y.text if text else
+                                  x.token_ids == y.token_ids if tok else same(x, y)):
                         absorbed[j] = i
                         only_last[j] = 1
                     continue
@@ -550,6 +552,19 @@ def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> M
                 else:
                     absorbed[j] = i
 
+    if text:
+        def depth_keys(objs: list[Block]) -> list[Any]:
+            return list(map(_GET_TEXT, objs))  # C speed; str hashes are cached
+    else:
+        def depth_keys(objs: list[Block]) -> list[Any]:
+            # timelines of one episode share block objects: compute (and hash) each distinct
+            # object's key once, and hand out small ints that are equal exactly when keys are
+            ids = list(map(id, objs))
+            first = dict(zip(ids, objs, strict=True))
+            codes: dict[Any, int] = {}
+            code_of = {i: codes.setdefault(kf(o), len(codes)) for i, o in first.items()}
+            return list(map(code_of.__getitem__, ids))
+
     stack = [(list(range(n)), 0)]
     while stack:
         idxs, depth = stack.pop()
@@ -558,32 +573,28 @@ def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> M
             continue
         top = idxs[-1]  # ascending: the subtree's largest index, never absorbed
         bls = [lists[t] for t in idxs]
-        if min(map(len, bls)) > depth:
-            keys = list(map(kf, map(itemgetter(depth), bls)))
-            if keys.count(keys[0]) == len(keys):  # one key at this depth: descend (C speed)
-                stack.append((idxs, depth + 1))
+        if min(map(len, bls)) <= depth:  # these end here: prefixes of the whole subtree
+            keep = []
+            for t, bl in zip(idxs, bls, strict=True):
+                if len(bl) > depth:
+                    keep.append(t)
+                elif t != top:
+                    absorbed[t] = top
+            idxs = keep
+            bls = [lists[t] for t in idxs]
+            if not idxs:
                 continue
-            groups = {}
-            for t, k in zip(idxs, keys, strict=True):
-                g = groups.get(k)
-                if g is None:
-                    groups[k] = [t]
-                else:
-                    g.append(t)
-            stack.extend((g, depth + 1) for g in groups.values())
+        keys = depth_keys(list(map(itemgetter(depth), bls)))
+        if keys.count(keys[0]) == len(keys):  # one key at this depth: descend (C speed)
+            stack.append((idxs, depth + 1))
             continue
         groups: dict[Any, list[int]] = {}
-        for t in idxs:
-            bl = lists[t]
-            if len(bl) > depth:
-                k = kf(bl[depth])
-                g = groups.get(k)
-                if g is None:
-                    groups[k] = [t]
-                else:
-                    g.append(t)
-            elif t != top:
-                absorbed[t] = top
+        for t, k in zip(idxs, keys, strict=True):
+            g = groups.get(k)
+            if g is None:
+                groups[k] = [t]
+            else:
+                g.append(t)
         stack.extend((g, depth + 1) for g in groups.values())
 
     # updates, per survivor in descending order of the absorbed timelines (as the walk)
