@@ -110,3 +110,10 @@ def test_deepspeed_group_matches_fsdp_in_process(tmp_path):
     finally:
         one.close()
         ds.close()
+
+
+def test_a_group_that_cannot_start_says_why(tmp_path):
+    with pytest.raises(GroupError, match="died during start") as err:
+        ProcessGroupEngine("fsdp", 2, str(tmp_path / "no-such-model"), {"lora_rank": 0}, dict(OPTIM),
+                           {"name": "grpo"}, log_path=tmp_path / "group.log")
+    assert "no-such-model" in str(err.value)  # the tail of the group's log names the cause

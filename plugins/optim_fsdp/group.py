@@ -138,6 +138,7 @@ class ProcessGroupEngine:
     def close(self, timeout: float = 60.0) -> None:
         """Stop the group (a ``close`` command, then SIGTERM / SIGKILL of its process group)."""
         with self._lock:
+            connected = self._conn is not None
             if self._conn is not None:
                 try:
                     self._conn.send(("close", None))
@@ -147,7 +148,7 @@ class ProcessGroupEngine:
                 self._conn = None
         if self._proc.poll() is None:
             try:
-                self._proc.wait(timeout)
+                self._proc.wait(timeout if connected else 0.1)  # a group that never connected: stop it now
             except subprocess.TimeoutExpired:
                 for sig in (signal.SIGTERM, signal.SIGKILL):
                     try:
