@@ -508,13 +508,10 @@ def _merge_fast(timelines: Sequence[TimelineLike], strategy: MatchStrategy) -> M
             return v
 
     text = builtin == "text"
-    tok = builtin == "token"  # token keys are equal exactly when the id lists are
-    if builtin == "token":
-        def same(x: Block, y: Block) -> bool:
-            return x.token_ids == y.token_ids  # == tuple(...) keys, without building them
-    else:
-        def same(x: Block, y: Block) -> bool:
-            return kf(x) == kf(y)
+    tok = builtin == "token"  # token keys are equal exactly when the id lists are (no tuples built)
+
+    def same(x: Block, y: Block) -> bool:
+        return kf(x) == kf(y)
 
     absorbed: list[int | None] = [None] * n
     only_last = bytearray(n)  # 1: T_j equals its absorber's blocks except (maybe) the last

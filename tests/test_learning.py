@@ -16,20 +16,26 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
+def run_token_rule_job(run_dir, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m swarmkit`` on the tiny model and ``token_rule`` for 30 steps; asserts it learned."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
     out = subprocess.run(
         [sys.executable, "-m", "swarmkit", "model=tiny", "task=token_rule", "task.max_tokens=8",
          "batching.batch_size=4", "batching.rollouts_per_task=8", "optim.lr=1e-2",
-         "trainer.total_steps=30", f"algo={algo}", "server.port=0", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, env=env, timeout=600,
+         "trainer.total_steps=30", *overrides, "server.port=0", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, env=env, timeout=timeout,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] >= 30
     before, after = summary["eval_before"]["mean"], summary["eval_after"]["mean"]
     assert after >= 0.4 and after > before + 0.3, summary
+    return out
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
+    out = run_token_rule_job(tmp_path, f"algo={algo}")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 30 and all("reward_mean" in r and "loss" in r for r in rows)
     assert (tmp_path / "tensorboard").is_dir()

@@ -8,14 +8,12 @@ command as an error and keep serving, and leave no process behind when closed.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
+from test_learning import run_token_rule_job
 from test_trainer import Rec, two_turn
 
 from swarmkit.trainer import Trainer
@@ -77,18 +75,7 @@ def test_a_killed_group_gives_a_clear_error(tmp_path):
 
 def test_main_job_learns_with_a_two_process_group(tmp_path):
     """``python -m swarmkit optim.nprocs=2``: the server drives the group, weights sync, reward goes up."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmkit", "model=tiny", "task=token_rule", "task.max_tokens=8",
-         "batching.batch_size=4", "batching.rollouts_per_task=8", "optim.lr=1e-2", "optim.nprocs=2",
-         "trainer.total_steps=30", "trainer.checkpoint_every=15", "server.port=0", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["global_step"] >= 30
-    before, after = summary["eval_before"]["mean"], summary["eval_after"]["mean"]
-    assert after >= 0.4 and after > before + 0.3, summary
+    out = run_token_rule_job(tmp_path, "optim.nprocs=2", "trainer.checkpoint_every=15", timeout=900)
     assert "training group up: 2 x fsdp" in out.stderr + out.stdout
     assert (tmp_path / "checkpoints" / "latest").exists()
 

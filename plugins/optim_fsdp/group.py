@@ -96,9 +96,10 @@ class ProcessGroupEngine:
             raise
         finally:
             listener.close()
-        self._set_state(state[2] if len(state) > 2 else {})
+        _, hello, group_state = state
+        self._set_state(group_state)
         #: ranks in the group, as torch.distributed reports it
-        self.world = int((state[1] or {}).get("world", 0))
+        self.world = int(hello["world"])
         if self.world != self.nprocs:
             self.close()
             raise GroupError(f"the training group has {self.world} ranks, expected {self.nprocs}")
@@ -242,6 +243,22 @@ def _state(engine: Any) -> dict[str, int]:
     return {"optimizer_steps": int(engine.optimizer_steps), "train_steps": int(engine.train_steps)}
 
 
+def save_weights(weights: dict[str, Any], path: str | Path) -> None:
+    """Write named tensors to a safetensors file (CPU copies; tied tensors get their own
+    storage, which safetensors requires); written beside and renamed, so readers never see half."""
+    from safetensors.torch import save_file
+
+    out, seen = {}, set()
+    for k, v in weights.items():
+        v = v.detach().to("cpu").contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    tmp = f"{path}.tmp"
+    save_file(out, tmp)
+    os.replace(tmp, path)
+
+
 def _run(engine: Any, name: str, arg: Any, sample_cls: Any, rank: int) -> Any:
     if name == "train_step":
         metrics = engine.train_step([sample_cls.from_dict(s) for s in arg])
@@ -249,17 +266,7 @@ def _run(engine: Any, name: str, arg: Any, sample_cls: Any, rank: int) -> Any:
     if name == "export_weights":
         weights = dict(engine.export_weights())
         if rank == 0:
-            from safetensors.torch import save_file
-
-            out, seen = {}, set()
-            for k, v in weights.items():
-                v = v.detach().to("cpu").contiguous()
-                ptr = v.untyped_storage().data_ptr()
-                out[k] = v.clone() if ptr in seen else v  # tied weights: safetensors refuses shared storage
-                seen.add(ptr)
-            tmp = arg + ".tmp"
-            save_file(out, tmp)
-            os.replace(tmp, arg)
+            save_weights(weights, arg)
         return None
     if name == "export_adapter":
         engine.export_adapter(arg)

@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.export:
         weights = dict(engine.export_weights())
         if rank == 0:
-            from safetensors.torch import save_file
+            from swarmkit_plugins.optim_fsdp.group import save_weights
 
-            save_file({k: v.contiguous().clone() for k, v in weights.items()}, args.export)
+            save_weights(weights, args.export)
     dist.barrier()
     dist.destroy_process_group()
     return 0
