@@ -369,7 +369,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def check_compile(engine, samples, dev: torch.device) -> dict[str, float]:
     """Compiled vs eager decoder layers on one micro-batch of 2 samples: max |Δ logprob| and the
     relative difference of the gradient (flattened, all trainable compute params)."""
-    from swarmkit_plugins.optim_fsdp.core import micro_batch_tensors, prepare_sample
+    from swarmkit.training.packing import micro_batch_tensors, prepare_sample
 
     if not engine.compiled_layers:
         return {"skipped": 1.0}
@@ -431,7 +431,7 @@ def apply_knobs(engine, opts: list[str]):
 
 
 def flat_samples(n: int, length: int, vocab: int, seed: int):
-    from swarmkit.trainer import TrainSample
+    from swarmkit.training import TrainSample
 
     rng = random.Random(seed)
     out = []
@@ -447,7 +447,7 @@ def flat_samples(n: int, length: int, vocab: int, seed: int):
 
 def appworld_records(episodes: int, turns: int, prompt: int, per_turn: int, vocab: int, seed: int):
     """Pool-like records: each episode has one timeline per LLM call; call t sees every earlier turn."""
-    from swarmkit.timeline import Block, Timeline
+    from swarmkit.timelines import Block, Timeline
 
     rng = random.Random(seed)
     ids = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
@@ -472,7 +472,7 @@ def appworld_records(episodes: int, turns: int, prompt: int, per_turn: int, voca
 
 def unmerged_samples(records, algo):
     """Same records, one TrainSample per LLM call (no merging), same advantages as the merged samples."""
-    from swarmkit.trainer import TrainSample, build_samples
+    from swarmkit.training import TrainSample, build_samples
     from swarmkit_plugins.match.strategies import TEXT
 
     merged = build_samples(records, algo, TEXT)
@@ -533,7 +533,7 @@ def profile_step(engine, samples, dev: torch.device, folder: str, name: str) -> 
 
 def check_attention(engine, samples, dev: torch.device) -> dict[str, float]:
     """Max |Δ logprob| of one packed micro-batch: varlen vs the engine's default sdpa (block-diagonal mask)."""
-    from swarmkit_plugins.optim_fsdp.core import micro_batch_tensors, prepare_sample
+    from swarmkit.training.packing import micro_batch_tensors, prepare_sample
 
     prepared = [prepare_sample(s) for s in samples[:4]]
     for p in prepared:  # short documents keep the dense-mask reference cheap

@@ -1,6 +1,6 @@
 """Latency the swarm proxy adds per chat call, and its throughput.
 
-A zero-compute backend (:class:`swarmkit.server.fake.ScriptedBackend`, fixed
+A zero-compute backend (:class:`swarmkit.testing.scripted.ScriptedBackend`, fixed
 reply) serves a 10-turn conversation (the full history is resent every
 turn, as agents do). For each call we time
 
@@ -100,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
-    from swarmkit.chat import ChatRenderer
-    from swarmkit.cli import compose
+    from swarmkit.apps.serve import start_server_thread
+    from swarmkit.config.compose import compose
     from swarmkit.config.validate import validate_config
-    from swarmkit.interfaces import SamplingParams
+    from swarmkit.contract import SamplingParams
     from swarmkit.models import build_tiny_tokenizer
     from swarmkit.plugins import get_registry
-    from swarmkit.server.fake import ScriptedBackend
-    from swarmkit.server.serve import start_server_thread
+    from swarmkit.testing.scripted import ScriptedBackend
+    from swarmkit.timelines.render import ChatRenderer
 
     logging.getLogger("swarmkit").setLevel(logging.WARNING)
     tok = build_tiny_tokenizer()

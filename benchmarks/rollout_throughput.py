@@ -115,11 +115,11 @@ def _endpoint_blocking(url: str, c: int, rounds: int, max_tokens: int, temperatu
 
 def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], rounds: int,
                  max_tokens: int, temperature: float, client: str = "process") -> list[dict[str, Any]]:
-    from swarmkit.cli import compose
+    from swarmkit.apps.serve import start_server_thread
+    from swarmkit.config.compose import compose
     from swarmkit.config.validate import validate_config
-    from swarmkit.interfaces import SamplingParams
+    from swarmkit.contract import SamplingParams
     from swarmkit.plugins import get_registry
-    from swarmkit.server.serve import start_server_thread
 
     backend = _backend(kind, model)
     # every episode has its own task and the batch needs far more tasks than the run makes, so no

@@ -24,7 +24,7 @@ import random
 import time
 from pathlib import Path
 
-from swarmkit.timeline import Block, merge
+from swarmkit.timelines import Block, merge
 
 SYSTEM, TASK = 200, 100
 #: the system prompt's tokens, shared by all episodes (as its text is)

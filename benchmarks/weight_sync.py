@@ -85,7 +85,7 @@ def _backend(kind: str, model_dir: Path) -> Any:
 
 
 async def _time_backend(kind: str, model_dir: Path, states: list[list[tuple[str, Any]]]) -> dict[str, float]:
-    from swarmkit.interfaces import SamplingParams
+    from swarmkit.contract import SamplingParams
 
     backend = _backend(kind, model_dir)
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
-"""``python -m swarmkit``: see :mod:`swarmkit.cli`."""
+"""``python -m swarmkit``: see :mod:`swarmkit.apps.cli`."""
 
-from swarmkit.cli import main
+from swarmkit.apps.cli import main
 
 if __name__ == "__main__":
     main()

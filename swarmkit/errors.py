@@ -36,3 +36,31 @@ class ConfigError(SwarmkitError, ValueError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class ApiError(SwarmkitError):
+    """An error answer of the server's API: raise it anywhere below an endpoint.
+
+    The HTTP layer (:mod:`swarmkit.server.errors`) turns it into an
+    OpenAI-style JSON error with this status.
+
+    :param status: HTTP status code.
+    :param message: what went wrong and what to do instead.
+    :param code: a stable machine-readable code (``episode_not_found``...).
+    :param param: the offending request field, if any.
+    :param headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, code: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def busy(message: str, retry_after: float = 1.0, code: str = "server_busy") -> ApiError:
+    """A 503 "retry later" answer that the client SDK (and the openai SDK) honour."""
+    return ApiError(503, message, code, headers={"Retry-After": f"{max(1, round(retry_after))}"})

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from swarmkit.interfaces import SamplingParams  # noqa: E402
+from swarmkit.contract import SamplingParams  # noqa: E402
 from swarmkit.testing import CONFORMANCE_CHECKS, BackendConformance, build_test_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm

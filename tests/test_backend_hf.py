@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from swarmkit.interfaces import SamplingParams  # noqa: E402
+from swarmkit.contract import SamplingParams  # noqa: E402
 from swarmkit.testing import BackendConformance, build_test_model  # noqa: E402
 from swarmkit_plugins.backend_hf.engine import HFBackend  # noqa: E402
 

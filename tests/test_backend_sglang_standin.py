@@ -319,7 +319,7 @@ def test_sglang_managed_subprocess(model_dir, tmp_path):
     A fake ``sglang`` package on PYTHONPATH runs the stand-in, so this checks the
     process management, not SGLang.
     """
-    from swarmkit.interfaces import SamplingParams
+    from swarmkit.contract import SamplingParams
     from swarmkit_plugins.backend_sglang.engine import SGLangBackend
 
     pkg = tmp_path / "fake" / "sglang"

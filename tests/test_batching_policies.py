@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from swarmkit.clients import ClientTracker
+from swarmkit.contract import ClientState, PoolEpisode
 from swarmkit.errors import ConfigError
-from swarmkit.interfaces import ClientState, PoolEpisode
+from swarmkit.swarm.presence import ClientTracker
 from swarmkit_plugins.batching import policies as P
 from swarmkit_plugins.batching.schema import BatchingConfig
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from swarmkit.apps.task_client import run_episode
+from swarmkit.apps.tasks import make_tasks
 from swarmkit.client import SwarmClient
-from swarmkit.client.example import run_episode
-from swarmkit.tasks import make_tasks
 
 TOKEN = "capabilities-test-token"
 FAMILIES = {"arithmetic", "token_rule"}
@@ -89,7 +89,7 @@ def server(tmp_path_factory):
         ctl.wait_for_state("ROLLING", timeout=90)
         for task, max_tokens in (("arithmetic", "6"), ("token_rule", "4")):
             clients.append(subprocess.Popen(
-                [sys.executable, "-m", "swarmkit.client.example", "--url", url, "--task", task,
+                [sys.executable, "-m", "swarmkit.apps.task_client", "--url", url, "--task", task,
                  "--train-size", "6", "--rollouts-per-task", "2", "--max-tokens", max_tokens,
                  "--concurrency", "2", "--client-id", f"cocktail-{task}"],
                 env=_env(), stdout=subprocess.DEVNULL, stderr=open(run_dir / f"client-{task}.err", "ab")))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarmkit.chat import ChatRenderer
-from swarmkit.timeline import Timeline, merge
+from swarmkit.timelines import Timeline, merge
+from swarmkit.timelines.render import ChatRenderer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                           "parameters": {"type": "object",
@@ -148,7 +148,7 @@ def test_prefix_invariant_and_merge(tok, tools, match):
     r = ChatRenderer(tok)
     msgs = conversation()
     timelines, _ = calls_of(tok, r, msgs, tools)
-    from swarmkit.timeline import resolve_match
+    from swarmkit.timelines import resolve_match
 
     key = resolve_match(match).key
     for a, b in zip(timelines, timelines[1:], strict=False):

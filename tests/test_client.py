@@ -10,16 +10,16 @@ import time
 
 import pytest
 
+from swarmkit.apps.serve import start_server_thread
 from swarmkit.client import ServerUnavailable, SwarmAPIError, SwarmClient, SwarmError
-from swarmkit.server.fake import ScriptedBackend
-from swarmkit.server.serve import start_server_thread
+from swarmkit.testing.scripted import ScriptedBackend
 
 TOKEN = "client-test-admin-token"
 
 
 @pytest.fixture(scope="module")
 def train_cfg():
-    from swarmkit.cli import compose
+    from swarmkit.config.compose import compose
     from swarmkit.config.validate import validate_config
     from swarmkit.plugins import get_registry
 

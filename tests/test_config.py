@@ -8,11 +8,17 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from swarmkit.cli import DEFAULT_CHOICES, _packaged_options, compose, normalize_overrides, validated
+from swarmkit.config.compose import (
+    DEFAULT_CHOICES,
+    _packaged_options,
+    compose,
+    normalize_overrides,
+    validated,
+)
 from swarmkit.config.validate import validate_config
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins import get_registry
-from swarmkit.registry import KINDS
+from swarmkit.plugins.registry import KINDS
 
 
 def test_normalize_overrides_appends_groups_and_defaults():
@@ -133,6 +139,7 @@ def test_schema_only_component_gets_a_config_option(monkeypatch):
     from dataclasses import dataclass
 
     from swarmkit import hookimpl, plugins
+    from swarmkit.plugins import loader as plugin_loader
 
     @dataclass
     class C9Config:
@@ -146,7 +153,7 @@ def test_schema_only_component_gets_a_config_option(monkeypatch):
         def register_batching_policies(self, register):
             register("c9", "swarmkit_plugins.batching.policies:EpisodeCount", schema=C9Config)
 
-    monkeypatch.setattr(plugins, "_state", plugins.build_state(extra_plugins=[("c9-plugin", C9())]))
+    monkeypatch.setattr(plugin_loader, "_state", plugins.build_state(extra_plugins=[("c9-plugin", C9())]))
     cfg = validated(compose(["batching=c9", "batching.patience_s=7"]))
     assert cfg.batching.name == "c9" and cfg.batching.patience_s == 7.0 and cfg.batching.batch_size == 2
     with pytest.raises(ConfigError, match="batching.nope: unknown key"):

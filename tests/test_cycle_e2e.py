@@ -47,7 +47,7 @@ def start_server(run_dir: Path, port: int) -> subprocess.Popen:
 def start_clients(port: int, n: int, ready_every: int = 0) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "swarmkit.client.example", "--url", f"http://127.0.0.1:{port}",
+            [sys.executable, "-m", "swarmkit.apps.task_client", "--url", f"http://127.0.0.1:{port}",
              "--task", "token_rule", "--train-size", "8", "--rollouts-per-task", "2",
              "--max-tokens", "4", "--concurrency", "2", "--ready-every", str(ready_every),
              "--client-id", f"client-{i}"],

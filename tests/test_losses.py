@@ -9,6 +9,8 @@ import statistics
 import pytest
 import torch
 
+from swarmkit.contract import LossInputs
+
 from swarmkit_plugins.algo_rl import losses as L
 from swarmkit_plugins.algo_rl.grpo import GRPO
 from swarmkit_plugins.algo_rl.ppo import PPO
@@ -245,18 +247,18 @@ def test_grpo_wrapper(rng):
     adv = algo.episode_advantages([1.0, 0.0, 2.0, 2.0, 5.0], ["a", "a", "b", "b", "b"])
     assert adv == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5),
                                  -1 / math.sqrt(3), -1 / math.sqrt(3), 2 / math.sqrt(3)], abs=1e-5)
-    assert algo.advantages({"rewards": [1.0], "task_ids": ["x"]}) == [0.0]
+    assert algo.episode_advantages([1.0], ["x"]) == [0.0]
     lp, old, _, mask = rand_batch(rng)
     per_seq = torch.randn(5, generator=rng, dtype=D)
-    a, _ = algo.loss(lp, old, per_seq, mask)
-    b, _ = algo.loss(lp, old, per_seq[:, None].expand_as(mask), mask)
+    a, _ = algo.loss(LossInputs(lp, old, per_seq, mask))
+    b, _ = algo.loss(LossInputs(lp, old, per_seq[:, None].expand_as(mask), mask))
     assert close(a, b)
     kl_algo = GRPO(kl_coef=0.1)
     assert kl_algo.needs_reference
     with pytest.raises(ValueError):
-        kl_algo.loss(lp, old, per_seq, mask)
+        kl_algo.loss(LossInputs(lp, old, per_seq, mask))
     ref = lp + 0.1
-    loss, m = kl_algo.loss(lp, old, per_seq, mask, ref_logprobs=ref)
+    loss, m = kl_algo.loss(LossInputs(lp, old, per_seq, mask, ref_logprobs=ref))
     pg, _ = L.policy_loss(lp, old, per_seq[:, None].expand_as(mask), mask, 0.2, 0.28)
     kl, _ = L.kl_penalty(lp, ref, mask)
     assert close(loss, pg + 0.1 * kl) and "kl" in m
@@ -277,7 +279,7 @@ def test_ppo_wrapper(rng):
     assert close(L.masked_mean(white, mask), 0.0)
     lp = torch.log(t([[0.5, 0.4, 0.3, 0.2], [0.5, 0.6, 0.7, 0.8]]))
     new_v = values + 0.05
-    loss, m = algo.loss(lp, lp.detach() + 0.01, adv, mask, new_v, values, ret)
+    loss, m = algo.loss(LossInputs(lp, lp.detach() + 0.01, adv, mask, values=new_v, old_values=values, returns=ret))
     pg, _ = L.policy_loss(lp, lp + 0.01, adv, mask, 0.2, 0.2)
     vl, _ = L.value_loss(new_v, values, ret, mask, 0.2)
     assert close(loss, pg + 0.5 * vl) and "vf_loss" in m
@@ -288,3 +290,7 @@ def test_bad_config_rejected():
         GRPO(loss_agg="sum")
     with pytest.raises(ValueError):
         PPO(clip_low=1.5)
+    with pytest.raises(ValueError, match="kl_kind"):
+        GRPO(kl_kind="k9")
+    with pytest.raises(TypeError, match="no_such_key"):
+        GRPO(no_such_key=1)  # the schema is the only source of keys and defaults

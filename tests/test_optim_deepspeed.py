@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmkit.trainer import TrainSample
-from swarmkit_plugins.optim_fsdp.worker import launch
+from swarmkit.training import TrainSample
+from swarmkit.training.worker import launch
 
 LORA = {"lora_rank": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]}
 

@@ -9,16 +9,12 @@ import pytest
 import torch
 
 from swarmkit.models import tiny_model_dir
-from swarmkit.trainer import TrainSample
+from swarmkit.training import TrainSample
+from swarmkit.training.logprob import selected_logprobs
+from swarmkit.training.packing import micro_batch_tensors, plan_micro_batches, prepare_sample
+from swarmkit.training.worker import launch
 from swarmkit_plugins.algo_rl.grpo import GRPO
-from swarmkit_plugins.optim_fsdp.core import (
-    micro_batch_tensors,
-    plan_micro_batches,
-    prepare_sample,
-    selected_logprobs,
-)
 from swarmkit_plugins.optim_fsdp.engine import FSDPEngine
-from swarmkit_plugins.optim_fsdp.worker import launch
 
 torch.set_num_threads(1)
 
@@ -62,10 +58,14 @@ def with_rollout_logprobs(engine: FSDPEngine, samples: list[TrainSample]) -> lis
     return out
 
 
-def engine(lora: bool = False, **optim) -> FSDPEngine:
-    cfg = {"lr": 1e-3, "token_budget": 40, **optim}
+ALGO_KEYS = ("loss_agg", "kl_coef")
+
+
+def engine(lora: bool = False, **options) -> FSDPEngine:
+    """An engine on the tiny model; ``options`` are ``optim`` keys, plus GRPO's ``loss_agg`` / ``kl_coef``."""
+    cfg = {"lr": 1e-3, "token_budget": 40, **{k: v for k, v in options.items() if k not in ALGO_KEYS}}
     return FSDPEngine(tiny_model_dir(), dict(LORA) if lora else {"lora_rank": 0}, cfg,
-                      GRPO(**{k: v for k, v in optim.items() if k in ("loss_agg", "kl_coef")}))
+                      GRPO(**{k: v for k, v in options.items() if k in ALGO_KEYS}))
 
 
 # --------------------------------------------------------------------------- maths

@@ -18,7 +18,7 @@ from swarmkit.errors import (
     UnknownComponentError,
 )
 from swarmkit.plugins import build_state, get_registry
-from swarmkit.registry import Component
+from swarmkit.plugins.registry import Component
 
 EXPECTED = {
     "backend": {"hf", "vllm", "sglang"},
@@ -46,7 +46,8 @@ def test_listing_plugins_imports_no_heavy_engine():
         """
         import sys, swarmkit
         assert "torch" not in sys.modules
-        from swarmkit.plugins import get_registry, print_table
+        from swarmkit.plugins import get_registry
+        from swarmkit.plugins.table import print_table
         import io
         print_table(get_registry(), file=io.StringIO())
         heavy = [m for m in ("vllm", "sglang", "deepspeed", "torch", "transformers") if m in sys.modules]

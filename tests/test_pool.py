@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from swarmkit.interfaces import ClientState
+from swarmkit.contract import ClientState
 from swarmkit.pool import DuplicateEpisodeError, EpisodeRecord, SamplePool, scalar_reward
 from swarmkit_plugins.batching.policies import NonDegenerateTaskCount, TaskCount
 

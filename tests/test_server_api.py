@@ -10,8 +10,10 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from swarmkit.server.app import SwarmServer, create_app, resolve_admin_token
-from swarmkit.server.fake import LOGPROB, ScriptedBackend
+from swarmkit.server.app import create_app
+from swarmkit.swarm.auth import resolve_admin_token
+from swarmkit.swarm.server import MemoryCycle, SwarmServer
+from swarmkit.testing.scripted import LOGPROB, ScriptedBackend
 
 TOOL_REPLY = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -20,7 +22,7 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="session")
 def train_cfg():
-    from swarmkit.cli import compose
+    from swarmkit.config.compose import compose
     from swarmkit.config.validate import validate_config
     from swarmkit.plugins import get_registry
 
@@ -68,7 +70,7 @@ def make(train_cfg, tokenizer, tmp_path):
         accepted: list = []
         hook = None if accept_hook is False else accept_hook or accepted.append
         scfg = {"run_dir": str(tmp_path), "admin_token": "admin-secret-token", **server_cfg}
-        srv = SwarmServer(scfg, config=config, backend_factory=lambda cfg: backend, on_episode_accepted=hook)
+        srv = SwarmServer(scfg, config=config, backend_factory=lambda cfg: backend, cycle=MemoryCycle(hook))
         srv.reaper_interval_s = 0.05
         tc = TestClient(create_app(srv), base_url="http://127.0.0.1:8000")
         tc.__enter__()
@@ -139,7 +141,7 @@ def test_configure_by_overrides_dict_and_yaml(make):
                   json={"config": {"model": {"path": "builtin:tiny"}, "backend": {"name": "hf", "device": "cpu"}}})
     assert r.status_code == 200, r.text
     assert r.json()["config"]["model"]["path"] == "builtin:tiny"
-    assert r.json()["config"]["server"]["run_dir"] == h.srv.server_cfg["run_dir"]
+    assert r.json()["config"]["server"]["run_dir"] == h.srv.server_cfg.run_dir
     r = h.tc.post("/api/v1/admin/configure", headers=h.admin, json={"yaml": "model:\n  path: builtin:tiny\n"})
     assert r.status_code == 200, r.text
     assert h.srv.config.model.path == "builtin:tiny"
@@ -565,7 +567,7 @@ def test_bad_input_sweep_gets_clear_4xx_and_the_server_stays_up(make):
 
 def test_pool_record_carries_what_the_pool_needs(make, tmp_path):
     from swarmkit.pool import SamplePool
-    from swarmkit.server.app import pool_record
+    from swarmkit.swarm.cycle import pool_record
 
     pool = SamplePool(str(tmp_path / "journal.sqlite"))
     h = make(accept_hook=lambda ep: pool.add(pool_record(ep)))

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from swarmkit.server.state import TRANSITIONS, IllegalTransition, ServerState, StateMachine
+from swarmkit.swarm.state import TRANSITIONS, IllegalTransition, ServerState, StateMachine
 
 S = ServerState
 LEGAL = {

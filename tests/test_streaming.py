@@ -1,11 +1,11 @@
-"""Unit tests of swarmkit.streaming: the stop-string cut and the streaming hold-back rules."""
+"""Unit tests of swarmkit.contract.streaming: the stop-string cut and the streaming hold-back rules."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from swarmkit.streaming import REPLACEMENT_CHAR, StreamTextBuffer, cut_at_stop, find_stop
+from swarmkit.contract.streaming import REPLACEMENT_CHAR, StreamTextBuffer, cut_at_stop, find_stop
 
 
 def _stream(decodes: list[str], stops: list[str]) -> tuple[list[str], str, bool]:
@@ -117,5 +117,5 @@ def test_only_empty_stops_hold_nothing():
 
 
 def test_module_is_light():
-    code = "import sys, swarmkit.streaming; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, swarmkit.contract.streaming; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

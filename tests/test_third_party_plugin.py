@@ -47,7 +47,7 @@ def test_third_party_policy_is_discovered_selected_and_blocked(installed_c6, tmp
 
     code = (
         "from swarmkit.plugins import load_component\n"
-        "from swarmkit.interfaces import PoolEpisode\n"
+        "from swarmkit.contract import PoolEpisode\n"
         "cls = load_component('batching', 'c6')\n"
         "p = cls(batch_size=1, rollouts_per_task=1, max_wait_s=5, min_episodes=1)\n"
         "eps = [PoolEpisode('e1', 't1', 1.0, accepted_at=0.0)]\n"

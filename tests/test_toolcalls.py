@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from swarmkit.toolcalls import ToolCallStreamParser, parse_tool_calls
+from swarmkit.timelines.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 
 def test_text_without_tool_calls_is_left_alone():

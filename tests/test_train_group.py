@@ -16,8 +16,8 @@ import torch
 from test_learning import run_token_rule_job
 from test_trainer import Rec, two_turn
 
-from swarmkit.trainer import Trainer
-from swarmkit_plugins.optim_fsdp.group import GroupError, ProcessGroupEngine
+from swarmkit.training import Trainer
+from swarmkit.training.group import GroupError, ProcessGroupEngine
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from swarmkit.timeline import Block, Timeline
-from swarmkit.trainer import Trainer, TrainSample, build_samples
+from swarmkit.timelines import Block, Timeline
+from swarmkit.training import Trainer, TrainSample, build_samples
 from swarmkit_plugins.algo_rl.grpo import GRPO
 
 torch.set_num_threads(1)

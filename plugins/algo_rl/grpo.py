@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from swarmkit.interfaces import Algorithm
+from swarmkit.contract import Algorithm, LossInputs
+from swarmkit.errors import ConfigError
 from swarmkit_plugins.algo_rl import losses
+from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
 
 
 class ClippedPolicyAlgorithm(Algorithm):
     """What GRPO and PPO share: the clipped surrogate's settings, loss aggregation and KL."""
 
-    def _init_common(self, name: str, clip_low: float, clip_high: float, kl_coef: float, kl_kind: str,
-                     loss_agg: str, loss_norm_constant: float, ppo_epochs: int, mini_batches: int) -> None:
+    def _init_common(self, cfg: GRPOConfig | PPOConfig) -> None:
+        name, clip_low, clip_high, kl_coef, kl_kind = cfg.name, cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.kl_kind
+        loss_agg, loss_norm_constant = cfg.loss_agg, cfg.loss_norm_constant
+        ppo_epochs, mini_batches = cfg.ppo_epochs, cfg.mini_batches
         problems = []
         if not 0 <= clip_low < 1:
             problems.append(f"algo.clip_low must be in [0, 1), got {clip_low}")
@@ -29,9 +33,9 @@ class ClippedPolicyAlgorithm(Algorithm):
             problems.append("algo.ppo_epochs and algo.mini_batches must be >= 1")
         if kl_coef < 0:
             problems.append(f"algo.kl_coef must be >= 0, got {kl_coef}")
+        if kl_kind not in losses.KL_KINDS:
+            problems.append(f"algo.kl_kind must be one of {losses.KL_KINDS}, got {kl_kind!r}")
         if problems:
-            from swarmkit.errors import ConfigError
-
             raise ConfigError(problems)
         self.name = name
         self.clip_low = float(clip_low)
@@ -69,7 +73,7 @@ def expand_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 class GRPO(ClippedPolicyAlgorithm):
-    """GRPO built from the ``algo`` group (fields of ``GRPOConfig``).
+    """GRPO built from the ``algo`` group: ``GRPO(**fields of GRPOConfig)``.
 
     Every generated token of an episode (all spans of all its merged samples)
     gets the episode's advantage. ``ppo_epochs`` passes over the batch, each
@@ -78,45 +82,34 @@ class GRPO(ClippedPolicyAlgorithm):
 
     needs_values = False
 
-    def __init__(
-        self, name: str = "grpo", std_normalize: bool = True, clip_low: float = 0.2,
-        clip_high: float = 0.28, kl_coef: float = 0.0, loss_agg: str = "token-mean",
-        loss_norm_constant: float = 1024.0, ppo_epochs: int = 1, mini_batches: int = 1,
-        adv_eps: float = 1e-6, kl_kind: str = "k3",
-    ):
-        self._init_common(name, clip_low, clip_high, kl_coef, kl_kind, loss_agg, loss_norm_constant,
-                          ppo_epochs, mini_batches)
-        self.std_normalize = bool(std_normalize)
-        self.adv_eps = float(adv_eps)
+    def __init__(self, **config: Any):
+        self.config = GRPOConfig(**config)  # the schema holds the only defaults
+        self._init_common(self.config)
+        self.std_normalize = bool(self.config.std_normalize)
+        self.adv_eps = float(self.config.adv_eps)
 
-    def episode_advantages(self, rewards: Sequence[float], task_ids: Sequence[str]) -> list[float]:
-        """One advantage per episode, relative to the other episodes of its task."""
-        if len(rewards) != len(task_ids):
-            raise ValueError(f"{len(rewards)} rewards for {len(task_ids)} task ids")
+    def episode_advantages(self, rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
+        """One advantage per reward unit, relative to the other units of its group (task)."""
+        if len(rewards) != len(groups):
+            raise ValueError(f"{len(rewards)} rewards for {len(groups)} groups")
         if not rewards:
             return []
         index: dict[str, int] = {}
-        groups = torch.tensor([index.setdefault(t, len(index)) for t in task_ids])
+        group_index = torch.tensor([index.setdefault(g, len(index)) for g in groups])
         r = torch.tensor([float(x) for x in rewards], dtype=torch.float64)
-        return losses.grpo_advantages(r, groups, self.std_normalize, self.adv_eps).tolist()
+        return losses.grpo_advantages(r, group_index, self.std_normalize, self.adv_eps).tolist()
 
-    def advantages(self, batch: Mapping[str, Any]) -> list[float]:
-        """``episode_advantages(batch["rewards"], batch["task_ids"])``."""
-        return self.episode_advantages(batch["rewards"], batch["task_ids"])
-
-    def loss(
-        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-        mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         """Clipped surrogate (+ ``kl_coef`` * KL to the reference) of a micro-batch.
 
         ``logprobs``, ``old_logprobs``, ``mask``, ``ref_logprobs``: (B, T);
         ``advantages``: (B, T) or (B,) (one per row, broadcast over tokens).
         """
-        adv = expand_advantages(advantages, mask)
+        x = inputs
+        adv = expand_advantages(x.advantages, x.mask)
         loss, metrics = losses.policy_loss(
-            logprobs, old_logprobs, adv, mask, self.clip_low, self.clip_high, self.loss_agg,
+            x.logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high, self.loss_agg,
             self.loss_norm_constant)
-        loss = self._add_kl(loss, metrics, logprobs, ref_logprobs, mask)
+        loss = self._add_kl(loss, metrics, x.logprobs, x.ref_logprobs, x.mask)
         metrics["loss"] = float(loss.detach().item())
         return loss, metrics

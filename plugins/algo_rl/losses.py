@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from swarmkit.contract.algo import LOSS_AGG_MODES as AGG_MODES
+
 KL_KINDS = ("k1", "k2", "k3")
 
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from swarmkit.contract import LossInputs
 from swarmkit_plugins.algo_rl import losses
 from swarmkit_plugins.algo_rl.grpo import ClippedPolicyAlgorithm, expand_advantages
+from swarmkit_plugins.algo_rl.schema import PPOConfig
 
 
 class PPO(ClippedPolicyAlgorithm):
-    """PPO built from the ``algo`` group (fields of ``PPOConfig``).
+    """PPO built from the ``algo`` group: ``PPO(**fields of PPOConfig)``.
 
     The sequence reward sits on the row's last generated token; GAE runs over
     the generated tokens of a row (environment tokens between turns skipped).
@@ -21,20 +22,14 @@ class PPO(ClippedPolicyAlgorithm):
 
     needs_values = True
 
-    def __init__(
-        self, name: str = "ppo", gamma: float = 1.0, lam: float = 0.95, clip_low: float = 0.2,
-        clip_high: float = 0.2, value_clip: float = 0.2, vf_coef: float = 0.5,
-        kl_coef: float = 0.0, loss_agg: str = "token-mean", loss_norm_constant: float = 1024.0,
-        ppo_epochs: int = 1, mini_batches: int = 1, normalize_advantages: bool = True,
-        kl_kind: str = "k3",
-    ):
-        self._init_common(name, clip_low, clip_high, kl_coef, kl_kind, loss_agg, loss_norm_constant,
-                          ppo_epochs, mini_batches)
-        self.gamma = float(gamma)
-        self.lam = float(lam)
-        self.value_clip = float(value_clip)
-        self.vf_coef = float(vf_coef)
-        self.normalize_advantages = bool(normalize_advantages)
+    def __init__(self, **config: Any):
+        self.config = PPOConfig(**config)  # the schema holds the only defaults
+        self._init_common(self.config)
+        self.gamma = float(self.config.gamma)
+        self.lam = float(self.config.lam)
+        self.value_clip = float(self.config.value_clip)
+        self.vf_coef = float(self.config.vf_coef)
+        self.normalize_advantages = bool(self.config.normalize_advantages)
 
     def token_advantages(
         self, rewards_per_sequence: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
@@ -52,24 +47,19 @@ class PPO(ClippedPolicyAlgorithm):
             adv = losses.masked_whiten(adv, mask)
         return adv, returns
 
-    def advantages(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``token_advantages(batch["rewards"], batch["values"], batch["mask"])``."""
-        return self.token_advantages(batch["rewards"], batch["values"], batch["mask"])
-
-    def loss(
-        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-        mask: torch.Tensor, values: torch.Tensor, old_values: torch.Tensor,
-        returns: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         """Policy loss + ``vf_coef`` * value loss (+ ``kl_coef`` * KL); all (B, T)."""
-        adv = expand_advantages(advantages, mask)
+        x = inputs
+        if x.values is None or x.old_values is None or x.returns is None:
+            raise ValueError("PPO's loss needs values, old_values and returns (the engine's value head)")
+        adv = expand_advantages(x.advantages, x.mask)
         loss, metrics = losses.policy_loss(
-            logprobs, old_logprobs, adv, mask, self.clip_low, self.clip_high, self.loss_agg,
+            x.logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high, self.loss_agg,
             self.loss_norm_constant)
-        vl, v_metrics = losses.value_loss(values, old_values, returns, mask, self.value_clip,
+        vl, v_metrics = losses.value_loss(x.values, x.old_values, x.returns, x.mask, self.value_clip,
                                           self.loss_agg, self.loss_norm_constant)
         loss = loss + self.vf_coef * vl
         metrics.update(v_metrics)
-        loss = self._add_kl(loss, metrics, logprobs, ref_logprobs, mask)
+        loss = self._add_kl(loss, metrics, x.logprobs, x.ref_logprobs, x.mask)
         metrics["loss"] = float(loss.detach().item())
         return loss, metrics

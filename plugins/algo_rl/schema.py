@@ -18,15 +18,21 @@ class GRPOConfig:
     loss_norm_constant: float = 1024.0
     ppo_epochs: int = 1
     mini_batches: int = 1
+    #: added to the group's std before dividing (std_normalize)
+    adv_eps: float = 1e-6
+    #: KL estimator of the penalty: "k1" | "k2" | "k3"
+    kl_kind: str = "k3"
 
 
 @dataclass
 class PPOConfig:
     name: str = "ppo"
+    #: discount and GAE lambda over a row's generated tokens
     gamma: float = 1.0
     lam: float = 0.95
     clip_low: float = 0.2
     clip_high: float = 0.2
+    #: clip range of the value loss (<= 0: no clipping); weight of the value loss
     value_clip: float = 0.2
     vf_coef: float = 0.5
     kl_coef: float = 0.0
@@ -34,4 +40,6 @@ class PPOConfig:
     loss_norm_constant: float = 1024.0
     ppo_epochs: int = 1
     mini_batches: int = 1
+    #: whiten advantages over the batch's generated tokens
     normalize_advantages: bool = True
+    kl_kind: str = "k3"

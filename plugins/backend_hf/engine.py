@@ -64,9 +64,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swarmkit.interfaces import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
 from swarmkit.models import resolve_model_path
-from swarmkit.streaming import StreamTextBuffer, cut_at_stop
 
 log = logging.getLogger(__name__)
 

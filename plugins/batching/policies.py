@@ -1,7 +1,7 @@
 """Built-in batching policies C1-C5.
 
 Each policy looks at the untrained episodes of the pool (oldest first) and the
-clients, and answers with a :class:`~swarmkit.interfaces.Decision`: whether to
+clients, and answers with a :class:`~swarmkit.contract.Decision`: whether to
 train now, its progress towards the trigger (``current``/``target``/``unit``)
 and, when it fires, the ids of the episodes that form the batch.
 
@@ -32,8 +32,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from swarmkit.contract import BatchingPolicy, ClientState, Decision, PoolEpisode
 from swarmkit.errors import ConfigError
-from swarmkit.interfaces import BatchingPolicy, ClientState, Decision, PoolEpisode
 
 #: rewards that differ by no more than this count as equal (C3)
 DEGENERATE_EPS = 1e-9

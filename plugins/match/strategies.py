@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 
 class TextMatch:
     """Two blocks match when their texts are equal."""
 
     name = "text"
+    stable_keys = True  # absorption keeps a block's text
+    key_field = "text"
 
-    def key(self, block) -> Hashable:
+    def key(self, block: Any) -> Hashable:
         return block.text
 
 
@@ -18,8 +21,10 @@ class TokenMatch:
     """Two blocks match when their token-id sequences are equal."""
 
     name = "token"
+    stable_keys = True  # absorption copies token ids equal to the ones matched on
+    key_field = "token_ids"
 
-    def key(self, block) -> Hashable:
+    def key(self, block: Any) -> Hashable:
         return tuple(block.token_ids)
 
 

@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from swarmkit_plugins.optim_fsdp.base import BaseEngine, warmup_lambda
-from swarmkit_plugins.optim_fsdp.core import MicroBatch
+from swarmkit.contract import Algorithm
+from swarmkit.training.engine import TrainingEngine
+from swarmkit.training.packing import MicroBatch
+from swarmkit_plugins.optim_deepspeed.schema import DeepSpeedConfig
 
 DS_TAG = "state"
 
@@ -54,15 +57,19 @@ def ensure_process_group() -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-class DeepSpeedEngine(BaseEngine):
+class DeepSpeedEngine(TrainingEngine):
     """ZeRO-2/3 engine. Built as ``DeepSpeedEngine(model_path, model_cfg, optim_cfg, algo)``."""
 
-    def __init__(self, model_path: str | Path, model_cfg: dict[str, Any], optim_cfg: dict[str, Any], algo: Any):
+    config_cls = DeepSpeedConfig
+    cfg: DeepSpeedConfig
+
+    def __init__(self, model_path: str | Path, model_cfg: Mapping[str, Any], optim_cfg: Mapping[str, Any],
+                 algo: Algorithm):
         ensure_process_group()
         super().__init__(model_path, model_cfg, optim_cfg, algo)
 
     def ds_config(self) -> dict[str, Any]:
-        stage = int(self.optim_cfg.get("zero_stage", 2))
+        stage = int(self.cfg.zero_stage)
         if stage not in (2, 3):
             raise ValueError(f"optim.zero_stage must be 2 or 3, got {stage}")
         return {
@@ -84,13 +91,10 @@ class DeepSpeedEngine(BaseEngine):
         if self.reference is not None:
             self.reference.to(device=self.device, dtype=self.compute_dtype)
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        betas = tuple(float(b) for b in self.optim_cfg.get("betas", (0.9, 0.999)))
-        optimizer = torch.optim.AdamW(params, lr=float(self.optim_cfg.get("lr", 1e-5)), betas=betas,
-                                      weight_decay=float(self.optim_cfg.get("weight_decay", 0.0)))
-        warm = warmup_lambda(int(self.optim_cfg.get("warmup_steps", 0)))
+        optimizer = self._adamw(params, fused=False)  # DeepSpeed steps it as a client optimizer
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.policy, optimizer=optimizer, config=self.ds_config(),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warm))
+            lr_scheduler=self._warmup)
         self.zero_stage = int(self.ds_config()["zero_optimization"]["stage"])
         if self.zero_stage == 3:
             # the output embedding is read directly (chunked logprobs), outside its module's forward

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from swarmkit_plugins.optim_fsdp.schema import EngineConfig
+from swarmkit.training.config import EngineConfig
 
 
 @dataclass

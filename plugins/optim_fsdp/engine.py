@@ -30,17 +30,20 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from swarmkit_plugins.optim_fsdp.base import BaseEngine, warmup_lambda
-from swarmkit_plugins.optim_fsdp.core import MicroBatch
+from swarmkit.training.engine import TrainingEngine
+from swarmkit.training.packing import MicroBatch
+from swarmkit_plugins.optim_fsdp.schema import FSDPConfig
 
 
-class FSDPEngine(BaseEngine):
+class FSDPEngine(TrainingEngine):
     """FSDP2 engine; see the module docstring. Built as ``FSDPEngine(model_path, model_cfg, optim_cfg, algo)``."""
+
+    config_cls = FSDPConfig
+    cfg: FSDPConfig
 
     def _shard(self, module: nn.Module) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -60,7 +63,7 @@ class FSDPEngine(BaseEngine):
     _export_cache: dict[str, torch.Tensor] | None = None
 
     def _wants_compute_copy(self) -> bool:
-        mode = str(self.optim_cfg.get("mixed_precision", "auto") or "auto")
+        mode = str(self.cfg.mixed_precision or "auto")
         if mode not in ("auto", "autocast"):
             raise ValueError(f"optim.mixed_precision must be 'auto' or 'autocast', not {mode!r}")
         return (mode == "auto" and not self.distributed and self.device.type == "cuda"
@@ -111,15 +114,8 @@ class FSDPEngine(BaseEngine):
                 self._shard(self.reference)
             self._native_low_precision = self.compute_dtype != torch.float32
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        betas = tuple(float(b) for b in self.optim_cfg.get("betas", (0.9, 0.999)))
-        kw: dict[str, Any] = {}
-        if self.device.type == "cuda":
-            kw["fused"] = True
-        self.optimizer = torch.optim.AdamW(
-            params, lr=float(self.optim_cfg.get("lr", 1e-5)), betas=betas,
-            weight_decay=float(self.optim_cfg.get("weight_decay", 0.0)), **kw)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_lambda(int(self.optim_cfg.get("warmup_steps", 0))))
+        self.optimizer = self._adamw(params)
+        self.scheduler = self._warmup(self.optimizer)
         self._params = params
 
     def _forward(self, mb: MicroBatch, model: nn.Module | None = None):

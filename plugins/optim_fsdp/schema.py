@@ -1,53 +1,13 @@
-"""Config schemas of the optimizer engines (group ``optim``).
+"""Config schema of the ``fsdp`` optimizer engine (group ``optim``)."""
 
-:class:`EngineConfig` holds what every engine takes; the ``fsdp`` and
-``deepspeed`` options add their own keys.
-"""
+from dataclasses import dataclass
 
-from dataclasses import dataclass, field
-
-
-@dataclass
-class EngineConfig:
-    name: str = ""
-    #: AdamW learning rate (the packaged option files set 3e-4, tuned for LoRA)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    #: processes (torchrun --nproc_per_node); 1 trains inside the server process, more start a
-    #: torchrun group that the server drives (swarmkit_plugins.optim_fsdp.group)
-    nprocs: int = 1
-    #: with nprocs > 1: seconds for the group to start, and for one command (a step, a sync)
-    group_start_timeout_s: float = 600.0
-    group_step_timeout_s: float = 3600.0
-    #: with nprocs > 1: torch threads per rank
-    threads_per_rank: int = 1
-    #: tokens per micro-batch (gradient accumulation over micro-batches)
-    token_budget: int = 8192
-    #: "auto" = bfloat16 on CUDA, float32 on CPU
-    dtype: str = "auto"
-    #: "auto" = cuda if available else cpu
-    device: str = "auto"
-    #: RNG seed of the engine (null = the run's seed)
-    seed: int | None = None
-    #: logits computed per chunk in the logprob kernel (bounds activation memory)
-    logit_chunk_elements: int = 67108864
-    #: keep a micro-batch's logits for backward when they fit in this many bytes (saves one
-    #: matmul of the LM head); -1 = auto (a tenth of the GPU's memory on CUDA, 0 on CPU)
-    keep_logits_bytes: int = -1
-    #: torch.compile every decoder layer (fuses RMSNorm, rotary, SiLU gate, residuals):
-    #: "auto" = on CUDA in one process, or true / false
-    compile: str = "auto"
-    #: torch.compile backend ("inductor"; "aot_eager" to debug)
-    compile_backend: str = "inductor"
+from swarmkit.training.config import EngineConfig
 
 
 @dataclass
 class FSDPConfig(EngineConfig):
     name: str = "fsdp"
-    activation_checkpointing: bool = False
     #: one process on CUDA: "auto" = bf16 compute copy with fp32 master weights
     #: and fp32 gradient accumulation; "autocast" = fp32 params under bf16 autocast
     mixed_precision: str = "auto"

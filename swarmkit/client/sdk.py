@@ -136,11 +136,11 @@ class Episode:
         return self.result
 
     def timelines(self, as_objects: bool = False) -> list[Any]:
-        """The recorded timelines as JSON dicts (``swarmkit.timeline.Timeline`` with ``as_objects``)."""
+        """The recorded timelines as JSON dicts (``swarmkit.timelines.Timeline`` with ``as_objects``)."""
         data = self._client._request("GET", self._path("/timelines"), key=self.api_key).json()
         tls = data["timelines"]
         if as_objects:
-            from swarmkit.timeline import Timeline  # needs the full swarmkit install
+            from swarmkit.timelines import Timeline  # needs the full swarmkit install
 
             return [Timeline.from_dict(t) for t in tls]
         return tls

@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from swarmkit.config.schema import MODES, SwarmkitConfig
 from swarmkit.errors import ConfigError, UnknownComponentError
-from swarmkit.registry import KINDS, Registry
+from swarmkit.plugins.registry import KINDS, Registry
 
 
 def _check_node(schema: type, node: Any, where: str, problems: list[str]) -> DictConfig | None:

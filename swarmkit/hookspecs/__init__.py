@@ -1,7 +1,7 @@
 """pluggy hookspecs of swarmkit, one module per concern.
 
 Component hooks are ``register_*(register)`` callbacks: the core owns the one
-:class:`~swarmkit.registry.Registry`; a plugin calls ``register(...)`` with a
+:class:`~swarmkit.plugins.registry.Registry`; a plugin calls ``register(...)`` with a
 name, an import string for the heavy class and a config schema. Lifecycle hooks
 (:mod:`.lifecycle`) are notifications for loggers and third parties.
 

@@ -15,7 +15,7 @@ def register_algos(register: Callable[..., None]) -> None:
 
     :param register: ``register(name, target, schema=None, requires=(), extra=None,
         description="")``; ``target`` names a class implementing
-        :class:`swarmkit.interfaces.Algorithm`. The maths behind it should be
+        :class:`swarmkit.contract.Algorithm`. The maths behind it should be
         pure functions over tensors so they can be tested on their own.
     :returns: nothing; every implementation is called.
     """

@@ -1,7 +1,7 @@
 """Inference backends: engines that generate from token ids with logprobs.
 
 A backend class (loaded lazily from its import string) implements
-:class:`swarmkit.interfaces.InferenceBackend`.
+:class:`swarmkit.contract.InferenceBackend`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def register_backends(register: Callable[..., None]) -> None:
 
     :param register: ``register(name, target, schema=None, requires=(), extra=None,
         description="")``. ``target`` is the import string (``"pkg.mod:Class"``) of a
-        class implementing :class:`swarmkit.interfaces.InferenceBackend`;
+        class implementing :class:`swarmkit.contract.InferenceBackend`;
         ``schema`` a dataclass for the ``backend`` config group; ``requires`` the
         top-level modules the class needs (never imported while registering);
         ``extra`` the pip extra that installs them.

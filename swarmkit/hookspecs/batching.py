@@ -15,7 +15,7 @@ def register_batching_policies(register: Callable[..., None]) -> None:
 
     :param register: ``register(name, target, schema=None, description="")``;
         ``target`` names a class implementing
-        :class:`swarmkit.interfaces.BatchingPolicy`, built with its config
+        :class:`swarmkit.contract.BatchingPolicy`, built with its config
         (``batch_size``, ``rollouts_per_task`` and its own keys).
     :returns: nothing; every implementation is called.
     """

@@ -15,7 +15,7 @@ def register_match_strategies(register: Callable[..., None]) -> None:
 
     :param register: ``register(name, target, schema=None, description="")``;
         ``target`` names an object implementing
-        :class:`swarmkit.interfaces.MatchStrategy`: ``key(block)`` returns a
+        :class:`swarmkit.contract.MatchStrategy`: ``key(block)`` returns a
         hashable key, and two blocks match exactly when their keys are equal
         (this is what lets merging run near-linearly with hashing).
     :returns: nothing; every implementation is called.

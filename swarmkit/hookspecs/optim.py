@@ -15,7 +15,7 @@ def register_optims(register: Callable[..., None]) -> None:
 
     :param register: ``register(name, target, schema=None, requires=(), extra=None,
         description="")``; ``target`` names a class implementing
-        :class:`swarmkit.interfaces.OptimEngine` (owns the trainable model,
+        :class:`swarmkit.contract.OptimEngine` (owns the trainable model,
         its optimizer and the distributed set-up; launched with torchrun or
         deepspeed for more than one process).
     :returns: nothing; every implementation is called.

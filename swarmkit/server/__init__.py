@@ -1,1 +1,4 @@
-"""The swarm server: Starlette app, episode life cycle, context tracker."""
+"""The HTTP face of a swarm server: app factory, routes per resource, errors, middleware, uvicorn runner.
+
+The server's logic without HTTP is :mod:`swarmkit.swarm`.
+"""

@@ -1,16 +1,20 @@
 """OpenAI-style JSON errors: ``{"error": {"message", "type", "code", "param"}}``.
 
 Every 4xx/5xx the server sends has this shape, so the official ``openai`` SDK
-raises its usual typed exceptions with a readable message.
+raises its usual typed exceptions with a readable message. The layers below
+raise :class:`swarmkit.errors.ApiError`; the handlers here answer it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from swarmkit.errors import ApiError
 
 #: HTTP status -> OpenAI error ``type``
 _TYPES = {
@@ -31,36 +35,6 @@ _TYPES = {
 }
 
 
-class ApiError(Exception):
-    """An error answer: raise it anywhere in an endpoint.
-
-    :param status: HTTP status code.
-    :param message: what went wrong and what to do instead.
-    :param code: a stable machine-readable code (``episode_not_found``...).
-    :param param: the offending request field, if any.
-    :param headers: extra response headers (``Retry-After``).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.code, self.param)
-
-
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
     """The JSON payload of an error answer."""
     return {
@@ -77,11 +51,6 @@ def error_response(
     status: int, message: str, code: str, *, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
-
-
-def busy(message: str, retry_after: float = 1.0, code: str = "server_busy") -> ApiError:
-    """A 503 "retry later" answer that the client SDK (and the openai SDK) honour."""
-    return ApiError(503, message, code, headers={"Retry-After": f"{max(1, round(retry_after))}"})
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
@@ -102,8 +71,6 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
-    import logging
-
     logging.getLogger("swarmkit.server").exception("unhandled error in %s %s", request.method, request.url.path)
     return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from swarmkit.interfaces import BatchingPolicy, ClientState, Decision, PoolEpisode
+from swarmkit.contract import BatchingPolicy, ClientState, Decision, PoolEpisode
 
 
 class OldestWaited(BatchingPolicy):

@@ -1,0 +1,64 @@
+"""The command line: ``python -m swarmkit [overrides...]``.
+
+Hydra composes the packaged config (:mod:`swarmkit.config.compose`); the
+overrides are checked first and every problem is reported at once; then
+``mode`` picks what runs (:mod:`swarmkit.apps.runner`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from omegaconf import DictConfig
+
+from swarmkit.apps.runner import run
+from swarmkit.config.compose import (
+    CONFIG_MODULE,
+    compose_checked,
+    hydra_argv,
+    missing_engines,
+    validated,
+)
+from swarmkit.errors import ConfigError, SwarmkitError
+
+
+def _hydra_entry(cfg: DictConfig) -> None:
+    try:
+        checked = validated(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    from hydra.core.hydra_config import HydraConfig
+
+    if checked.mode == "local":
+        missing = missing_engines(checked)
+        if missing:
+            print("error: " + "; ".join(missing), file=sys.stderr)
+            sys.exit(2)
+    if checked.server.run_dir == "auto":
+        checked.server.run_dir = HydraConfig.get().runtime.output_dir
+    status = run(checked)
+    if status:
+        sys.exit(status)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m swarmkit`` and the ``swarmkit`` script."""
+    import hydra
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        hargs = hydra_argv(args)
+        if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith(("--cfg", "-c"))
+                   for a in args):
+            compose_checked(args)  # every problem of the overrides at once, before Hydra runs
+    except SwarmkitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [sys.argv[0] if sys.argv else "swarmkit", *hargs]
+    entry = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(_hydra_entry)
+    entry()
+
+
+__all__ = ["main"]

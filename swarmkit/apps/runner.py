@@ -1,0 +1,36 @@
+"""What each ``mode`` of the command line runs."""
+
+from __future__ import annotations
+
+import json
+
+from omegaconf import DictConfig
+
+from swarmkit.apps.local import run_local
+from swarmkit.apps.serve import serve
+from swarmkit.apps.task_client import main as client_main
+from swarmkit.config.validate import to_dict
+
+
+def run(cfg: DictConfig) -> int:
+    """Run the validated config's ``mode``; returns the exit status."""
+    if cfg.mode == "plan":
+        print(json.dumps(to_dict(cfg), indent=2))
+        return 0
+    if cfg.mode == "server":
+        return serve(cfg)
+    if cfg.mode == "client":
+        return run_client(cfg)
+    return run_local(cfg)
+
+
+def run_client(cfg: DictConfig) -> int:
+    """``mode=client``: the task client against ``http://server.host:server.port``."""
+    return client_main([
+        "--url", f"http://{cfg.server.host}:{cfg.server.port}",
+        "--task", str(cfg.task.name),
+        "--train-size", str(cfg.task.train_size),
+        "--rollouts-per-task", str(cfg.batching.rollouts_per_task),
+        "--max-tokens", str(cfg.task.max_tokens),
+        "--concurrency", str(cfg.task.concurrency),
+    ])

@@ -1,0 +1,121 @@
+"""The RL-algorithm contract: advantages from rewards, and the loss of a micro-batch.
+
+An algorithm (kind ``algo``) subclasses :class:`Algorithm` and is built as
+``cls(**config)`` from the ``algo`` group. The training core reads only what
+is declared here: the class attributes tell the engine what to prepare, one
+of the two advantage methods labels the samples, and :meth:`Algorithm.loss`
+turns one micro-batch (:class:`LossInputs`) into a loss. :func:`check_algorithm`
+runs when the algorithm is built, so a plugin that misses part of this
+contract fails at once with a :class:`TypeError` naming what is missing,
+never by training on silent defaults.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - torch is imported by the engines, not by the contract
+    from torch import Tensor
+else:
+    Tensor = Any
+
+#: how a (B, T) per-token loss is reduced to a scalar (see ``swarmkit_plugins.algo_rl.losses``)
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class LossInputs:
+    """One packed micro-batch as the engine hands it to :meth:`Algorithm.loss`.
+
+    Every tensor is (B, T): B rows (samples), T the longest trained span.
+    ``mask`` is 1.0 on trained (generated) tokens. ``advantages`` is (B, T) or (B,).
+    ``ref_logprobs`` is set when the algorithm ``needs_reference``; ``values``,
+    ``old_values`` and ``returns`` when it ``needs_values``.
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    ref_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    old_values: Tensor | None = None
+    returns: Tensor | None = None
+
+
+class Algorithm(ABC):
+    """An RL algorithm, as the trainer and the engines use it.
+
+    Declared attributes (class attributes or set in ``__init__``):
+
+    - ``needs_values``: the engine keeps a value head, scores old values in a
+      pre-pass and calls :meth:`token_advantages`; otherwise the trainer calls
+      :meth:`episode_advantages` once per batch.
+    - ``needs_reference``: the engine keeps the frozen initial policy and fills
+      ``LossInputs.ref_logprobs``.
+    - ``ppo_epochs`` passes over each batch, each cut into ``mini_batches``
+      optimizer steps.
+    - ``loss_agg``: one of :data:`LOSS_AGG_MODES`; the engine weights
+      micro-batches so that gradient accumulation equals one big batch.
+    """
+
+    name: str = ""
+    needs_values: bool = False
+    needs_reference: bool = False
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    loss_agg: str = "token-mean"
+
+    def episode_advantages(self, rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
+        """One advantage per reward unit (required unless ``needs_values``).
+
+        :param rewards: (G,) one reward per (episode, role).
+        :param groups: (G,) the group of each reward: the task id, or task id
+            and role for per-role rewards; compare a reward only within its group.
+        :returns: (G,) advantages; every generated token of the unit gets its value.
+        """
+        raise NotImplementedError
+
+    def token_advantages(self, rewards: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-token ``(advantages, returns)``, both (B, T) (required when ``needs_values``).
+
+        :param rewards: (B,) the sequence reward of each sample.
+        :param values: (B, T) the value head's estimates at rollout (old values).
+        :param mask: (B, T) 1.0 on generated tokens.
+        """
+        raise NotImplementedError
+
+    @abstractmethod
+    def loss(self, inputs: LossInputs) -> tuple[Tensor, dict[str, float]]:
+        """The 0-d loss of a micro-batch and its scalar metrics (computed without gradient)."""
+
+
+def _overrides(obj: Any, method: str) -> bool:
+    return getattr(type(obj), method) is not getattr(Algorithm, method)
+
+
+def check_algorithm(algo: Any) -> None:
+    """Raise :class:`TypeError` naming every part of the contract ``algo`` misses."""
+    name = f"algorithm {type(algo).__module__}.{type(algo).__qualname__}"
+    if not isinstance(algo, Algorithm):
+        raise TypeError(f"{name} must subclass swarmkit.contract.Algorithm")
+    problems = []
+    for attr in ("needs_values", "needs_reference"):
+        if not isinstance(getattr(algo, attr), bool):
+            problems.append(f"{attr} must be a bool, got {getattr(algo, attr)!r}")
+    for attr in ("ppo_epochs", "mini_batches"):
+        value = getattr(algo, attr)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{attr} must be an int >= 1, got {value!r}")
+    if algo.loss_agg not in LOSS_AGG_MODES:
+        problems.append(f"loss_agg must be one of {LOSS_AGG_MODES}, got {algo.loss_agg!r}")
+    if algo.needs_values and not _overrides(algo, "token_advantages"):
+        problems.append("needs_values is True but token_advantages(rewards, values, mask) is not implemented")
+    if not algo.needs_values and not _overrides(algo, "episode_advantages"):
+        problems.append("episode_advantages(rewards, groups) is not implemented "
+                        "(or set needs_values = True and implement token_advantages)")
+    if problems:
+        raise TypeError(f"{name} does not meet the algorithm contract: " + "; ".join(problems))

@@ -1,0 +1,108 @@
+"""The inference-backend contract: token ids in, token ids and logprobs out.
+
+A backend (kind ``backend``) subclasses :class:`InferenceBackend`. The server
+builds it as ``cls(config=<backend group dict>, model=<model group dict>)``,
+awaits :meth:`~InferenceBackend.start` in BOOTING and calls it concurrently
+from many episodes. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one generation request (OpenAI semantics).
+
+    ``stop`` are stop *strings*: generation ends when the decoded text contains
+    one, and the text is cut before it. ``stop_token_ids`` end generation on
+    these ids (the tokenizer's EOS ids are always added by the backend).
+    ``top_logprobs`` > 0 asks for that many alternatives per generated token.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    top_logprobs: int = 0
+
+
+@dataclass
+class GenerationOutput:
+    """One sampled continuation.
+
+    ``logprobs[i]`` is log p(token_ids[i] | prefix) under the model's
+    unmodified distribution (log-softmax of the raw logits, no temperature),
+    which is what importance ratios in training are computed against.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    top_logprobs: list[dict[int, float]] | None = None
+    policy_version: int = 0
+
+
+@dataclass
+class StreamChunk:
+    """Tokens appended to one continuation since the previous chunk (``n == 1`` streams)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None = None  # set on the last chunk
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+class InferenceBackend(ABC):
+    """An inference engine serving one model, token ids in and token ids out.
+
+    Built by the server as ``cls(config=backend_cfg, model=model_cfg)`` where
+    both are plain dicts of the ``backend`` and ``model`` config groups.
+    Requests from many episodes arrive concurrently; a backend batches them.
+    Stop strings and streamed text follow :mod:`swarmkit.contract.streaming`.
+    """
+
+    #: policy version (optimizer step) of the weights now being served
+    policy_version: int = 0
+    #: the longest prompt + generation the engine serves (None: ``model.max_context``)
+    max_context: int | None = None
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (with chat template) of the served model."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model and make the engine ready (the server's BOOTING)."""
+
+    @abstractmethod
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
+        """Sample ``params.n`` continuations of ``prompt_ids``."""
+
+    @abstractmethod
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
+        """Sample one continuation, yielding tokens as they are generated."""
+
+    @abstractmethod
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, Any]] | None = None, *, path: str | None = None,
+        version: int,
+    ) -> None:
+        """Replace the served weights in place (no restart) and set ``policy_version``.
+
+        Either ``named_tensors`` (full weights or, for LoRA, the merged weights)
+        or ``path`` (a folder with safetensors / a peft adapter).
+        """
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Free the engine."""

@@ -1,0 +1,3 @@
+from swarmkit.pool.journal import _main
+
+raise SystemExit(_main())

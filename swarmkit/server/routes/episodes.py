@@ -1,0 +1,213 @@
+"""The episode API that sampling clients use.
+
+- ``POST /api/v1/episodes`` register → ``episode_id``, ``base_url``, ``api_key``
+  (and ``keys``: role → key when roles are given).
+- ``POST /api/v1/episodes/{id}/report`` ``{"reward": 1.0}`` or
+  ``{"reward": {"wolf": 1.0, "seer": 0.0}}`` ends it.
+- ``POST /api/v1/episodes/{id}/abort`` ``{"reason": "..."}`` ends it without a sample.
+- ``GET /api/v1/episodes/{id}`` and ``.../timelines``: read-only, for its owner.
+- ``POST /api/v1/clients/ready`` ``{"ready": true}``: batching C4/C5 votes.
+
+Owner calls authenticate with any of the episode's keys (or the admin token
+for reads). Field errors are 422; the body of every error is OpenAI-style.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from swarmkit.errors import ApiError, busy
+from swarmkit.server.requests import bearer, read_json
+from swarmkit.swarm.episodes import check_reward
+from swarmkit.swarm.state import ServerState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from swarmkit.swarm.server import SwarmServer
+
+MAX_ROLES = 64
+MAX_ID_LEN = 256
+
+
+def _server(request: Request) -> SwarmServer:
+    srv: SwarmServer = request.app.state.swarm
+    srv.touch_client(request.headers.get("x-swarm-client"))
+    return srv
+
+
+def _client_id(request: Request, body: dict[str, Any]) -> str:
+    cid = body.get("client_id", request.headers.get("x-swarm-client", ""))
+    if not isinstance(cid, str) or len(cid) > 128:
+        raise ApiError(422, "'client_id' must be a string of at most 128 characters", "invalid_field",
+                       param="client_id")
+    return cid
+
+
+def _base_url(request: Request) -> str:
+    return str(request.base_url).rstrip("/") + "/v1"
+
+
+async def register(request: Request) -> Response:
+    srv = _server(request)
+    body = await read_json(request)
+    task_id = body.get("task_id")
+    if task_id is None:
+        raise ApiError(422, "missing required field 'task_id'", "missing_field", param="task_id")
+    if isinstance(task_id, int) and not isinstance(task_id, bool):
+        task_id = str(task_id)
+    if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_ID_LEN:
+        raise ApiError(422, f"'task_id' must be a non-empty string of at most {MAX_ID_LEN} characters",
+                       "invalid_field", param="task_id")
+    is_eval = body.get("eval", False)
+    if not isinstance(is_eval, bool):
+        raise ApiError(422, "'eval' must be true or false", "invalid_field", param="eval")
+    timeout = body.get("timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout)):
+        raise ApiError(422, "'timeout_s' must be a number of seconds", "invalid_field", param="timeout_s")
+    roles = body.get("roles")
+    if roles is not None:
+        if (not isinstance(roles, list) or not roles or len(roles) > MAX_ROLES
+                or not all(isinstance(r, str) and r and len(r) <= MAX_ID_LEN for r in roles)):
+            raise ApiError(422, f"'roles' must be a non-empty list of at most {MAX_ROLES} non-empty strings",
+                           "invalid_field", param="roles")
+        if len(set(roles)) != len(roles):
+            raise ApiError(422, "'roles' must not repeat a role", "invalid_field", param="roles")
+    meta = body.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
+    client_id = _client_id(request, body)
+    state = srv.state.state
+    if state is not ServerState.ROLLING:
+        if state in (ServerState.ROLLING_POST, ServerState.WEIGHT_SYNCING):
+            raise busy(f"server busy ({state}: a training step is being prepared); retry later", 1.0)
+        if state is ServerState.BOOTING:
+            raise busy("server busy (BOOTING: loading the model); retry later", 2.0, "server_booting")
+        raise busy("the server is OFFLINE (not configured or stopped); retry later", 2.0, "server_offline")
+    ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=timeout, roles=roles, client_id=client_id,
+                               meta=meta, policy_version=srv.policy_version)
+    keys = {r: k for r, k in ep.keys.items() if r is not None}
+    return JSONResponse(
+        {
+            "episode_id": ep.id,
+            "base_url": _base_url(request),
+            "api_key": next(iter(ep.keys.values())),
+            "keys": keys or None,
+            "roles": ep.roles,
+            "task_id": ep.task_id,
+            "eval": ep.eval,
+            "deadline": ep.deadline,
+            "timeout_s": ep.deadline - ep.created,
+            "policy_version": ep.policy_version,
+            "model": srv.model_name,
+        },
+        status_code=201,
+    )
+
+
+def _owned(request: Request, srv: SwarmServer, *, admin_ok: bool = False):
+    episode_id = request.path_params["episode_id"]
+    token = bearer(request)
+    if admin_ok and srv.is_admin(token):
+        return srv.episodes.get(episode_id)
+    return srv.episodes.owned(episode_id, token)
+
+
+async def report(request: Request) -> Response:
+    srv = _server(request)
+    body = await read_json(request)
+    ep = _owned(request, srv)
+    if "reward" not in body:
+        raise ApiError(422, "missing required field 'reward' (a number, or an object role -> number)",
+                       "missing_field", param="reward")
+    meta = body.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
+    reward, rewards = check_reward(body["reward"], ep.roles)
+    srv.episodes.check_open(ep)
+    for _ in range(100):  # a call that is returning right now gets up to 5 s to be recorded
+        if not ep.in_flight:
+            break
+        await asyncio.sleep(0.05)
+    if ep.in_flight:
+        raise ApiError(409, f"episode '{ep.id}' still has {ep.in_flight} model call(s) in flight; report after "
+                       "they return", "calls_in_flight")
+    srv.episodes.check_open(ep)
+    if meta:
+        ep.meta.update(meta)
+    accepted = False
+    if not ep.eval:
+        ep.reward, ep.rewards = reward, rewards
+        try:
+            await srv.accept(ep)
+        except Exception as exc:  # noqa: BLE001 - the sample was not stored: let the client retry
+            ep.reward, ep.rewards = None, {}
+            raise busy(f"the episode could not be stored in the sample pool ({type(exc).__name__}: {exc}); "
+                       "retry the report", 1.0, "pool_unavailable") from None
+        accepted = True
+    srv.episodes.finish(ep, reward, rewards, accepted)
+    return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": reward,
+                         "rewards": rewards or None, "accepted": accepted, "n_timelines": len(ep.timelines)})
+
+
+async def abort(request: Request) -> Response:
+    srv = _server(request)
+    body = await read_json(request) if await request.body() else {}
+    ep = _owned(request, srv)
+    reason = body.get("reason", "aborted by the client")
+    if not isinstance(reason, str):
+        raise ApiError(422, "'reason' must be a string", "invalid_field", param="reason")
+    srv.episodes.check_open(ep)
+    srv.episodes.abort(ep, reason[:1000] or "aborted by the client")
+    return JSONResponse({"episode_id": ep.id, "status": ep.status, "reason": ep.abort_reason})
+
+
+async def get_episode(request: Request) -> Response:
+    srv = _server(request)
+    return JSONResponse(_owned(request, srv, admin_ok=True).summary())
+
+
+async def timelines(request: Request) -> Response:
+    srv = _server(request)
+    ep = _owned(request, srv, admin_ok=True)
+    return JSONResponse({"episode_id": ep.id, "status": ep.status, "task_id": ep.task_id,
+                         "timelines": [tl.to_dict() for tl in ep.timelines]})
+
+
+async def list_episodes(request: Request) -> Response:
+    """Admin: summaries of running episodes (and the latest ended ones with ``?ended=N``)."""
+    srv = _server(request)
+    srv.check_admin(bearer(request))
+    try:
+        n_ended = int(request.query_params.get("ended", "0"))
+    except ValueError:
+        raise ApiError(422, "'ended' must be an integer", "invalid_field", param="ended") from None
+    ended = srv.episodes.ended()[-n_ended:] if n_ended > 0 else []
+    return JSONResponse({"running": [e.summary() for e in srv.episodes.running()],
+                         "ended": [e.summary() for e in ended]})
+
+
+async def client_ready(request: Request) -> Response:
+    srv = _server(request)
+    body = await read_json(request)
+    cid = _client_id(request, body)
+    if not cid:
+        raise ApiError(422, "missing client id: send the 'X-Swarm-Client' header or 'client_id'", "missing_field",
+                       param="client_id")
+    ready = body.get("ready")
+    if not isinstance(ready, bool):
+        raise ApiError(422, "'ready' must be true or false", "invalid_field", param="ready")
+    srv.clients.set_ready(cid, ready)
+    return JSONResponse({"client_id": cid, "ready": ready})
+
+
+async def client_heartbeat(request: Request) -> Response:
+    srv = _server(request)
+    cid = request.headers.get("x-swarm-client", "")
+    if not cid:
+        raise ApiError(422, "missing the 'X-Swarm-Client' header", "missing_field", param="client_id")
+    return JSONResponse({"client_id": cid, "state": str(srv.state.state)})

@@ -1,0 +1,207 @@
+"""What the OpenAI-compatible endpoints share: sampling parameters, logprobs, SSE, ``/v1/models``.
+
+The endpoints themselves are :mod:`.chat` (``/v1/chat/completions``) and
+:mod:`.completions` (``/v1/completions``). The episode (and role) of a call is
+found from its API key (``Authorization: Bearer <api_key>``). Invalid requests
+get 400 (as the OpenAI API does); authentication 401.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from swarmkit.contract import SamplingParams, StreamChunk
+from swarmkit.errors import ApiError
+from swarmkit.server.requests import bearer
+from swarmkit.timelines.render import TokenText
+
+if TYPE_CHECKING:  # pragma: no cover
+    from swarmkit.swarm.server import SwarmServer
+
+MAX_TOP_LOGPROBS = 20
+
+
+def server_of(request: Request) -> SwarmServer:
+    return request.app.state.swarm
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"'{name}' must be a number, got {value!r}", "invalid_value", param=name)
+    if not lo <= value <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo:g} and {hi:g}, got {value}", "invalid_value", param=name)
+    return float(value)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", "invalid_value", param=name)
+    if not lo <= value <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {value}", "invalid_value", param=name)
+    return value
+
+
+def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int) -> tuple[SamplingParams, bool]:
+    """SamplingParams of a request, and whether logprobs were asked for."""
+    max_tokens = _int(body, "max_completion_tokens", None, 1, 10**7) if chat else None
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1, 10**7)
+    if max_tokens is None:
+        max_tokens = max_new if chat else 16
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        stops = [s for s in stop if s]
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of at most 16 strings", "invalid_value", param="stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "invalid_value", param="seed")
+    if chat:
+        lp = body.get("logprobs", False)
+        if lp is not None and not isinstance(lp, bool):
+            raise ApiError(400, "'logprobs' must be true or false", "invalid_value", param="logprobs")
+        want_logprobs = bool(lp)
+        top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+        if top and not want_logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "invalid_value", param="top_logprobs")
+    else:
+        top_raw = _int(body, "logprobs", None, 0, 5)
+        want_logprobs = top_raw is not None
+        top = top_raw or 0
+    params = SamplingParams(
+        max_tokens=min(max_tokens, max_new),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+        n=_int(body, "n", 1, 1, 128) or 1,
+        stop=stops,
+        seed=seed,
+        top_logprobs=top,
+    )
+    return params, want_logprobs
+
+
+def chat_logprobs(
+    tt: TokenText, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int, float]] | None
+) -> list[dict[str, Any]]:
+    out = []
+    for k, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+        tok, raw = tt(tid)
+        alts = []
+        if tops is not None and k < len(tops):
+            for aid, alp in sorted(tops[k].items(), key=lambda kv: -kv[1]):
+                atok, araw = tt(aid)
+                alts.append({"token": atok, "logprob": alp, "bytes": araw})
+        out.append({"token": tok, "logprob": lp, "bytes": raw, "top_logprobs": alts})
+    return out
+
+
+def completion_logprobs(
+    tt: TokenText, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int, float]] | None, offset0: int = 0
+) -> dict[str, Any]:
+    tokens, offsets, top_list = [], [], []
+    pos = offset0
+    for k, tid in enumerate(ids):
+        tok, _ = tt(tid)
+        tokens.append(tok)
+        offsets.append(pos)
+        pos += len(tok)
+        if tops is not None and k < len(tops):
+            top_list.append({tt(a)[0]: v for a, v in tops[k].items()})
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(lps),
+        "top_logprobs": top_list if tops is not None else None,
+        "text_offset": offsets,
+    }
+
+
+def served_model(srv: SwarmServer) -> str:
+    return srv.model_name
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def choice_streams(
+    srv: SwarmServer, prompt_ids: list[int], params: SamplingParams
+) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(choice index, chunk) from ``params.n`` concurrent backend streams."""
+    one = SamplingParams(**{**params.__dict__, "n": 1})
+    if params.n == 1:
+        agen = srv.backend.stream(prompt_ids, one)
+        try:
+            async for chunk in agen:
+                yield 0, chunk
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+        return
+    send, receive = anyio.create_memory_object_stream[tuple[int, StreamChunk | None]](64)
+
+    async def pump(i: int) -> None:
+        params_i = SamplingParams(**{**one.__dict__, "seed": None if one.seed is None else one.seed + i})
+        agen = srv.backend.stream(prompt_ids, params_i)
+        try:
+            async for chunk in agen:
+                await send.send((i, chunk))
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+            with anyio.CancelScope(shield=True):
+                await send.send((i, None))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(params.n):
+            tg.start_soon(pump, i)
+        done = 0
+        async with receive:
+            while done < params.n:
+                i, chunk = await receive.receive()
+                if chunk is None:
+                    done += 1
+                    continue
+                yield i, chunk
+
+
+
+async def list_models(request: Request) -> Response:
+    """``GET /v1/models``: the one model this server serves."""
+    srv = server_of(request)
+    srv.authorize_any(bearer(request))
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model(srv),
+                    "object": "model",
+                    "created": int(srv.started_at or time.time()),
+                    "owned_by": "swarmkit",
+                    "policy_version": srv.policy_version,
+                }
+            ],
+        }
+    )

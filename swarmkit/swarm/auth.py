@@ -1,0 +1,63 @@
+"""Who may do what: the admin token for controller calls.
+
+Episode keys are the :class:`~swarmkit.swarm.episodes.EpisodeRegistry`'s; this
+module holds the one admin token of a server process and checks it in
+constant time.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from swarmkit.errors import ApiError
+
+ENV_ADMIN_TOKEN = "SWARMKIT_ADMIN_TOKEN"
+ADMIN_TOKEN_FILE = "admin_token"
+
+
+def resolve_admin_token(configured: str | None, run_dir: str | os.PathLike | None) -> tuple[str, str]:
+    """The admin token and where it came from.
+
+    Order: ``server.admin_token`` → ``$SWARMKIT_ADMIN_TOKEN`` → a new random
+    token written to ``<run_dir>/admin_token`` with mode 0600. Returns
+    ``(token, source)`` where source is ``"config"``, ``"env"`` or the file path.
+    """
+    if configured:
+        return str(configured), "config"
+    env = os.environ.get(ENV_ADMIN_TOKEN)
+    if env:
+        return env, "env"
+    token = secrets.token_urlsafe(32)
+    if run_dir is None:
+        return token, "generated (not written: no run_dir)"
+    folder = Path(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ADMIN_TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IRUSR | stat.S_IWUSR)
+    try:
+        os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
+    return token, str(path)
+
+
+class AdminAuth:
+    """The server's admin token and where it came from (see :func:`resolve_admin_token`)."""
+
+    def __init__(self, configured: str | None, run_dir: str | os.PathLike | None):
+        self.token, self.source = resolve_admin_token(configured, run_dir)
+
+    def is_admin(self, token: str | None) -> bool:
+        return bool(token) and secrets.compare_digest(str(token).encode(), self.token.encode())
+
+    def check(self, token: str | None) -> None:
+        """401 without a token, 403 with a wrong one."""
+        if not token:
+            raise ApiError(401, "missing admin token: send 'Authorization: Bearer <admin token>' (see the server's "
+                           "start-up message for where the token is)", "missing_admin_token")
+        if not self.is_admin(token):
+            raise ApiError(403, "wrong admin token", "wrong_admin_token")

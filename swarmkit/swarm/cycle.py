@@ -1,0 +1,281 @@
+"""The roll/train cycle: sample pool + batching policy + trainer, wired into a server.
+
+``ROLLING`` → (policy fires) → ``ROLLING_POST`` (new episodes get 503 +
+Retry-After; running ones may finish until ``server.drain_timeout_s``, then
+are aborted) → ``WEIGHT_SYNCING`` (timelines merged, one optimizer step, new
+weights pushed into the inference engine) → ``ROLLING`` with the policy
+version incremented.
+
+Every accepted episode is written to the SQLite journal
+(``<run_dir>/journal.sqlite``) before its reporter gets the success answer;
+the pool is rebuilt from the journal when a server starts on the same
+``run_dir``. Episodes a step trained on are marked with that step.
+
+The step itself is pluggable: ``TrainingCycle(run_dir, step_fn=...)`` with
+``step_fn(records, step) -> metrics`` replaces the trainer (tests, custom
+trainers); otherwise ``trainer_factory(config)`` builds the trainer at boot
+(the composition root, :mod:`swarmkit.apps.wiring`, passes
+:class:`swarmkit.training.Trainer`) and its weights are synced after each step.
+The cycle is handed to the server in its constructor
+(``SwarmServer(..., cycle=TrainingCycle(...))``), which attaches itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from swarmkit.config.plain import as_dict
+from swarmkit.config.schema import TrainerConfig
+from swarmkit.plugins import get_hooks, load_component
+from swarmkit.pool import EpisodeRecord, SamplePool
+from swarmkit.swarm.episodes import Episode
+from swarmkit.swarm.metrics import MetricsWriter
+from swarmkit.swarm.state import ServerState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from swarmkit.swarm.server import SwarmServer
+
+log = logging.getLogger("swarmkit.cycle")
+
+StepFn = Callable[[Sequence[EpisodeRecord], int], dict[str, float]]
+TrainerFactory = Callable[[dict[str, Any], Path], Any]
+JOURNAL_FILE = "journal.sqlite"
+
+
+def pool_record(ep: Episode) -> EpisodeRecord:
+    """The journal record of a finished training episode.
+
+    The reward is the role → reward dict for episodes with roles, else the float;
+    ``task_family`` comes from the episode's ``meta["task_family"]``.
+    """
+    return EpisodeRecord(
+        episode_id=ep.id,
+        task_id=ep.task_id,
+        client_id=ep.client_id,
+        reward=dict(ep.rewards) if ep.roles else float(ep.reward if ep.reward is not None else 0.0),
+        timelines=[tl.to_dict() for tl in ep.timelines],
+        policy_version=ep.policy_version,
+        task_family=str(ep.meta.get("task_family", "")),
+        meta={"roles": ep.roles, "n_calls": ep.n_calls, **{k: v for k, v in ep.meta.items() if k != "task_family"}},
+    )
+
+
+
+
+class TrainingCycle:
+    """Owns the pool, the batching policy and the trainer of one :class:`SwarmServer`.
+
+    :param run_dir: the server's run folder (journal, metrics, checkpoints).
+    :param trainer_factory: ``(config dict, run_dir) -> trainer`` (``step``,
+        ``export_weights``, ``global_step``, checkpoints, ``close``).
+    :param step_fn: a replacement for the trainer's step (no trainer, no weight sync then).
+    :param poll_s: how often the policy is asked when nothing new arrived
+        (C4/C5 depend on time: clients drop out of the active window).
+    """
+
+    def __init__(self, run_dir: str | Path, *, trainer_factory: TrainerFactory | None = None,
+                 step_fn: StepFn | None = None, poll_s: float = 0.2):
+        if trainer_factory is None and step_fn is None:
+            raise ValueError("a training cycle needs a trainer_factory or a step_fn")
+        self.run_dir = Path(run_dir)
+        self.pool = SamplePool(self.run_dir / JOURNAL_FILE)
+        self.trainer_factory = trainer_factory
+        self.custom_step = step_fn
+        self.poll_s = poll_s
+        self.policy: Any = None
+        self.policy_name = ""
+        self.trainer: Any = None
+        self.metrics: MetricsWriter | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.last_error: str | None = None
+        self.steps_failed = 0
+        self.total_steps = 0
+        self.checkpoint_every = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._server: SwarmServer | None = None
+
+    # ------------------------------------------------------------------ the server's Cycle
+    def attach(self, server: SwarmServer) -> None:
+        if server.run_dir is None or Path(server.run_dir) != self.run_dir:
+            raise ValueError(f"the training cycle's run_dir {self.run_dir} is not the server's ({server.run_dir})")
+        self._server = server
+
+    @property
+    def server(self) -> SwarmServer:
+        if self._server is None:
+            raise RuntimeError("the training cycle is not attached to a server")
+        return self._server
+
+    def accept(self, ep: Episode) -> None:
+        """Journal the episode (durable) before its reporter is answered."""
+        self.pool.add(pool_record(ep))
+        self._wake.set()
+
+    def status(self) -> dict[str, Any]:
+        stats = self.pool.stats(self.policy, self.server.clients.all(), time.time()) if self.policy else self.pool.stats()
+        stats["policy"] = self.policy_name or None
+        if self.last_error:
+            stats["last_error"] = self.last_error
+        if self.last_metrics:
+            stats["last_step"] = self.last_metrics
+        return stats
+
+    async def after_boot(self) -> None:
+        server = self.server
+        cfg = as_dict(server.config)
+        batching = dict(cfg["batching"])
+        self.policy_name = str(batching["name"])
+        self.policy = load_component("batching", self.policy_name)(**batching)
+        # one owner of "active": the policy's window is the client tracker's
+        server.clients.active_window_s = float(self.policy.active_window_s)
+        trainer_cfg = TrainerConfig(**as_dict(cfg.get("trainer")))
+        self.total_steps = int(trainer_cfg.total_steps)
+        self.checkpoint_every = int(trainer_cfg.checkpoint_every)
+        if self.metrics is None:
+            self.metrics = MetricsWriter(self.run_dir)
+        if self.custom_step is None:
+            assert self.trainer_factory is not None
+            self.trainer = await asyncio.to_thread(self.trainer_factory, cfg, self.run_dir)
+            if trainer_cfg.resume and self.trainer.latest_checkpoint() is not None:
+                await asyncio.to_thread(self._resume)
+            if self.trainer.global_step > 0:
+                await server.backend.update_weights(
+                    named_tensors=self.trainer.export_weights(), version=self.trainer.global_step
+                )
+                server.global_step = self.trainer.global_step
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _resume(self) -> None:
+        extra = self.trainer.load_checkpoint()
+        step = self.trainer.global_step
+        put_back = self.pool.reset_after(step)
+        log.info("resumed at step %d (%d episodes consumed after it went back to the pool; %s)",
+                 step, put_back, extra)
+
+    async def before_stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._task = None
+        self.pool.release()
+        self._close_trainer()
+
+    def _close_trainer(self) -> None:
+        trainer, self.trainer = self.trainer, None
+        if trainer is not None:
+            try:
+                trainer.close()
+            except Exception:  # noqa: BLE001 - stopping must always succeed
+                log.exception("closing the trainer failed")
+
+    def checkpoint(self, path: str) -> dict[str, Any] | None:
+        """Save the trainer into ``path`` (the controller's checkpoint folder); None without a trainer."""
+        if self.trainer is None:
+            return None
+        folder = self.trainer.save_checkpoint(path, extra={"pool": self.pool.stats()})
+        return {"path": str(folder), "global_step": self.trainer.global_step}
+
+    # ------------------------------------------------------------------ the loop
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            srv = self.server
+            if srv.state.state is not ServerState.ROLLING or self.policy is None:
+                continue
+            if self.total_steps and srv.global_step >= self.total_steps:
+                continue
+            decision = self.pool.decide(self.policy, srv.clients.all(), time.time())
+            if decision.fire and decision.selected:
+                try:
+                    await self.train_once(decision)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - the server keeps running
+                    log.exception("training step failed")
+                    # back off so a persistent failure does not spin; samples stay in the pool
+                    await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.steps_failed, 6)))
+
+    async def train_once(self, decision: Any) -> dict[str, float]:
+        """One ROLLING → ROLLING_POST → WEIGHT_SYNCING → ROLLING cycle for ``decision``."""
+        srv = self.server
+        step = srv.global_step + 1
+        srv.enter_rolling_post()
+        aborted = await srv.drain()
+        srv.enter_weight_syncing()
+        filtered = list(decision.detail.get("filtered") or [])
+        records = self.pool.take(decision.selected)
+        ids = [r.episode_id for r in records]
+        metrics: dict[str, float] = {}
+        ok = False
+        try:
+            t0 = time.perf_counter()
+            if self.custom_step is not None:
+                result = self.custom_step(records, step)
+                if asyncio.iscoroutine(result):
+                    result = await result
+                metrics = dict(result or {})
+                sync_s = 0.0
+            else:
+                metrics = await asyncio.to_thread(self.trainer.step, records)
+                step = self.trainer.global_step
+                t_sync = time.perf_counter()
+                weights = await asyncio.to_thread(lambda: list(self.trainer.export_weights()))
+                await srv.backend.update_weights(named_tensors=weights, version=step)
+                sync_s = time.perf_counter() - t_sync
+            self.pool.mark_trained(ids, step)
+            if filtered:
+                self.pool.mark_filtered(filtered, step)
+            ok = True
+            metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+            metrics.update(
+                weight_sync_s=sync_s,
+                cycle_time_s=time.perf_counter() - t0,
+                drained_aborted=float(aborted),
+                pool_left=float(self.pool.stats()["episodes"]),
+            )
+            self.last_metrics = {"step": step, **metrics}
+            self.last_error = None
+            if self.metrics is not None:
+                self.metrics.write(step, metrics)
+            self._notify(step, metrics, sync_s)
+            if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
+                await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
+            return metrics
+        except Exception as exc:
+            self.steps_failed += 1
+            self.last_error = f"step {step} failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if not ok:
+                self.pool.release(ids)
+                step = srv.global_step
+            srv.resume_rolling(step)
+
+    def _notify(self, step: int, metrics: dict[str, float], sync_s: float) -> None:
+        try:
+            hooks = get_hooks()
+            hooks.step_end(step=step, metrics=metrics)
+            if self.trainer is not None:
+                hooks.weights_synced(step=step, seconds=sync_s)
+        except Exception:  # noqa: BLE001
+            log.exception("lifecycle hooks failed")
+
+    def close(self) -> None:
+        self._close_trainer()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.pool.close()

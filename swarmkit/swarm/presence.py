@@ -1,0 +1,69 @@
+"""Which clients are alive and which have signalled "ready" (for C4/C5)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from swarmkit.contract import ClientState
+
+
+class ClientTracker:
+    """Thread-safe registry of clients, their last contact and ready flag.
+
+    A client is *active* while it has sent anything within ``active_window_s``
+    seconds. Times are ``time.time()`` seconds unless given explicitly; use the
+    same clock for ``touch`` and ``active``.
+    """
+
+    def __init__(self, active_window_s: float = 60.0):
+        if active_window_s <= 0:
+            raise ValueError(f"active_window_s must be > 0, got {active_window_s}")
+        self.active_window_s = float(active_window_s)
+        self._lock = threading.Lock()
+        self._clients: dict[str, ClientState] = {}
+
+    def touch(self, client_id: str, now: float | None = None) -> None:
+        """Record that ``client_id`` sent something at ``now``."""
+        now = time.time() if now is None else float(now)
+        with self._lock:
+            state = self._clients.get(client_id)
+            if state is None:
+                self._clients[client_id] = ClientState(client_id, now, False)
+            else:
+                state.last_seen = max(state.last_seen, now)
+
+    def set_ready(self, client_id: str, ready: bool, now: float | None = None) -> None:
+        """Set the client's ready flag (this also counts as contact)."""
+        self.touch(client_id, now)
+        with self._lock:
+            self._clients[client_id].ready = bool(ready)
+
+    def reset_ready(self) -> None:
+        """Clear every ready flag (the server calls this when a batch fires)."""
+        with self._lock:
+            for state in self._clients.values():
+                state.ready = False
+
+    def forget(self, client_id: str) -> None:
+        """Drop a client (e.g. it said goodbye); unknown ids are ignored."""
+        with self._lock:
+            self._clients.pop(client_id, None)
+
+    def active(self, now: float | None = None) -> dict[str, ClientState]:
+        """Copies of the states of clients seen within the window of ``now``."""
+        now = time.time() if now is None else float(now)
+        with self._lock:
+            return {
+                cid: ClientState(s.client_id, s.last_seen, s.ready)
+                for cid, s in self._clients.items()
+                if now - s.last_seen <= self.active_window_s
+            }
+
+    def all(self) -> dict[str, ClientState]:
+        """Copies of every known client's state, active or not."""
+        with self._lock:
+            return {
+                cid: ClientState(s.client_id, s.last_seen, s.ready)
+                for cid, s in self._clients.items()
+            }

@@ -1,0 +1,455 @@
+"""The swarm server's core, without HTTP: life cycle, episodes, inference calls, status.
+
+:class:`SwarmServer` holds what every endpoint shares (``app.state.swarm``,
+never module globals). What happens to an accepted episode is the job of its
+:class:`Cycle`, passed in the constructor: the training cycle
+(:class:`swarmkit.swarm.cycle.TrainingCycle`: journal, batching policy,
+trainer) or :class:`MemoryCycle` (kept in memory; tests and demos). The
+cycle drives the state machine through :meth:`SwarmServer.enter_rolling_post`,
+:meth:`SwarmServer.drain`, :meth:`SwarmServer.enter_weight_syncing` and
+:meth:`SwarmServer.resume_rolling`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from swarmkit.config.plain import as_dict
+from swarmkit.config.schema import ModelConfig, ServerConfig
+from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
+from swarmkit.errors import ApiError, busy
+from swarmkit.plugins import get_hooks, get_registry
+from swarmkit.swarm.auth import AdminAuth
+from swarmkit.swarm.episodes import Episode, EpisodeRegistry
+from swarmkit.swarm.presence import ClientTracker
+from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
+from swarmkit.timelines.render import ChatRenderer, TokenText
+from swarmkit.timelines.track import ContextTracker
+
+log = logging.getLogger("swarmkit.server")
+
+BackendFactory = Callable[[Any], InferenceBackend]
+
+
+class Cycle(Protocol):
+    """What a server hands accepted episodes to, and asks at boot, stop, status and checkpoint."""
+
+    def attach(self, server: SwarmServer) -> None:
+        """Called once by the server's constructor."""
+
+    def accept(self, ep: Episode) -> Awaitable[None] | None:
+        """Take a finished training episode; raise to refuse it (the reporter retries)."""
+
+    def status(self) -> dict[str, Any]:
+        """The ``pool`` part of the server's status."""
+
+    def checkpoint(self, path: str) -> dict[str, Any] | None | Awaitable[dict[str, Any] | None]:
+        """Save trainer state; None when there is none."""
+
+    async def after_boot(self) -> None:
+        """The model is loaded: build the trainer, start the loop (raising fails the boot)."""
+
+    async def before_stop(self) -> None:
+        """The server stops: stop the loop, free the trainer."""
+
+
+class MemoryCycle:
+    """Keeps accepted episodes in memory and never trains (tests, demos, eval-only servers).
+
+    :param on_accept: called with each accepted episode (raise to refuse it).
+    """
+
+    def __init__(self, on_accept: Callable[[Episode], Any] | None = None):
+        self.on_accept = on_accept
+        self.accepted: list[Episode] = []
+
+    def attach(self, server: SwarmServer) -> None:
+        pass
+
+    def accept(self, ep: Episode) -> Awaitable[None] | None:
+        result = self.on_accept(ep) if self.on_accept is not None else None
+        self.accepted.append(ep)
+        return result
+
+    def status(self) -> dict[str, Any]:
+        return {"episodes": len(self.accepted), "tasks": len({e.task_id for e in self.accepted})}
+
+    def checkpoint(self, path: str) -> None:
+        return None
+
+    async def after_boot(self) -> None:
+        pass
+
+    async def before_stop(self) -> None:
+        pass
+
+
+class SwarmServer:
+    """State shared by every endpoint of one server process.
+
+    :param server_cfg: the ``server`` config group (host, port, run_dir,
+        admin_token, episode_timeout_s, drain_timeout_s, max_body_bytes).
+    :param config: a validated training config to start with (optional; a
+        controller can send one later).
+    :param backend_factory: builds the inference backend from the training
+        config; default: the registry's ``backend`` component.
+    :param cycle: what happens to accepted episodes (see :class:`Cycle`);
+        default: :class:`MemoryCycle` (kept in memory, never trained).
+    :param admin_token: overrides ``server.admin_token``.
+    :param renderer_factory: ``tokenizer -> renderer``; default
+        :class:`swarmkit.timelines.render.ChatRenderer`.
+    """
+
+    def __init__(
+        self,
+        server_cfg: Any = None,
+        *,
+        config: Any = None,
+        backend_factory: BackendFactory | None = None,
+        cycle: Cycle | None = None,
+        admin_token: str | None = None,
+        renderer_factory: Callable[[Any], Any] | None = None,
+    ):
+        scfg = ServerConfig(**as_dict(server_cfg))
+        self.server_cfg = scfg
+        self.host: str = scfg.host
+        self.port: int = int(scfg.port)
+        self.run_dir: Path | None = Path(scfg.run_dir) if scfg.run_dir and scfg.run_dir != "auto" else None
+        self.episode_timeout_s = float(scfg.episode_timeout_s)
+        self.drain_timeout_s = float(scfg.drain_timeout_s)
+        self.max_body_bytes = int(scfg.max_body_bytes)
+        self.auth = AdminAuth(admin_token or scfg.admin_token, self.run_dir)
+        self.state = StateMachine()
+        self.episodes = EpisodeRegistry(default_timeout_s=self.episode_timeout_s, on_end=self._on_episode_end)
+        self.clients = ClientTracker()
+        self.config: Any = config
+        self.backend_factory = backend_factory
+        self.renderer_factory = renderer_factory
+        #: the pool + trainer (or a stand-in) that accepted episodes go to
+        self.cycle: Cycle = cycle if cycle is not None else MemoryCycle()
+        self.backend: InferenceBackend | None = None
+        self.renderer: Any = None
+        self.tracker: ContextTracker | None = None
+        #: cached per-token strings for logprob answers (built at boot)
+        self.token_text: TokenText | None = None
+        self.global_step = 0
+        self.started_at: float | None = None
+        self.created_at = time.time()
+        self.model_name = "swarmkit"
+        self.max_context: int | None = None
+        self._boot_task: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None
+        self.reaper_interval_s = 0.25
+        self.cycle.attach(self)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def tokenizer(self) -> Any:
+        if self.backend is None:
+            raise busy("no model is loaded (server is OFFLINE); configure and start it", 2.0, "server_offline")
+        return self.backend.tokenizer
+
+    @property
+    def policy_version(self) -> int:
+        if self.backend is not None:
+            return int(getattr(self.backend, "policy_version", self.global_step))
+        return self.global_step
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def admin_token(self) -> str:
+        return self.auth.token
+
+    @property
+    def admin_token_source(self) -> str:
+        return self.auth.source
+
+    # ------------------------------------------------------------------ auth
+    def check_admin(self, token: str | None) -> None:
+        """401 without a token, 403 with a wrong one."""
+        self.auth.check(token)
+
+    def is_admin(self, token: str | None) -> bool:
+        return self.auth.is_admin(token)
+
+    def authorize_any(self, token: str | None) -> None:
+        """Admin token or any known episode key (``GET /v1/models``)."""
+        if self.is_admin(token):
+            return
+        self.episodes.by_key(token)
+
+    async def authorize_call(self, key: str | None) -> tuple[Episode, str | None]:
+        """The running episode (and role) of an inference call's key."""
+        ep, role = self.episodes.by_key(key)
+        self.episodes.check_open(ep)
+        if ep.client_id:
+            self.clients.touch(ep.client_id)
+        state = self.state.state
+        if state not in SERVING_STATES and state is not ServerState.WEIGHT_SYNCING:
+            raise busy(f"the server is {state}: no model is being served", 2.0, "server_offline")
+        return ep, role
+
+    def touch_client(self, client_id: str | None) -> None:
+        if client_id:
+            self.clients.touch(client_id[:128])
+
+    # ------------------------------------------------------------------ inference
+    def room_for(self, prompt_len: int) -> int:
+        """Tokens left for generation after a prompt; 400 if none."""
+        limit = self.max_context
+        if not limit:
+            return 1 << 20
+        room = limit - prompt_len
+        if room <= 0:
+            raise ApiError(400, f"this prompt has {prompt_len} tokens; the model's context is {limit} tokens "
+                           "(model.max_context)", "context_length_exceeded", param="messages")
+        return room
+
+    async def wait_serving(self, ep: Episode) -> None:
+        """Return when the model can be called (waits out WEIGHT_SYNCING)."""
+        if self.state.state in SERVING_STATES:
+            return
+        if self.state.state is ServerState.WEIGHT_SYNCING:
+            ok = await self.state.wait_for(SERVING_STATES, timeout=max(0.0, ep.deadline - time.time()))
+            if ok and self.state.state in SERVING_STATES:
+                self.episodes.check_open(ep)
+                return
+        self.episodes.check_open(ep)
+        raise busy(f"the server is {self.state.state}: no model is being served", 2.0, "server_offline")
+
+    def begin_call(self, ep: Episode) -> None:
+        ep.in_flight += 1
+
+    def end_call(self, ep: Episode) -> None:
+        ep.in_flight -= 1
+
+    async def generate(self, ep: Episode, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:
+        """Generate for an episode's call; 410/409 if it ended meanwhile."""
+        self.begin_call(ep)
+        try:
+            await self.wait_serving(ep)
+            backend = self.backend
+            if backend is None:
+                raise busy("the server stopped", 2.0, "server_offline")
+            try:
+                outputs = await backend.generate(prompt_ids, params)
+            except ApiError:
+                raise
+            except ValueError as exc:
+                raise ApiError(400, f"the backend refused this request: {exc}", "invalid_request") from None
+        finally:
+            self.end_call(ep)
+        self.episodes.check_open(ep)
+        return outputs
+
+    # ------------------------------------------------------------------ life cycle
+    def set_config(self, cfg: Any) -> None:
+        self.config = cfg
+
+    async def checkpoint(self, path: str) -> dict[str, Any] | None:
+        """Trainer state saved by the cycle (None: the cycle has nothing to save)."""
+        result = self.cycle.checkpoint(path)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    def start(self) -> None:
+        """OFFLINE → BOOTING; the boot runs as a task and ends in ROLLING or OFFLINE."""
+        if self.config is None:
+            raise ApiError(409, "the server has no configuration yet: POST /api/v1/admin/configure first",
+                           "not_configured")
+        if self.state.state is not ServerState.OFFLINE:
+            raise ApiError(409, f"the server is already {self.state.state}; stop it first (or use restart)",
+                           "already_started")
+        self.state.transition(ServerState.BOOTING)
+        self._boot_task = asyncio.get_running_loop().create_task(self._boot())
+
+    async def _boot(self) -> None:
+        cfg = self.config
+        backend = None
+        try:
+            backend = await asyncio.to_thread(self._make_backend, cfg)
+            await backend.start()
+            factory = self.renderer_factory or ChatRenderer
+            self.renderer = factory(backend.tokenizer)
+            self.token_text = TokenText(backend.tokenizer)
+            self.tracker = ContextTracker(self.renderer)
+            self.backend = backend
+            full = as_dict(cfg)
+            model = ModelConfig(**as_dict(full.get("model")))
+            self.model_name = model.name or "swarmkit"
+            self.max_context = backend.max_context or model.max_context
+            if "server" in full:  # the training config's timeouts apply from this boot on
+                scfg = ServerConfig(**as_dict(full["server"]))
+                self.episode_timeout_s = self.episodes.default_timeout_s = float(scfg.episode_timeout_s)
+                self.drain_timeout_s = float(scfg.drain_timeout_s)
+            await self.cycle.after_boot()
+            self.started_at = time.time()
+            self.state.transition(ServerState.ROLLING)
+            try:
+                get_hooks().run_start(full, str(self.run_dir or ""))
+            except Exception:  # noqa: BLE001
+                log.exception("on_run_start hooks failed")
+        except asyncio.CancelledError:
+            await self._close_backend(backend)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed boot is reported in the status
+            log.exception("boot failed")
+            await self._close_backend(backend)
+            self.backend = None
+            if self.state.state is ServerState.BOOTING:
+                self.state.transition(ServerState.OFFLINE, error=f"boot failed: {type(exc).__name__}: {exc}")
+
+    def _make_backend(self, cfg: Any) -> InferenceBackend:
+        if self.backend_factory is not None:
+            return self.backend_factory(cfg)
+        full = as_dict(cfg)
+        component = get_registry().get("backend", str(full["backend"]["name"]))
+        if component.experimental:
+            log.warning("backend '%s' is experimental: %s", component.name, component.description)
+        cls = component.load()
+        return cls(config=full["backend"], model=full["model"])
+
+    async def _close_backend(self, backend: InferenceBackend | None) -> None:
+        if backend is None:
+            return
+        try:
+            await backend.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing the backend failed")
+
+    async def stop(self, reason: str = "server stopped") -> None:
+        """Any state → OFFLINE: abort running episodes, free the engine."""
+        if self._boot_task is not None and not self._boot_task.done():
+            self._boot_task.cancel()
+            try:
+                await self._boot_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._boot_task = None
+        self.episodes.abort_all(reason)
+        if self.state.state is not ServerState.OFFLINE:
+            try:
+                await self.cycle.before_stop()
+            except Exception:  # noqa: BLE001 - stopping must always succeed
+                log.exception("the cycle failed to stop")
+        backend, self.backend = self.backend, None
+        await self._close_backend(backend)
+        if self.state.state is not ServerState.OFFLINE:
+            self.state.transition(ServerState.OFFLINE)
+            try:
+                get_hooks().run_end({"global_step": self.global_step, "reason": reason,
+                                     "episodes": dict(self.episodes.counts)})
+            except Exception:  # noqa: BLE001
+                log.exception("on_run_end hooks failed")
+
+    # ------------------------------------------------------------------ pool cycle seams
+    def enter_rolling_post(self) -> None:
+        """ROLLING → ROLLING_POST: new episodes get 503 + Retry-After."""
+        self.state.transition(ServerState.ROLLING_POST)
+        self.clients.reset_ready()
+
+    async def drain(self, timeout_s: float | None = None, *, include_eval: bool = True) -> int:
+        """Wait for running episodes to end, then abort the rest; returns how many were aborted."""
+        deadline = time.time() + (self.drain_timeout_s if timeout_s is None else timeout_s)
+        while time.time() < deadline:
+            left = [e for e in self.episodes.running() if include_eval or not e.eval]
+            if not left:
+                return 0
+            await asyncio.sleep(0.05)
+        left = [e for e in self.episodes.running() if include_eval or not e.eval]
+        for ep in left:
+            self.episodes.abort(ep, "drain deadline")
+        return len(left)
+
+    def enter_weight_syncing(self) -> None:
+        self.state.transition(ServerState.WEIGHT_SYNCING)
+
+    def resume_rolling(self, global_step: int | None = None) -> None:
+        if global_step is not None:
+            self.global_step = int(global_step)
+        self.state.transition(ServerState.ROLLING)
+
+    # ------------------------------------------------------------------ episodes
+    def _on_episode_end(self, ep: Episode) -> None:
+        try:
+            get_hooks().episode_finished(ep.hook_payload())
+        except Exception:  # noqa: BLE001
+            log.exception("on_episode_finished hooks failed")
+
+    async def accept(self, ep: Episode) -> None:
+        """Hand a finished training episode to the cycle (before answering its reporter).
+
+        Raising makes the report fail with 503 (the client retries) and leaves the episode running.
+        """
+        result = self.cycle.accept(ep)
+        if inspect.isawaitable(result):
+            await result
+
+    def pool_info(self) -> dict[str, Any]:
+        try:
+            return dict(self.cycle.status())
+        except Exception as exc:  # noqa: BLE001 - the status must always answer
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def status(self) -> dict[str, Any]:
+        running = self.episodes.running()
+        counts = self.episodes.counts
+        active = self.clients.active()
+        return {
+            "state": str(self.state.state),
+            "since": self.state.since,
+            "state_history": [str(st) for _, st in self.state.history[-40:]],
+            "last_error": self.state.last_error,
+            "global_step": self.global_step,
+            "policy_version": self.policy_version,
+            "configured": self.config is not None,
+            "model": self.model_name if self.backend is not None else None,
+            "episodes": {
+                "running": len(running),
+                "running_train": sum(1 for e in running if not e.eval),
+                "running_eval": sum(1 for e in running if e.eval),
+                "registered": counts["registered"],
+                "finished": counts["finished"],
+                "eval_finished": counts["eval_finished"],
+                "aborted": counts["aborted"],
+                "reaped": counts["reaped"],
+            },
+            "pool": self.pool_info(),
+            "clients": {"active": len(active), "ready": sum(1 for c in active.values() if c.ready)},
+            "calls": self.tracker.calls if self.tracker else 0,
+            "tokens_generated": self.tracker.tokens_generated if self.tracker else 0,
+            "uptime_s": time.time() - self.created_at,
+        }
+
+    # ------------------------------------------------------------------ reaper
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reaper_interval_s)
+            try:
+                reaped = self.episodes.reap()
+                for ep in reaped:
+                    log.info("episode %s (task %s) passed its deadline: aborted", ep.id, ep.task_id)
+            except Exception:  # noqa: BLE001 - the reaper must keep running
+                log.exception("reaper failed")
+
+    async def startup(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+
+    async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+        await self.stop("server shut down")

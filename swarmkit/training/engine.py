@@ -1,0 +1,433 @@
+"""The training loop every engine built on the training core shares.
+
+A subclass (``FSDPEngine``, ``DeepSpeedEngine``) supplies the distributed
+wrapping (:meth:`TrainingEngine._wrap`), backward / optimizer step, full state
+dicts and checkpoint I/O. Everything else — model loading (full weights or
+LoRA), packing, gradient accumulation, PPO epochs / mini-batches, pre-passes
+(reference logprobs, missing rollout logprobs, PPO values), LoRA merging for
+weight export — lives here, and reads only the algorithm contract
+(:class:`swarmkit.contract.Algorithm`) and the typed configs.
+
+``train_step(samples)`` expects the *whole* batch on every rank (every rank
+gets the same list); the engine deals packed micro-batches to ranks itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from swarmkit.config.schema import ModelConfig
+from swarmkit.contract import Algorithm, LossInputs, OptimEngine, TrainSample, check_algorithm
+from swarmkit.training.config import EngineConfig
+from swarmkit.training.lm import default_device, dist_info, load_lm, resolve_dtype
+from swarmkit.training.logprob import DEFAULT_LOGIT_CHUNK_ELEMENTS
+from swarmkit.training.lora import merge_lora_state
+from swarmkit.training.packing import (
+    MicroBatch,
+    Prepared,
+    loss_units,
+    loss_weight,
+    micro_batch_tensors,
+    plan_micro_batches,
+    prepare_sample,
+    split_mini_batches,
+)
+from swarmkit.training.policy import PolicyModel
+
+
+class TrainingEngine(OptimEngine):
+    """Common engine: ``FSDPEngine`` / ``DeepSpeedEngine`` fill in the distributed parts.
+
+    :param model_path: local HF model folder.
+    :param model_cfg: the ``model`` group (fields of :class:`~swarmkit.config.schema.ModelConfig`).
+    :param optim_cfg: the ``optim`` group (fields of the engine's ``config_cls``).
+    :param algo: the RL algorithm (checked against :class:`swarmkit.contract.Algorithm`).
+    """
+
+    #: the schema of the ``optim`` group this engine reads (a subclass of EngineConfig)
+    config_cls: ClassVar[type[EngineConfig]] = EngineConfig
+
+    def __init__(self, model_path: str | Path, model_cfg: Mapping[str, Any], optim_cfg: Mapping[str, Any],
+                 algo: Algorithm):
+        check_algorithm(algo)
+        self.model_path = str(model_path)
+        self.model = ModelConfig(**dict(model_cfg or {}))
+        self.cfg = self.config_cls(**dict(optim_cfg or {}))
+        self.algo = algo
+        self.distributed, self.rank, self.world = dist_info()
+        device = self.cfg.device
+        self.device = torch.device(device) if device and device != "auto" else default_device()
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": this rank's / the current card
+            idx = os.environ.get("LOCAL_RANK") if self.distributed else None
+            self.device = torch.device("cuda", int(idx) if idx is not None else torch.cuda.current_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.compute_dtype = resolve_dtype(self.cfg.dtype, self.device)
+        self.seed = int(self.cfg.seed or 0)
+        self.token_budget = int(self.cfg.token_budget)
+        self.grad_clip = float(self.cfg.grad_clip or 0.0)
+        self.lora = self.model.lora_rank > 0
+        self.optimizer_steps = 0  # optimizer updates taken
+        self.train_steps = 0  # train_step calls that updated the model
+        self.needs_values = algo.needs_values
+        self.needs_reference = algo.needs_reference
+        chunk = int(self.cfg.logit_chunk_elements or DEFAULT_LOGIT_CHUNK_ELEMENTS)
+
+        torch.manual_seed(self.seed)
+        lm = load_lm(self.model_path, self.model, self.seed)
+        if self.cfg.activation_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        keep = self._keep_logits_bytes()
+        self.policy = PolicyModel(lm, self.compute_dtype, value_head=self.needs_values, chunk_elements=chunk,
+                                  keep_logits_bytes=keep)
+        self.policy.train()
+        self.pad_id = int(getattr(self.policy.causal_lm.config, "pad_token_id", None) or 0)
+        self.reference: nn.Module | None = None
+        if self.needs_reference and not self.lora:
+            ref_lm = load_lm(self.model_path, ModelConfig(**{**vars(self.model), "lora_rank": 0}), self.seed)
+            self.reference = PolicyModel(ref_lm, self.compute_dtype, chunk_elements=chunk).eval()
+            self.reference.requires_grad_(False)
+        self._wrap()
+        self.compiled_layers = 0
+        if self._wants_compile():
+            backend = str(self.cfg.compile_backend or "inductor")
+            self.compiled_layers = self._compute_model().compile_layers(backend)
+            if self.reference is not None:
+                self.reference.compile_layers(backend)
+
+    def _wants_compile(self) -> bool:
+        """``optim.compile``: "auto" = on CUDA in one process (no process group); true / false force it."""
+        mode = self.cfg.compile
+        if isinstance(mode, str):
+            low = mode.strip().lower()
+            if low == "auto":
+                return self.device.type == "cuda" and not self.distributed
+            if low in ("true", "on", "1", "yes"):
+                return True
+            if low in ("false", "off", "0", "no", ""):
+                return False
+            raise ValueError(f"optim.compile must be auto, true or false, not {mode!r}")
+        return bool(mode)
+
+    def _keep_logits_bytes(self) -> int:
+        """``optim.keep_logits_bytes``: -1 (auto) = a tenth of the GPU's memory on CUDA, 0 on CPU."""
+        val = int(self.cfg.keep_logits_bytes)
+        if val >= 0:
+            return val
+        if self.device.type == "cuda":
+            return int(torch.cuda.get_device_properties(self.device).total_memory // 10)
+        return 0
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _wrap(self) -> None:
+        """Shard / wrap ``self.policy`` (and ``self.reference``); create optimizer + scheduler."""
+        raise NotImplementedError
+
+    def _forward(self, mb: MicroBatch, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (M,) and values (M,) | None of a packed micro-batch."""
+        raise NotImplementedError
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> float:
+        """Clip, step optimizer and scheduler, zero grads; returns the grad norm before clipping."""
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) state dict of ``self.policy`` on CPU, on rank 0 (others: {}); collective."""
+        raise NotImplementedError
+
+    def current_lr(self) -> float:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    def _adamw(self, params: list[nn.Parameter], fused: bool | None = None) -> torch.optim.AdamW:
+        """AdamW over ``params`` with the ``optim`` group's settings (``fused`` None: fused on CUDA)."""
+        fused = self.device.type == "cuda" if fused is None else fused
+        kw: dict[str, Any] = {"fused": True} if fused else {}
+        return torch.optim.AdamW(params, lr=float(self.cfg.lr), betas=(float(self.cfg.betas[0]), float(self.cfg.betas[1])),
+                                 weight_decay=float(self.cfg.weight_decay), **kw)
+
+    def _warmup(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """Linear LR warm-up over ``optim.warmup_steps`` optimizer steps, then constant."""
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(self.cfg.warmup_steps))
+
+    def _autocast(self):
+        use = self.device.type == "cuda" and self.compute_dtype != torch.float32 and not self._native_low_precision
+        return torch.autocast("cuda", dtype=self.compute_dtype, enabled=use)
+
+    #: True when the wrapper already computes in ``compute_dtype`` (FSDP2 mixed precision, DeepSpeed bf16)
+    _native_low_precision = False
+
+    def _all_gather_objects(self, obj: Any) -> list[Any]:
+        if not self.distributed or self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    @torch.no_grad()
+    def _prepass(self, prepared: list[Prepared]) -> None:
+        """Fill missing rollout logprobs, reference logprobs and PPO values/advantages.
+
+        Every rank scores every sample (same number of collective forwards on all
+        ranks); cheap next to training, and only run when needed.
+        """
+        missing = any(torch.isnan(p.old_logprobs).any() for p in prepared)
+        want_ref = self.needs_reference
+        if not (missing or want_ref or self.needs_values):
+            return
+        plan = plan_micro_batches([len(p.input_ids) for p in prepared], self.token_budget, 1)
+        for bin_ in plan.per_rank[0]:
+            mb = micro_batch_tensors(prepared, bin_, self.device, self.pad_id)
+            with self._autocast():
+                lp, values = self._forward(mb)
+            if missing or self.needs_values:
+                for i, x, v in zip(bin_, mb.split(lp), mb.split(values) if values is not None else [None] * len(bin_), strict=True):
+                    p = prepared[i]
+                    nan = torch.isnan(p.old_logprobs)
+                    if nan.any():
+                        p.old_logprobs = torch.where(nan, x.float().cpu(), p.old_logprobs)
+                    if v is not None:
+                        p.old_values = v.float().cpu()
+            if want_ref:
+                ref_lp = self._reference_logprobs(mb)
+                for i, x in zip(bin_, mb.split(ref_lp), strict=True):
+                    prepared[i].ref_logprobs = x.float().cpu()
+        if self.needs_values:
+            self._ppo_advantages(prepared)
+
+    def _compute_model(self) -> nn.Module:
+        """The module that runs forward/backward (``self.policy`` unless the engine keeps a compute copy)."""
+        return self.policy
+
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if self.lora:
+            with self._compute_model().lm.disable_adapter(), self._autocast():
+                lp, _ = self._forward(mb)
+            return lp
+        with self._autocast():
+            lp, _ = self._forward(mb, model=self.reference)
+        return lp
+
+    def _ppo_advantages(self, prepared: list[Prepared]) -> None:
+        t = max(p.k for p in prepared)
+        mask = torch.zeros(len(prepared), t)
+        values = torch.zeros(len(prepared), t)
+        for r, p in enumerate(prepared):
+            mask[r, : p.k] = 1.0
+            values[r, : p.k] = p.old_values
+        rewards = torch.tensor([p.reward for p in prepared])
+        adv, ret = self.algo.token_advantages(rewards, values, mask)
+        for r, p in enumerate(prepared):
+            p.advantages = adv[r, : p.k].float()
+            p.returns = ret[r, : p.k].float()
+
+    def _loss(self, mb: MicroBatch, lp: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        if mb.tokens == 0:  # dummy: gradient 0, graph still touches every parameter group
+            loss = lp.sum() * 0.0
+            if values is not None:
+                loss = loss + values.sum() * 0.0
+            return loss, {}
+        inputs = LossInputs(logprobs=mb.scatter(lp), old_logprobs=mb.old_logprobs, advantages=mb.advantages,
+                            mask=mb.mask, ref_logprobs=mb.ref_logprobs)
+        if self.needs_values:
+            assert values is not None, "an algorithm that needs values gets a value head"
+            inputs.values, inputs.old_values, inputs.returns = mb.scatter(values), mb.old_values, mb.returns
+        return self.algo.loss(inputs)
+
+    # ------------------------------------------------------------------ OptimEngine
+    def train_step(self, batch: Sequence[TrainSample]) -> dict[str, float]:
+        """PPO epochs × mini-batches of optimizer steps over ``batch`` (TrainSamples).
+
+        Returns metrics: ``loss`` (mean over the optimizer steps of the full
+        mini-batch loss), ``tokens`` (packed tokens forwarded, all ranks, one
+        epoch), ``trained_tokens``, ``samples``, ``micro_batches``, ``grad_norm``,
+        ``lr``, ``optimizer_steps``, ``step_time_s`` and the algorithm's metrics.
+        """
+        t0 = time.perf_counter()
+        prepared = [p for p in (prepare_sample(s) for s in batch) if p.k > 0]
+        if not prepared:
+            return {"skipped": 1.0, "samples": 0.0, "trained_tokens": 0.0, "step_time_s": time.perf_counter() - t0}
+        self._prepass(prepared)
+        mode = self.algo.loss_agg
+        epochs = self.algo.ppo_epochs
+        n_mini = self.algo.mini_batches
+        sums: dict[str, float] = {}
+        losses: list[float] = []
+        grad_norm = 0.0
+        micro = 0
+        for epoch in range(epochs):
+            split_seed = self.seed * 1_000_003 + self.optimizer_steps * 31 + epoch
+            for idxs in split_mini_batches(len(prepared), n_mini, split_seed):
+                subset = [prepared[i] for i in idxs]
+                plan = plan_micro_batches([len(p.input_ids) for p in subset], self.token_budget, self.world)
+                total = loss_units(subset, mode)
+                self._zero_grad()
+                local: dict[str, float] = {"loss": 0.0}
+                for k, bin_ in enumerate(plan.per_rank[self.rank]):
+                    mb = micro_batch_tensors(subset, bin_, self.device, self.pad_id)
+                    units = loss_units([subset[j] for j in bin_], mode)
+                    share = units / total if total else 0.0
+                    with self._autocast():
+                        lp, values = self._forward(mb)
+                    loss, metrics = self._loss(mb, lp, values)
+                    self._backward(loss * loss_weight(units, total, self.world), last=k == plan.steps - 1)
+                    local["loss"] += float(loss.detach().item()) * share
+                    for key, v in metrics.items():
+                        if key != "loss":
+                            local[key] = local.get(key, 0.0) + float(v) * share
+                    micro += 1
+                merged: dict[str, float] = {}
+                for part in self._all_gather_objects(local):
+                    for key, v in part.items():
+                        merged[key] = merged.get(key, 0.0) + v
+                grad_norm = self._optimizer_step()
+                self.optimizer_steps += 1
+                losses.append(merged.pop("loss"))
+                for key, v in merged.items():
+                    sums[key] = sums.get(key, 0.0) + v
+        self.train_steps += 1
+        n_opt = len(losses)
+        out = {key: v / n_opt for key, v in sums.items()}
+        out.update(
+            loss=sum(losses) / n_opt,
+            loss_last=losses[-1],
+            tokens=float(sum(len(p.input_ids) for p in prepared)),
+            trained_tokens=float(sum(p.k for p in prepared)),
+            samples=float(len(prepared)),
+            micro_batches=float(sum(self._all_gather_objects(micro))),
+            grad_norm=float(grad_norm),
+            lr=self.current_lr(),
+            optimizer_steps=float(self.optimizer_steps),
+            step_time_s=time.perf_counter() - t0,
+        )
+        return out
+
+    def _lora_scalings(self) -> dict[str, float]:
+        from peft.tuners.lora import LoraLayer
+
+        out = {}
+        for name, mod in self._unwrapped().causal_lm.named_modules():
+            if isinstance(mod, LoraLayer) and "default" in mod.scaling:
+                out[name] = float(mod.scaling["default"])
+        return out
+
+    def _unwrapped(self) -> PolicyModel:
+        return self.policy
+
+    def _export_state_dict(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """State dict ``export_weights`` reads (default: the full state dict); collective."""
+        return self._full_state_dict()
+
+    def _hf_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full state dict with HF names of the *causal LM* (LoRA merged); rank 0 only."""
+        full = self._export_state_dict(dtype)
+        if not full:
+            return {}
+        lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.")}
+        if self.lora:
+            return merge_lora_state(lm_sd, self._lora_scalings())
+        return lm_sd
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of the full HF model (LoRA merged into base names); rank 0 only.
+
+        Collective under torch.distributed: every rank must call it; ranks > 0
+        get an empty list. Tensors are detached; on the engine's GPU when it trains in one
+        process (bf16 compute weights on CUDA, or the fp32 weights) or in a 1-rank group,
+        on the CPU when sharded over several ranks. Treat them as read-only and valid until
+        the next ``train_step``.
+        """
+        sd = self._hf_state(dtype)
+        return [(k, v.detach().to(dtype) if dtype else v.detach()) for k, v in sd.items()]
+
+    def export_adapter(self, path: str | Path) -> None:
+        """Write the LoRA adapter as a peft folder (``adapter_config.json`` + safetensors); rank 0."""
+        if not self.lora:
+            raise ValueError("export_adapter needs model.lora_rank > 0")
+        full = self._full_state_dict()
+        if self.rank != 0:
+            return
+        lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.") and ".lora_" in k}
+        lm = self._unwrapped().lm
+        lm.peft_config["default"].base_model_name_or_path = self.model_path
+        lm.save_pretrained(str(path), state_dict=lm_sd, safe_serialization=True)
+
+    def save_hf(self, path: str | Path) -> None:
+        """HF-format model at ``path`` (full: ``save_pretrained`` + tokenizer; LoRA: peft adapter)."""
+        path = Path(path)
+        if self.lora:
+            self.export_adapter(path / "adapter")
+            return
+        full = self._full_state_dict()
+        if self.rank != 0:
+            return
+        from transformers import AutoTokenizer
+
+        lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.")}
+        self._unwrapped().causal_lm.save_pretrained(str(path / "model"), state_dict=lm_sd, safe_serialization=True)
+        try:
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(str(path / "model"))
+        except Exception:  # noqa: BLE001 - a model folder without tokenizer still saves
+            pass
+
+    def value_head_state(self) -> dict[str, torch.Tensor]:
+        full = self._full_state_dict()
+        return {k: v for k, v in full.items() if k.startswith("value_head.")}
+
+    # ------------------------------------------------------------------ RNG / meta
+    def _rng_state(self) -> dict[str, Any]:
+        st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            st["cuda"] = torch.cuda.get_rng_state_all()
+        try:
+            import numpy as np
+
+            st["numpy"] = np.random.get_state()
+        except ImportError:  # pragma: no cover
+            pass
+        return st
+
+    def _set_rng_state(self, st: dict[str, Any]) -> None:
+        torch.set_rng_state(st["torch"])
+        random.setstate(st["python"])
+        if "cuda" in st and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(st["cuda"])
+        if "numpy" in st:
+            import numpy as np
+
+            np.random.set_state(st["numpy"])
+
+    def _meta(self) -> dict[str, Any]:
+        return {"optimizer_steps": self.optimizer_steps, "train_steps": self.train_steps,
+                "world": self.world, "lora": self.lora, "model_path": self.model_path}
+
+    def _set_meta(self, meta: dict[str, Any]) -> None:
+        self.optimizer_steps = int(meta["optimizer_steps"])
+        self.train_steps = int(meta["train_steps"])
+
+
+def warmup_lambda(warmup_steps: int):
+    """LR multiplier: linear warm-up over ``warmup_steps`` optimizer steps, then constant."""
+    w = int(warmup_steps or 0)
+
+    def f(step: int) -> float:
+        return 1.0 if w <= 0 else min(1.0, (step + 1) / w)
+
+    return f
+

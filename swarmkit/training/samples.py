@@ -1,0 +1,96 @@
+"""From accepted episodes to training samples: rewards, advantages, merged timelines.
+
+:func:`build_samples` turns pool records into :class:`TrainSample` s:
+
+1. Every (episode, role) gets a reward: the episode's reward when it is a
+   number (all roles share it); ``reward[role]`` when it is a role → number
+   dict. A timeline whose role is missing from the dict (or that has no role)
+   falls back to the episode's scalar reward (:func:`swarmkit.contract.scalar_reward`,
+   the mean over roles, as the pool's batching policies see it).
+2. ``algo.episode_advantages`` runs once over the whole batch; groups are the
+   task id for number rewards and (task id, role) for role rewards, so a role
+   is compared with the same role of the other rollouts of its task. An
+   algorithm that ``needs_values`` gets its token advantages in the engine
+   (GAE over the value head), so none are assigned here.
+3. The episode's timelines are merged per role (a role's calls never absorb
+   another role's) with the match strategy; every surviving timeline is one
+   sample, and all its generated spans (loss mask 1) get the advantage of its
+   (episode, role).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from swarmkit.contract import Algorithm, MatchStrategy, TrainSample, scalar_reward
+from swarmkit.pool.records import EpisodeRecord
+from swarmkit.timelines import Timeline, merge_timelines
+
+log = logging.getLogger(__name__)
+
+
+def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
+                  match: str | MatchStrategy = "text") -> list[TrainSample]:
+    """Merged, advantage-labelled samples of ``records`` (see the module docstring).
+
+    :param records: the pool's records (``reward`` a float or role → float,
+        ``timelines`` as ``Timeline.to_dict()`` dicts or Timelines, each with ``role``).
+    :param algo: the algorithm; its ``episode_advantages`` labels the units
+        unless it ``needs_values``.
+    :param match: match strategy name (``"text"``, ``"token"``) or object.
+    """
+    # (record index, role or None) -> reward unit index
+    units: dict[tuple[int, str | None], int] = {}
+    rewards: list[float] = []
+    groups: list[str] = []
+    per_record: list[list[tuple[str | None, list[Timeline]]]] = []
+    fallbacks = 0
+    for r, rec in enumerate(records):
+        timelines = [Timeline.from_dict(t) if isinstance(t, Mapping) else t for t in rec.timelines]
+        by_role: dict[str | None, list[Timeline]] = {}
+        for t in timelines:
+            by_role.setdefault(t.role, []).append(t)
+        per_record.append(list(by_role.items()))
+        reward = rec.reward
+        for role in by_role:
+            if isinstance(reward, Mapping) and role in reward:
+                key: tuple[int, str | None] = (r, role)
+                value, group = float(reward[role]), f"{rec.task_id}\x00role:{role}"
+            else:
+                if isinstance(reward, Mapping):
+                    fallbacks += 1
+                key, value, group = (r, None), scalar_reward(reward), str(rec.task_id)
+            if key not in units:
+                units[key] = len(rewards)
+                rewards.append(value)
+                groups.append(group)
+    if fallbacks:
+        log.warning("%d timeline role(s) had no entry in their episode's role rewards; "
+                    "used the episode's mean reward", fallbacks)
+    if algo.needs_values:
+        # token advantages come from GAE over the value head inside the engine
+        # (from each sample's ``reward``); none are assigned here
+        advantages = [0.0] * len(rewards)
+    else:
+        advantages = list(algo.episode_advantages(rewards, groups)) if rewards else []
+
+    samples: list[TrainSample] = []
+    for r, rec in enumerate(records):
+        reward = rec.reward
+        for role, timelines in per_record[r]:
+            key = (r, role) if isinstance(reward, Mapping) and role in reward else (r, None)
+            u = units[key]
+            adv, value = float(advantages[u]), rewards[u]
+            for t in merge_timelines(timelines, match):
+                ids, mask, lps = t.token_ids(), t.loss_mask(), t.logprobs()
+                if not any(mask):
+                    continue
+                samples.append(TrainSample(
+                    input_ids=ids, loss_mask=mask, old_logprobs=lps,
+                    advantages=[adv if m else 0.0 for m in mask], episode_id=str(rec.episode_id),
+                    task_id=str(rec.task_id), policy_version=int(rec.policy_version),
+                    role=role, reward=value))
+    return samples
+
+

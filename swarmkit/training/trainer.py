@@ -1,0 +1,205 @@
+"""The trainer the server drives in ``WEIGHT_SYNCING``: samples → optimizer engine → weights.
+
+::
+
+    metrics = trainer.step(records)
+    await backend.update_weights(named_tensors=trainer.export_weights(), version=trainer.global_step)
+
+Checkpoints live in ``run_dir/checkpoints/step_{global_step:08d}`` with a
+``latest`` marker. With ``optim.nprocs > 1`` the engine trains in a torchrun
+group of its own (:mod:`swarmkit.training.group`) that this process drives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from swarmkit.config.plain import as_dict
+from swarmkit.config.schema import ModelConfig
+from swarmkit.contract import Algorithm, OptimEngine, check_algorithm, scalar_reward
+from swarmkit.models import resolve_model_path
+from swarmkit.plugins import get_registry, load_component
+from swarmkit.pool.records import EpisodeRecord
+from swarmkit.training.config import EngineConfig
+from swarmkit.training.samples import build_samples
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest"
+
+
+def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
+    """The one name of step ``step``'s checkpoint folder: ``run_dir/checkpoints/step_{step:08d}``."""
+    return Path(run_dir) / CHECKPOINT_DIR / f"step_{int(step):08d}"
+
+
+def build_algo(algo_cfg: Any) -> Algorithm:
+    """The checked algorithm of the ``algo`` group (``name`` picks the plugin).
+
+    :raises TypeError: the algorithm misses part of :class:`swarmkit.contract.Algorithm`.
+    """
+    cfg = as_dict(algo_cfg)
+    if not cfg.get("name"):
+        raise ValueError("the algo group needs a name (e.g. grpo, ppo)")
+    algo = load_component("algo", str(cfg["name"]))(**cfg)
+    check_algorithm(algo)
+    return algo
+
+
+def optim_launch(optim_cfg: Mapping[str, Any]) -> tuple[str, int]:
+    """``(engine name, nprocs)`` of the ``optim`` group; ``nprocs`` is read from engines whose
+    schema is an :class:`~swarmkit.training.config.EngineConfig` (others train in-process)."""
+    name = str(optim_cfg.get("name") or "")
+    if not name:
+        raise ValueError("the optim group needs a name (e.g. fsdp, deepspeed)")
+    schema = get_registry().get("optim", name).schema
+    if schema is not None and issubclass(schema, EngineConfig):
+        return name, int(schema(**optim_cfg).nprocs)
+    return name, 1
+
+
+class Trainer:
+    """Samples → optimizer engine → weights, plus checkpoints in ``run_dir/checkpoints``.
+
+    :param model_cfg: the ``model`` group (``path``, ``lora_rank``, …).
+    :param optim_cfg: the ``optim`` group (``name`` = ``fsdp`` | ``deepspeed``, ``lr``, …).
+    :param algo_cfg: the ``algo`` group (``name`` = ``grpo`` | ``ppo``, …).
+    :param match: match strategy for timeline merging (a name, a ``{"name": ...}`` group, or an object).
+    :param run_dir: folder for checkpoints (``None``: only explicit paths work).
+    :param seed: the run's seed; the engine's when ``optim.seed`` is not set.
+    """
+
+    def __init__(self, model_cfg: Any, optim_cfg: Any, algo_cfg: Any, match: Any = "text",
+                 run_dir: str | os.PathLike[str] | None = None, seed: int | None = None):
+        self.model_cfg = as_dict(model_cfg)
+        self.optim_cfg = as_dict(optim_cfg)
+        if seed is not None and self.optim_cfg.get("seed") is None:
+            self.optim_cfg["seed"] = int(seed)
+        self.algo_cfg = as_dict(algo_cfg)
+        self.match = match.get("name", "text") if isinstance(match, Mapping) else match
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.algo = build_algo(self.algo_cfg)
+        self.model_path = resolve_model_path(ModelConfig(**self.model_cfg).path)
+        name, nprocs = optim_launch(self.optim_cfg)
+        self.engine: OptimEngine
+        if nprocs > 1 and "WORLD_SIZE" not in os.environ:
+            # the engine trains in a torchrun group of its own; this process drives it
+            from swarmkit.training.group import ProcessGroupEngine
+
+            log_path = None
+            if self.run_dir is not None:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                log_path = self.run_dir / "train_group.log"
+            self.engine = ProcessGroupEngine(name, nprocs, str(self.model_path), self.model_cfg, self.optim_cfg,
+                                             self.algo_cfg, log_path=log_path)
+        else:
+            engine_cls = load_component("optim", name)
+            self.engine = engine_cls(model_path=str(self.model_path), model_cfg=self.model_cfg,
+                                     optim_cfg=self.optim_cfg, algo=self.algo)
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (= the policy version of the current weights)."""
+        return int(self.engine.optimizer_steps)
+
+    @property
+    def train_steps(self) -> int:
+        """:meth:`step` calls that updated the model (= global_step with 1 epoch × 1 mini-batch)."""
+        return int(self.engine.train_steps)
+
+    def step(self, records: Sequence[EpisodeRecord]) -> dict[str, float]:
+        """Build samples from ``records`` and train on them; returns metrics.
+
+        Metrics: the engine's (``loss``, ``trained_tokens``, ``tokens``,
+        ``grad_norm``, ``lr``, …) plus ``reward_mean``, ``episodes``,
+        ``timelines``, ``samples``, ``merge_ratio`` (timelines per sample),
+        ``build_time_s``, ``step_time_s`` (whole call) and ``global_step``.
+        """
+        t0 = time.perf_counter()
+        samples = build_samples(records, self.algo, self.match)
+        t1 = time.perf_counter()
+        metrics = dict(self.engine.train_step(samples))
+        n_timelines = sum(len(r.timelines) for r in records)
+        metrics.update(
+            reward_mean=(sum(scalar_reward(r.reward) for r in records) / len(records)) if records else 0.0,
+            episodes=float(len(records)),
+            timelines=float(n_timelines),
+            samples=float(len(samples)),
+            merge_ratio=(n_timelines / len(samples)) if samples else 0.0,
+            build_time_s=t1 - t0,
+            train_time_s=float(metrics.get("step_time_s", 0.0)),
+            step_time_s=time.perf_counter() - t0,
+            global_step=float(self.global_step),
+        )
+        return metrics
+
+    def close(self) -> None:
+        """Free the engine (stops its training group when ``optim.nprocs > 1``)."""
+        self.engine.close()
+
+    def export_weights(self) -> Iterable[tuple[str, Any]]:
+        """Full HF-named weights (LoRA merged) for ``backend.update_weights(named_tensors=...)``."""
+        return self.engine.export_weights()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _require_run_dir(self) -> Path:
+        if self.run_dir is None:
+            raise ValueError("Trainer has no run_dir; pass an explicit checkpoint path")
+        return self.run_dir
+
+    def _ckpt_root(self) -> Path:
+        return self._require_run_dir() / CHECKPOINT_DIR
+
+    def save_checkpoint(self, path: str | os.PathLike[str] | None = None,
+                        extra: Mapping[str, Any] | None = None) -> Path:
+        """Save engine state + trainer state (+ ``extra``, e.g. the pool position); returns the folder.
+
+        Default folder ``run_dir/checkpoints/step_{global_step:08d}``. Written to a
+        temporary folder and renamed, then ``checkpoints/latest`` is updated, so a
+        crash mid-save leaves the previous checkpoint current.
+        """
+        final = Path(path) if path is not None else checkpoint_path(self._require_run_dir(), self.global_step)
+        tmp = final.with_name(final.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.engine.save_checkpoint(str(tmp))
+        state = {"global_step": self.global_step, "train_steps": self.train_steps,
+                 "extra": dict(extra or {}), "saved_at": time.time(),
+                 "model_path": str(self.model_path), "optim": self.optim_cfg["name"]}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        root = final.parent
+        (root / (LATEST + ".tmp")).write_text(final.name)
+        os.replace(root / (LATEST + ".tmp"), root / LATEST)
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint under ``run_dir/checkpoints``, or None."""
+        root = self._ckpt_root()
+        marker = root / LATEST
+        if marker.exists():
+            p = root / marker.read_text().strip()
+            if (p / "trainer_state.json").exists():
+                return p
+        done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").exists()) if root.exists() else []
+        return done[-1] if done else None
+
+    def load_checkpoint(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Restore from ``path`` (default: the latest checkpoint); returns the saved ``extra``."""
+        p = Path(path) if path is not None else self.latest_checkpoint()
+        if p is None:
+            raise FileNotFoundError(f"no checkpoint under {self._ckpt_root()}")
+        self.engine.load_checkpoint(str(p))
+        state = json.loads((p / "trainer_state.json").read_text())
+        return dict(state.get("extra") or {})
