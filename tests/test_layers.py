@@ -40,7 +40,7 @@ SHIMS = {"swarmkit.interfaces", "swarmkit.trainer"}
 #: all the light client SDK may import from the core (pure Python: a laptop with httpx runs it)
 CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines")
 #: what a built-in plugin may import from the core
-PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs",
+PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
                      "swarmkit.training", "swarmkit.timelines")
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from swarmkit.contract import LossInputs
-
 from swarmkit_plugins.algo_rl import losses as L
 from swarmkit_plugins.algo_rl.grpo import GRPO
 from swarmkit_plugins.algo_rl.ppo import PPO

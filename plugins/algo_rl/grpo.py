@@ -83,10 +83,10 @@ class GRPO(ClippedPolicyAlgorithm):
     needs_values = False
 
     def __init__(self, **config: Any):
-        self.config = GRPOConfig(**config)  # the schema holds the only defaults
-        self._init_common(self.config)
-        self.std_normalize = bool(self.config.std_normalize)
-        self.adv_eps = float(self.config.adv_eps)
+        self.cfg = GRPOConfig(**config)  # the schema holds the only defaults
+        self._init_common(self.cfg)
+        self.std_normalize = bool(self.cfg.std_normalize)
+        self.adv_eps = float(self.cfg.adv_eps)
 
     def episode_advantages(self, rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
         """One advantage per reward unit, relative to the other units of its group (task)."""

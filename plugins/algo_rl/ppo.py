@@ -23,13 +23,13 @@ class PPO(ClippedPolicyAlgorithm):
     needs_values = True
 
     def __init__(self, **config: Any):
-        self.config = PPOConfig(**config)  # the schema holds the only defaults
-        self._init_common(self.config)
-        self.gamma = float(self.config.gamma)
-        self.lam = float(self.config.lam)
-        self.value_clip = float(self.config.value_clip)
-        self.vf_coef = float(self.config.vf_coef)
-        self.normalize_advantages = bool(self.config.normalize_advantages)
+        self.cfg = PPOConfig(**config)  # the schema holds the only defaults
+        self._init_common(self.cfg)
+        self.gamma = float(self.cfg.gamma)
+        self.lam = float(self.cfg.lam)
+        self.value_clip = float(self.cfg.value_clip)
+        self.vf_coef = float(self.cfg.vf_coef)
+        self.normalize_advantages = bool(self.cfg.normalize_advantages)
 
     def token_advantages(
         self, rewards_per_sequence: torch.Tensor, values: torch.Tensor, mask: torch.Tensor

@@ -52,21 +52,21 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
-import math
-import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
 from swarmkit.models import resolve_model_path
+from swarmkit.training.lora import adapter_deltas
+from swarmkit_plugins.backend_hf.schema import HFBackendConfig
 
 log = logging.getLogger(__name__)
 
@@ -118,17 +118,17 @@ class HFBackend(InferenceBackend):
     before generating and ``await close()`` at the end.
     """
 
-    def __init__(self, config: dict[str, Any] | None = None, model: dict[str, Any] | None = None):
-        self.config = dict(config or {})
-        self.model_cfg = dict(model or {})
-        if "path" not in self.model_cfg:
+    def __init__(self, config: Mapping[str, Any] | None = None, model: Mapping[str, Any] | None = None):
+        if not model or "path" not in model:
             raise ValueError("hf backend: the model config needs a 'path'")
-        self.model_name: str = str(self.model_cfg.get("name") or self.model_cfg["path"])
-        self.max_context: int | None = self.model_cfg.get("max_context")
-        self.max_batch_size = int(self.config.get("max_batch_size", 32))
-        self.batch_wait_s = float(self.config.get("batch_wait_s", 0.005))
-        self.batch_wait_max_s = max(self.batch_wait_s, float(self.config.get("batch_wait_max_s", 0.1)))
-        self.max_prefill_tokens = int(self.config.get("max_prefill_tokens", 16384))
+        self.cfg = HFBackendConfig(**dict(config or {}))
+        self.model_cfg = ModelConfig(**dict(model))
+        self.model_name: str = self.model_cfg.name or self.model_cfg.path
+        self.max_context: int | None = self.model_cfg.max_context
+        self.max_batch_size = int(self.cfg.max_batch_size)
+        self.batch_wait_s = float(self.cfg.batch_wait_s)
+        self.batch_wait_max_s = max(self.batch_wait_s, float(self.cfg.batch_wait_max_s))
+        self.max_prefill_tokens = int(self.cfg.max_prefill_tokens)
         self.policy_version = 0
         self.model_dir: Path | None = None
         self.device: Any = None
@@ -253,12 +253,12 @@ class HFBackend(InferenceBackend):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         t0 = time.perf_counter()
-        self.model_dir = resolve_model_path(str(self.model_cfg["path"]))
-        dev = str(self.config.get("device", "auto"))
+        self.model_dir = resolve_model_path(self.model_cfg.path)
+        dev = str(self.cfg.device)
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
-        dt = str(self.config.get("dtype", "auto"))
+        dt = str(self.cfg.dtype)
         if dt == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -711,58 +711,31 @@ class HFBackend(InferenceBackend):
         self._lora_base.clear()
 
     def _merge_lora(self, folder: Path) -> None:
+        """Serve ``base + adapter`` (the one merge, :func:`swarmkit.training.lora.adapter_deltas`);
+        a later adapter replaces this one, ``unload_lora`` restores the base."""
         import torch
 
-        cfg = json.loads((folder / "adapter_config.json").read_text())
-        if cfg.get("use_dora"):
-            raise ValueError("DoRA adapters are not supported by the hf backend; merge them first")
-        tensors = dict(_iter_folder_tensors(folder, adapter=True))
-        pairs: dict[str, dict[str, Any]] = {}
-        extra: list[tuple[str, Any]] = []
-        for name, t in tensors.items():
-            m = re.match(r"(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", name)
-            if m:
-                pairs.setdefault(m.group(1), {})[m.group(2)] = t
-            elif "lora_" in name:
-                raise ValueError(f"unsupported LoRA tensor '{name}' (only lora_A/lora_B of linear layers)")
-            else:
-                extra.append((name.replace(".modules_to_save.default", ""), t))
+        deltas, replaced = adapter_deltas(folder)
         self._restore_lora_base()
         state = self._state()
-        r_default = cfg.get("r", 8)
-        alpha_default = cfg.get("lora_alpha", r_default)
-        alpha_pattern = cfg.get("alpha_pattern") or {}
-        fan_in_fan_out = bool(cfg.get("fan_in_fan_out"))
         with torch.no_grad():
-            for module, ab in pairs.items():
-                if set(ab) != {"A", "B"}:
-                    raise ValueError(f"LoRA module '{module}' lacks lora_A or lora_B")
+            for module, delta in deltas.items():
                 key = self._resolve_name(module + ".weight", state)
                 if key is None:
                     raise KeyError(f"LoRA module '{module}' is not in the served model")
-                a, b = ab["A"].float(), ab["B"].float()
-                r = a.shape[0]
-                alpha = alpha_default
-                for pat, val in alpha_pattern.items():
-                    if re.fullmatch(rf"(.*\.)?{pat}", module.split("base_model.model.")[-1]):
-                        alpha = val
-                scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-                delta = (b @ a) * scale
-                if fan_in_fan_out:
-                    delta = delta.T
                 dst = state[key]
                 if tuple(delta.shape) != tuple(dst.shape):
                     raise ValueError(f"LoRA delta for '{module}' has shape {tuple(delta.shape)}, "
                                      f"weight has {tuple(dst.shape)}")
                 self._lora_base[key] = dst.detach().to("cpu", copy=True)
                 dst.data.copy_((dst.float() + delta.to(dst.device)).to(dst.dtype))
-            for name, t in extra:
+            for name, t in replaced.items():
                 key = self._resolve_name(name, state)
                 if key is None:
                     raise KeyError(f"adapter tensor '{name}' is not in the served model")
                 self._lora_base.setdefault(key, state[key].detach().to("cpu", copy=True))
                 state[key].data.copy_(t.to(device=state[key].device, dtype=state[key].dtype))
-        log.info("hf backend: merged LoRA adapter %s (%d modules)", folder, len(pairs))
+        log.info("hf backend: merged LoRA adapter %s (%d modules)", folder, len(deltas))
 
 
 def _iter_folder_tensors(folder: Path, adapter: bool = False) -> Iterable[tuple[str, Any]]:

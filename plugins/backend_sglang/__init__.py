@@ -1,4 +1,4 @@
-"""Inference backend ``sglang`` (extra ``swarmkit[sglang]``). Untested against a real SGLang here."""
+"""Inference backend ``sglang`` (extra ``swarmkit[sglang]``), experimental: it has only run against a stand-in."""
 
 from swarmkit import hookimpl
 from swarmkit_plugins.backend_sglang.schema import SGLangBackendConfig
@@ -12,5 +12,6 @@ def register_backends(register):
         schema=SGLangBackendConfig,
         requires=("sglang",),
         extra="sglang",
-        description="managed SGLang server process over its HTTP API",
+        description="managed SGLang server process over its HTTP API (only ever run against a stand-in of SGLang's API)",
+        experimental=True,
     )

@@ -57,13 +57,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
 from swarmkit.models import resolve_model_path
+from swarmkit_plugins.backend_sglang.schema import SGLangBackendConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +85,16 @@ class SGLangBackend(InferenceBackend):
     ``python`` (interpreter that has sglang), ``log_path``.
     """
 
-    def __init__(self, config: dict[str, Any] | None = None, model: dict[str, Any] | None = None):
-        self.config = dict(config or {})
-        self.model_cfg = dict(model or {})
-        if "path" not in self.model_cfg:
+    def __init__(self, config: Mapping[str, Any] | None = None, model: Mapping[str, Any] | None = None):
+        if not model or "path" not in model:
             raise ValueError("sglang backend: the model config needs a 'path'")
-        self.max_context: int | None = self.model_cfg.get("max_context")
+        self.cfg = SGLangBackendConfig(**dict(config or {}))
+        self.model_cfg = ModelConfig(**dict(model))
+        self.max_context: int | None = self.model_cfg.max_context
         self.policy_version = 0
         self.model_dir: Path | None = None
-        self.url: str | None = self.config.get("url")
-        self.request_timeout_s = float(self.config.get("request_timeout_s", 600.0))
+        self.url: str | None = self.cfg.url
+        self.request_timeout_s = float(self.cfg.request_timeout_s)
         self._proc: subprocess.Popen | None = None
         self._log_file: Any = None
         self._client: Any = None
@@ -103,7 +105,7 @@ class SGLangBackend(InferenceBackend):
         self._weights_dir: Path | None = None
         self._lock = asyncio.Lock()
         #: events of ``/generate`` streams carry only new tokens (``--incremental-streaming-output``)
-        self.incremental_streaming = bool(self.config.get("incremental_streaming_output", False))
+        self.incremental_streaming = bool(self.cfg.incremental_streaming_output)
 
     # ------------------------------------------------------------------ life cycle
     @property
@@ -117,14 +119,14 @@ class SGLangBackend(InferenceBackend):
             return
         import httpx
 
-        self.model_dir = resolve_model_path(str(self.model_cfg["path"]))
+        self.model_dir = resolve_model_path(self.model_cfg.path)
         self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
         if not self.url:
             self.url = self._launch()
         self.url = self.url.rstrip("/")
         self._client = httpx.AsyncClient(base_url=self.url, timeout=self.request_timeout_s)
         try:
-            await self._wait_healthy(float(self.config.get("startup_timeout_s", 600.0)))
+            await self._wait_healthy(float(self.cfg.startup_timeout_s))
         except BaseException:
             await self.close()
             raise
@@ -132,7 +134,7 @@ class SGLangBackend(InferenceBackend):
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer, GenerationConfig
 
-        tok = AutoTokenizer.from_pretrained(str(self.config.get("tokenizer_path") or self.model_dir))
+        tok = AutoTokenizer.from_pretrained(str(self.cfg.tokenizer_path or self.model_dir))
         eos: set[int] = set()
         if tok.eos_token_id is not None:
             eos.add(int(tok.eos_token_id))
@@ -144,36 +146,36 @@ class SGLangBackend(InferenceBackend):
 
     def launch_command(self) -> list[str]:
         """The ``sglang.launch_server`` command line this backend runs."""
-        c = self.config
+        c = self.cfg
         cmd = [
-            str(c.get("python") or sys.executable), "-m", "sglang.launch_server",
+            str(c.python or sys.executable), "-m", "sglang.launch_server",
             "--model-path", str(self.model_dir),
-            "--host", str(c.get("host", "127.0.0.1")),
-            "--port", str(c.get("port", 30000)),
-            "--dtype", str(c.get("dtype", "auto")),
-            "--mem-fraction-static", str(c.get("mem_fraction_static", 0.5)),
+            "--host", str(c.host),
+            "--port", str(c.port),
+            "--dtype", str(c.dtype),
+            "--mem-fraction-static", str(c.mem_fraction_static),
         ]
         if self.max_context:
             cmd += ["--context-length", str(self.max_context)]
-        if c.get("enable_lora"):
-            cmd += ["--enable-lora", "--max-lora-rank", str(c.get("max_lora_rank", 64))]
-            targets = c.get("lora_target_modules") or ["all"]
+        if c.enable_lora:
+            cmd += ["--enable-lora", "--max-lora-rank", str(c.max_lora_rank)]
+            targets = c.lora_target_modules or ["all"]
             cmd += ["--lora-target-modules", *[str(t) for t in targets]]
         if self.incremental_streaming:
             cmd.append("--incremental-streaming-output")
-        cmd += [str(a) for a in c.get("extra_args") or []]
+        cmd += [str(a) for a in c.extra_args or []]
         return cmd
 
     def _launch(self) -> str:
         cmd = self.launch_command()
         env = dict(os.environ)
         env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-        log_path = self.config.get("log_path") or tempfile.mktemp(prefix="sglang-", suffix=".log")
+        log_path = self.cfg.log_path or tempfile.mktemp(prefix="sglang-", suffix=".log")
         self._log_file = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         log.info("sglang backend: launching %s (log %s)", " ".join(cmd), log_path)
         self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
-        return f"http://{self.config.get('host', '127.0.0.1')}:{self.config.get('port', 30000)}"
+        return f"http://{self.cfg.host}:{self.cfg.port}"
 
     async def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

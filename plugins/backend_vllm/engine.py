@@ -63,24 +63,24 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
-import math
 import os
-import re
 import shutil
 import tempfile
 import threading
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
 from swarmkit.models import resolve_model_path
+from swarmkit.training.lora import adapter_deltas
+from swarmkit_plugins.backend_vllm.schema import VLLMBackendConfig
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +111,18 @@ class VLLMBackend(InferenceBackend):
     ``vllm.EngineArgs`` as is).
     """
 
-    def __init__(self, config: dict[str, Any] | None = None, model: dict[str, Any] | None = None):
-        self.config = dict(config or {})
-        self.model_cfg = dict(model or {})
-        if "path" not in self.model_cfg:
+    def __init__(self, config: Mapping[str, Any] | None = None, model: Mapping[str, Any] | None = None):
+        if not model or "path" not in model:
             raise ValueError("vllm backend: the model config needs a 'path'")
-        self.max_context: int | None = self.model_cfg.get("max_context")
+        self.cfg = VLLMBackendConfig(**dict(config or {}))
+        self.model_cfg = ModelConfig(**dict(model))
+        self.max_context: int | None = self.model_cfg.max_context
         self.policy_version = 0
         self.model_dir: Path | None = None
-        lora_rank = int(self.model_cfg.get("lora_rank") or 0)
-        self.enable_lora = bool(self.config.get("enable_lora", False)) or lora_rank > 0
-        self.max_lora_rank = max(int(self.config.get("max_lora_rank", 64)), lora_rank)
-        self.in_process = bool(self.config.get("in_process", True))
+        lora_rank = int(self.model_cfg.lora_rank)
+        self.enable_lora = bool(self.cfg.enable_lora) or lora_rank > 0
+        self.max_lora_rank = max(int(self.cfg.max_lora_rank), lora_rank)
+        self.in_process = bool(self.cfg.in_process)
         self._engine: Any = None
         self._tokenizer: Any = None
         self._eos_ids: frozenset[int] = frozenset()
@@ -154,7 +154,7 @@ class VLLMBackend(InferenceBackend):
     async def start(self) -> None:
         if self._thread is not None:
             return
-        self.model_dir = resolve_model_path(str(self.model_cfg["path"]))
+        self.model_dir = resolve_model_path(self.model_cfg.path)
         self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
@@ -180,34 +180,34 @@ class VLLMBackend(InferenceBackend):
         """The ``vllm.EngineArgs`` this backend starts the engine with."""
         from vllm import EngineArgs
 
-        c = self.config
+        c = self.cfg
         kwargs: dict[str, Any] = {
             "model": str(self.model_dir),
             "tokenizer": str(self.model_dir),
-            "dtype": str(c.get("dtype", "auto")),
-            "max_model_len": int(self.max_context or c.get("max_model_len", 4096)),
-            "enforce_eager": bool(c.get("enforce_eager", True)),
+            "dtype": str(c.dtype),
+            "max_model_len": int(self.max_context or c.max_model_len),
+            "enforce_eager": bool(c.enforce_eager),
             "logprobs_mode": "raw_logprobs",
-            "max_logprobs": int(c.get("max_logprobs", 20)),
-            "seed": int(c.get("seed", 0)),
-            "enable_prefix_caching": bool(c.get("enable_prefix_caching", True)),
+            "max_logprobs": int(c.max_logprobs),
+            "seed": int(c.seed),
+            "enable_prefix_caching": bool(c.enable_prefix_caching),
             "disable_log_stats": True,
         }
         if not _is_cpu():
-            kwargs["gpu_memory_utilization"] = float(c.get("gpu_memory_utilization", 0.5))
-        if c.get("max_num_seqs"):
-            kwargs["max_num_seqs"] = int(c["max_num_seqs"])
+            kwargs["gpu_memory_utilization"] = float(c.gpu_memory_utilization)
+        if c.max_num_seqs:
+            kwargs["max_num_seqs"] = int(c.max_num_seqs)
         if self.enable_lora:
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_bucket(self.max_lora_rank),
-                          max_loras=int(c.get("max_loras", 2)))
-        kwargs.update(dict(c.get("engine_args") or {}))
+                          max_loras=int(c.max_loras))
+        kwargs.update(dict(c.engine_args or {}))
         return EngineArgs(**kwargs)
 
     def _set_env(self) -> None:
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if _is_cpu():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.get("cpu_kvcache_gib", 2)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
         if self.enable_lora:
             os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
 
@@ -566,43 +566,22 @@ class VLLMBackend(InferenceBackend):
         return named + [(k, base[k]) for k in missing]
 
     def _merge_adapter(self, folder: Path) -> list[tuple[str, Any]]:
-        """Full weights with a peft adapter merged (``W_base + scale * B @ A``) into the
-        current base weights, so a new adapter replaces the previous one."""
-        from safetensors.torch import load_file
-
-        cfg = json.loads((folder / "adapter_config.json").read_text())
-        if cfg.get("use_dora"):
-            raise ValueError("DoRA adapters are not supported; merge them first")
-        files = sorted(folder.glob("adapter_model*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no adapter_model*.safetensors in {folder}")
-        tensors: dict[str, Any] = {}
-        for f in files:
-            tensors.update(load_file(str(f)))
-        pairs: dict[str, dict[str, Any]] = {}
-        for name, t in tensors.items():
-            m = re.match(r"(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", name)
-            if not m:
-                raise ValueError(f"unsupported adapter tensor '{name}' (only lora_A/lora_B of linear layers)")
-            pairs.setdefault(_strip(m.group(1)), {})[m.group(2)] = t
+        """Full weights with a peft adapter merged (the one merge,
+        :func:`swarmkit.training.lora.adapter_deltas`) into the current base weights,
+        so a new adapter replaces the previous one."""
+        deltas, replaced = adapter_deltas(folder)
         base = self._base_state()
         out = dict(base)
-        r_default = cfg.get("r", 8)
-        alpha = cfg.get("lora_alpha", r_default)
-        for module, ab in pairs.items():
-            if set(ab) != {"A", "B"}:
-                raise ValueError(f"LoRA module '{module}' lacks lora_A or lora_B")
-            a, b = ab["A"].float(), ab["B"].float()
-            r = a.shape[0]
-            a_ = (cfg.get("alpha_pattern") or {}).get(module.rsplit(".", 1)[-1], alpha)
-            scale = a_ / math.sqrt(r) if cfg.get("use_rslora") else a_ / r
-            delta = (b @ a) * scale
-            if cfg.get("fan_in_fan_out"):
-                delta = delta.T
-            key = module + ".weight"
+        for module, delta in deltas.items():
+            key = _strip(module) + ".weight"
             if key not in base:
                 raise KeyError(f"LoRA module '{module}' is not in the served model")
             out[key] = (base[key].float() + delta).to(base[key].dtype)
+        for name, t in replaced.items():
+            key = _strip(name)
+            if key not in base:
+                raise KeyError(f"adapter tensor '{name}' is not in the served model")
+            out[key] = t.to(base[key].dtype)
         return list(out.items())
 
 

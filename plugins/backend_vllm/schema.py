@@ -1,6 +1,7 @@
 """Config schema of the ``vllm`` backend."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -13,10 +14,15 @@ class VLLMBackendConfig:
     cpu_kvcache_gib: int = 2
     max_model_len: int = 4096
     enforce_eager: bool = True
+    #: serve LoRA adapters (on by itself when model.lora_rank > 0)
     enable_lora: bool = False
     max_lora_rank: int = 64
-    max_loras: int = 1
+    max_loras: int = 2
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     seed: int = 0
+    #: run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): 3-4 s start-up instead of ~20 s
+    in_process: bool = True
+    #: extra keyword arguments for vllm.EngineArgs, passed as they are (they win over the keys above)
+    engine_args: dict[str, Any] = field(default_factory=dict)

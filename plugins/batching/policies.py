@@ -28,12 +28,14 @@ of each family is always admitted). Families without a limit are not capped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from swarmkit.contract import BatchingPolicy, ClientState, Decision, PoolEpisode
 from swarmkit.errors import ConfigError
+from swarmkit_plugins.batching.schema import BatchingConfig
 
 #: rewards that differ by no more than this count as equal (C3)
 DEGENERATE_EPS = 1e-9
@@ -52,15 +54,13 @@ class PoolPolicy(BatchingPolicy):
 
     unit: str = ""
 
-    def __init__(
-        self,
-        batch_size: int,
-        rollouts_per_task: int,
-        active_window_s: float = 60.0,
-        cocktail: Mapping[str, float] | None = None,
-        name: str = "",
-        **options: Any,
-    ):
+    def __init__(self, **config: Any):
+        # BatchingConfig holds the defaults; keys of a plugin's own schema (a subclass option) stay in options
+        known = {f.name for f in dataclasses.fields(BatchingConfig)}
+        cfg = BatchingConfig(**{k: v for k, v in config.items() if k in known})
+        options = {k: v for k, v in config.items() if k not in known}
+        batch_size, rollouts_per_task, active_window_s = cfg.batch_size, cfg.rollouts_per_task, cfg.active_window_s
+        cocktail, name = cfg.cocktail, cfg.name
         problems = []
         if int(batch_size) < 1:
             problems.append(f"batching.batch_size must be >= 1, got {batch_size}")
@@ -76,10 +76,10 @@ class PoolPolicy(BatchingPolicy):
                 )
         if problems:
             raise ConfigError(problems)
-        super().__init__(int(batch_size), int(rollouts_per_task), **options)
-        self.active_window_s = float(active_window_s)
+        super().__init__(int(batch_size), int(rollouts_per_task), active_window_s=float(active_window_s), **options)
+        self.cfg = cfg
         self.cocktail: dict[str, float] = {str(k): float(v) for k, v in cocktail.items()}
-        self.name = name or type(self).__name__
+        self.name = name
 
     # ------------------------------------------------------------------ helpers
     def active_clients(

@@ -62,15 +62,25 @@ class BatchingPolicy(ABC):
     Built as ``cls(**config)`` from the ``batching`` config group (at least
     ``batch_size`` B and ``rollouts_per_task`` N; the other keys are kept in
     ``options``).
+
+    ``active_window_s`` is the one definition of an *active* client: one that
+    sent anything within that many seconds. The server's client tracker takes
+    the selected policy's value (``batching.active_window_s`` when the group has
+    it), and :meth:`decide` gets every known client to judge with it.
     """
 
-    def __init__(self, batch_size: int, rollouts_per_task: int, **options: Any):
+    active_window_s: float = 60.0
+
+    def __init__(self, batch_size: int, rollouts_per_task: int, *, active_window_s: float | None = None,
+                 **options: Any):
         self.batch_size = batch_size
         self.rollouts_per_task = rollouts_per_task
         self.options = options
+        if active_window_s is not None:
+            self.active_window_s = float(active_window_s)
 
     @abstractmethod
     def decide(
         self, episodes: Sequence[PoolEpisode], clients: Mapping[str, ClientState], now: float
     ) -> Decision:
-        """Look at the untrained episodes (oldest first) and the active clients."""
+        """Look at the untrained episodes (oldest first) and the known clients (``last_seen``, ``ready``)."""
