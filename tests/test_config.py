@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -119,9 +121,23 @@ def test_multirun_runs_each_job_in_a_fresh_process(tmp_path):
     assert (tmp_path / "0").is_dir() and (tmp_path / "1").is_dir()
 
 
-def test_defaults_match_packaged_options():
+def test_default_choices_exist_and_yaml_repeats_no_schema_default():
+    """Every default choice is an option; a packaged YAML option sets only keys that differ from its schema."""
+    import yaml
+
+    from swarmkit.config.compose import CORE_GROUPS
+
+    registry = get_registry()
     for group, option in DEFAULT_CHOICES.items():
-        assert option in _packaged_options("swarmkit.conf", group)
+        assert option in _packaged_options("swarmkit.conf", group) or (group, option) in registry
+    root = Path(__file__).resolve().parents[1] / "conf"
+    for path in root.glob("*/*.yaml"):
+        group, option = path.parent.name, path.stem
+        data = yaml.safe_load(path.read_text()) or {}
+        schema = CORE_GROUPS.get(group) or registry.get(group, option).schema
+        defaults = {f.name: f.default for f in dataclasses.fields(schema) if f.default is not dataclasses.MISSING}
+        repeated = sorted(k for k, v in data.items() if k not in ("defaults", "name") and defaults.get(k) == v)
+        assert not repeated, f"conf/{group}/{option}.yaml repeats schema defaults: {repeated}"
 
 
 def test_cli_missing_engine_names_the_extra(tmp_path):

@@ -162,7 +162,7 @@ class EpisodeLoop:
 
 
 class TrainingClient(EpisodeLoop):
-    """The example client's training loop: one chat call per episode, scored and reported."""
+    """The task client's training loop: one chat call per episode, scored and reported."""
 
     def __init__(
         self,
@@ -199,7 +199,7 @@ class TrainingClient(EpisodeLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run the built-in example client against a swarm server.")
+    p = argparse.ArgumentParser(description="Run the built-in task client against a swarm server.")
     p.add_argument("--url", required=True)
     p.add_argument("--token", default=os.environ.get("SWARMKIT_ADMIN_TOKEN"))
     p.add_argument("--task", default="arithmetic")

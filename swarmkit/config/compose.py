@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from swarmkit.config.schema import ModelConfig, SwarmkitConfig, TaskConfig
 from swarmkit.config.validate import validate_config
 from swarmkit.errors import ConfigError
 from swarmkit.plugins import get_hooks, get_registry
@@ -60,6 +61,7 @@ def normalize_overrides(args: Sequence[str]) -> list[str]:
 
 
 def _packaged_options(module: str, group: str) -> set[str]:
+    """The YAML options ``module`` ships for ``group`` (file names without ``.yaml``)."""
     try:
         folder = resources.files(module) / group
         return {p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml")}
@@ -71,8 +73,33 @@ def plugin_search_paths() -> list[str]:
     return get_hooks().config_search_paths()
 
 
+#: the core's own groups with YAML options, and the schema their options extend
+CORE_GROUPS: dict[str, type] = {"model": ModelConfig, "task": TaskConfig}
+
+
+def _defaults_node(schema: type, name: str | None = None) -> dict[str, Any]:
+    node: dict[str, Any] = OmegaConf.to_container(OmegaConf.structured(schema))  # type: ignore[assignment]
+    if name is not None:
+        node["name"] = name
+    return node
+
+
+def defaults_option(kind: str, name: str) -> str:
+    """The stored option holding the schema defaults that a packaged YAML option extends."""
+    return "defaults" if kind in CORE_GROUPS else f"{name}_defaults"
+
+
 def store_schema_options(search_paths: Sequence[str]) -> None:
-    """Give every registered component without a YAML option one from its schema defaults."""
+    """Put every schema's defaults where Hydra finds them, so no YAML repeats a default.
+
+    - ``swarmkit_base``: the defaults of the core groups ``server`` and
+      ``trainer`` (and ``mode``, ``seed``), which ``conf/config.yaml`` extends.
+    - ``model/defaults``, ``task/defaults`` and ``<kind>/<name>_defaults`` for a
+      component that ships a YAML option: the schema defaults that the YAML
+      extends (``defaults: [fsdp_defaults, _self_]``), so it sets only what differs.
+    - ``<kind>/<name>``: a registered component without a YAML option gets one
+      made of its schema defaults.
+    """
     from hydra.core.config_store import ConfigStore
 
     from hydra_plugins.swarmkit_launcher.subprocess_launcher import register_launcher_config
@@ -80,14 +107,17 @@ def store_schema_options(search_paths: Sequence[str]) -> None:
     register_launcher_config()
     modules = [CONFIG_MODULE] + [p[len("pkg://") :].replace("/", ".") for p in search_paths if p.startswith("pkg://")]
     cs = ConfigStore.instance()
+    base = _defaults_node(SwarmkitConfig)
+    cs.store(name="swarmkit_base", node={k: base[k] for k in ("mode", "seed", "server", "trainer")})
+    for group, schema in CORE_GROUPS.items():
+        cs.store(group=group, name=defaults_option(group, ""), node=_defaults_node(schema))
     for component in get_registry():
+        node = _defaults_node(component.schema, component.name) if component.schema else {"name": component.name}
         if any(component.name in _packaged_options(m, component.kind) for m in modules):
-            continue
-        node: Any = OmegaConf.structured(component.schema) if component.schema else {"name": component.name}
-        if component.schema is not None:
-            node = OmegaConf.to_container(node)
-            node["name"] = component.name
-        cs.store(group=component.kind, name=component.name, node=node, provider=component.plugin)
+            cs.store(group=component.kind, name=defaults_option(component.kind, component.name), node=node,
+                     provider=component.plugin)
+        else:
+            cs.store(group=component.kind, name=component.name, node=node, provider=component.plugin)
 
 
 def check_component_choices(args: Sequence[str]) -> None:

@@ -32,14 +32,14 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    #: task name of the built-in example client
+    #: task name of the built-in task client
     name: str = "arithmetic"
     #: training tasks drawn per epoch; held-out eval tasks
     train_size: int = 256
-    eval_size: int = 64
+    eval_size: int = 48
     seed: int = 0
-    #: generation settings the example client asks for
-    max_tokens: int = 24
+    #: generation settings the task client asks for
+    max_tokens: int = 16
     temperature: float = 1.0
     #: episodes the client runs at once
     concurrency: int = 8
@@ -76,7 +76,7 @@ class TrainerConfig:
 
 @dataclass
 class SwarmkitConfig:
-    #: "local" (server + example client), "server" (bare server), "client", "plan" (print and exit)
+    #: "local" (server + task client), "server" (bare server), "client", "plan" (print and exit)
     mode: str = "local"
     seed: int = 0
     server: ServerConfig = field(default_factory=ServerConfig)

@@ -32,9 +32,9 @@ def _check_node(schema: type, node: Any, where: str, problems: list[str]) -> Dic
         if key not in known:
             problems.append(f"{where}.{key}: unknown key (known keys: {', '.join(sorted(known))})")
             ok = False
-    if not ok:
-        return None
     for key in node:
+        if key not in known:
+            continue
         try:
             OmegaConf.merge(base, {key: node[key]})
         except OmegaConfBaseException as exc:
