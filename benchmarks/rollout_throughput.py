@@ -2,7 +2,7 @@
 
 For each backend available here (``hf`` always, ``vllm`` when importable) one
 engine is started inside a real swarm server (uvicorn in a thread of this
-process, ``swarmkit.server.serve.start_server_thread``). Then, for 1, 8 and 32
+process, ``swarmkit.apps.serve.start_server_thread``). Then, for 1, 8 and 32
 concurrent episodes:
 
 - **direct**: ``C`` concurrent ``backend.generate(prompt_ids, params)`` calls on

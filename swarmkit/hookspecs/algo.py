@@ -14,7 +14,7 @@ def register_algos(register: Callable[..., None]) -> None:
     Called once, when the plugin manager first loads plugins.
 
     :param register: ``register(name, target, schema=None, requires=(), extra=None,
-        description="")``; ``target`` names a class implementing
+        description="", experimental=False)``; ``target`` names a class implementing
         :class:`swarmkit.contract.Algorithm`. The maths behind it should be
         pure functions over tensors so they can be tested on their own.
     :returns: nothing; every implementation is called.

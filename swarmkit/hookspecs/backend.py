@@ -19,7 +19,7 @@ def register_backends(register: Callable[..., None]) -> None:
     that implements it.
 
     :param register: ``register(name, target, schema=None, requires=(), extra=None,
-        description="")``. ``target`` is the import string (``"pkg.mod:Class"``) of a
+        description="", experimental=False)``. ``target`` is the import string (``"pkg.mod:Class"``) of a
         class implementing :class:`swarmkit.contract.InferenceBackend`;
         ``schema`` a dataclass for the ``backend`` config group; ``requires`` the
         top-level modules the class needs (never imported while registering);

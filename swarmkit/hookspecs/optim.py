@@ -14,7 +14,7 @@ def register_optims(register: Callable[..., None]) -> None:
     Called once, when the plugin manager first loads plugins.
 
     :param register: ``register(name, target, schema=None, requires=(), extra=None,
-        description="")``; ``target`` names a class implementing
+        description="", experimental=False)``; ``target`` names a class implementing
         :class:`swarmkit.contract.OptimEngine` (owns the trainable model,
         its optimizer and the distributed set-up; launched with torchrun or
         deepspeed for more than one process).
