@@ -36,6 +36,7 @@ from torch import nn
 
 from swarmkit.training.engine import TrainingEngine
 from swarmkit.training.packing import MicroBatch
+from swarmkit.training.policy import PolicyModel
 from swarmkit_plugins.optim_fsdp.schema import FSDPConfig
 
 
@@ -59,7 +60,7 @@ class FSDPEngine(TrainingEngine):
             fully_shard(layer, mesh=self._mesh, mp_policy=mp)
         fully_shard(module, mesh=self._mesh, mp_policy=mp)
 
-    _compute: nn.Module | None = None
+    _compute: PolicyModel | None = None
     _export_cache: dict[str, torch.Tensor] | None = None
 
     def _wants_compute_copy(self) -> bool:
@@ -99,7 +100,7 @@ class FSDPEngine(TrainingEngine):
         pairs = [(m, p) for m, p in self._pairs if everything or p.requires_grad]
         torch._foreach_copy_([p.data for _, p in pairs], [m.data for m, _ in pairs])
 
-    def _compute_model(self) -> nn.Module:
+    def _compute_model(self) -> PolicyModel:
         return self._compute if self._compute is not None else self.policy
 
     def _wrap(self) -> None:

@@ -47,7 +47,8 @@ def resolve_match(match: str | MatchStrategy) -> MatchStrategy:
     if isinstance(match, str):
         from swarmkit.plugins import load_component
 
-        return load_component("match", match)  # checked against the contract when loaded
+        strategy: MatchStrategy = load_component("match", match)  # checked against the contract when loaded
+        return strategy
     check_implementation("match", match)
     return match
 

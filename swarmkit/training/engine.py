@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -90,7 +90,7 @@ class TrainingEngine(OptimEngine):
                                   keep_logits_bytes=keep)
         self.policy.train()
         self.pad_id = int(getattr(self.policy.causal_lm.config, "pad_token_id", None) or 0)
-        self.reference: nn.Module | None = None
+        self.reference: PolicyModel | None = None
         if self.needs_reference and not self.lora:
             ref_lm = load_lm(self.model_path, ModelConfig(**{**vars(self.model), "lora_rank": 0}), self.seed)
             self.reference = PolicyModel(ref_lm, self.compute_dtype, chunk_elements=chunk).eval()
@@ -164,7 +164,7 @@ class TrainingEngine(OptimEngine):
         """Linear LR warm-up over ``optim.warmup_steps`` optimizer steps, then constant."""
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(self.cfg.warmup_steps))
 
-    def _autocast(self):
+    def _autocast(self) -> torch.autocast:
         use = self.device.type == "cuda" and self.compute_dtype != torch.float32 and not self._native_low_precision
         return torch.autocast("cuda", dtype=self.compute_dtype, enabled=use)
 
@@ -211,7 +211,7 @@ class TrainingEngine(OptimEngine):
         if self.needs_values:
             self._ppo_advantages(prepared)
 
-    def _compute_model(self) -> nn.Module:
+    def _compute_model(self) -> PolicyModel:
         """The module that runs forward/backward (``self.policy`` unless the engine keeps a compute copy)."""
         return self.policy
 
@@ -230,6 +230,7 @@ class TrainingEngine(OptimEngine):
         values = torch.zeros(len(prepared), t)
         for r, p in enumerate(prepared):
             mask[r, : p.k] = 1.0
+            assert p.old_values is not None, "the pre-pass scores values when the algorithm needs them"
             values[r, : p.k] = p.old_values
         rewards = torch.tensor([p.reward for p in prepared])
         adv, ret = self.algo.token_advantages(rewards, values, mask)
@@ -422,7 +423,7 @@ class TrainingEngine(OptimEngine):
         self.train_steps = int(meta["train_steps"])
 
 
-def warmup_lambda(warmup_steps: int):
+def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:
     """LR multiplier: linear warm-up over ``warmup_steps`` optimizer steps, then constant."""
     w = int(warmup_steps or 0)
 

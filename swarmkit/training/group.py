@@ -200,11 +200,12 @@ class ProcessGroupEngine(OptimEngine):
             if time.monotonic() > end:
                 raise GroupError(f"the training group did not connect in {self.start_timeout_s:.0f} s; "
                                  f"log:\n{self._log_tail()}")
-        if "conn" not in box:
+        conn = box.get("conn")
+        if not isinstance(conn, Connection):
             raise GroupError(f"the training group could not connect: {box.get('error')}")
-        return box["conn"]
+        return conn
 
-    def _recv(self, timeout: float, what: str) -> tuple:
+    def _recv(self, timeout: float, what: str) -> tuple[Any, ...]:
         assert self._conn is not None
         end = time.monotonic() + timeout
         while not self._conn.poll(0.2):
@@ -213,7 +214,8 @@ class ProcessGroupEngine(OptimEngine):
             if time.monotonic() > end:
                 raise GroupError(f"the training group did not answer {what} in {timeout:.0f} s")
         try:
-            return self._conn.recv()
+            message: tuple[Any, ...] = self._conn.recv()
+            return message
         except (EOFError, OSError):
             raise self._dead(what) from None
 

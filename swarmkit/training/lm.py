@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 
 def dist_info() -> tuple[bool, int, int]:
@@ -34,7 +33,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}[name]
 
 
-def load_lm(model_path: str | Path, model: Any, seed: int) -> nn.Module:
+def load_lm(model_path: str | Path, model: Any, seed: int) -> Any:
     """The HF causal LM in float32 (master weights), with LoRA adapters when ``model.lora_rank > 0``.
 
     :param model: the ``model`` group (:class:`swarmkit.config.schema.ModelConfig`).
@@ -45,7 +44,7 @@ def load_lm(model_path: str | Path, model: Any, seed: int) -> nn.Module:
     kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": model.trust_remote_code}
     if model.attn_implementation:
         kwargs["attn_implementation"] = model.attn_implementation
-    lm = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    lm: Any = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     if model.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 

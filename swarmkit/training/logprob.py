@@ -9,6 +9,7 @@ recomputes each slice (memory O(tokens · slice), not O(tokens · vocab)).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, go: torch.Tensor, local
 _KERNELS: dict[str, Any] = {}
 
 
-def _kernels(device: torch.device):
+def _kernels(device: torch.device) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """(lse, grad) slice functions: ``torch.compile``-d on CUDA (one fused pass over the bf16 slice,
     no fp32 copy), eager elsewhere or where compiling fails (``SWARMKIT_COMPILE_LOGPROB=0`` disables it)."""
     if device.type != "cuda" or os.environ.get("SWARMKIT_COMPILE_LOGPROB", "1") == "0":
@@ -49,7 +50,7 @@ def _kernels(device: torch.device):
     return _KERNELS["lse"], _KERNELS["grad"]
 
 
-def _call(name: str, device: torch.device, *args):
+def _call(name: str, device: torch.device, *args: Any) -> torch.Tensor:
     """Run kernel ``name`` (compiled when possible); a compile/runtime failure falls back to eager for good."""
     lse_fn, grad_fn = _kernels(device)
     fn = lse_fn if name == "lse" else grad_fn
@@ -81,8 +82,8 @@ class SelectedLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype: torch.dtype,  # type: ignore[override]
-                keep_logits: bool = False):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk: int, compute_dtype: torch.dtype, keep_logits: bool = False) -> torch.Tensor:
         m, v = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         acc = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
@@ -110,7 +111,7 @@ class SelectedLogprob(torch.autograd.Function):
         return picked - lse
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
         cd = ctx.compute_dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -133,12 +134,12 @@ class SelectedLogprob(torch.autograd.Function):
                     ctx.kept[s // ctx.chunk] = None  # free each kept slice once used
                 g = _call("grad", dev, logits, lse, go, local, hit, acc)  # (M, Vc) in cd
                 del logits
-                if need_h:
+                if grad_h is not None:
                     grad_h += g @ wc
-                if need_w:
+                if grad_w is not None:
                     grad_w[s:e] = g.T @ h
         ctx.kept = []
-        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
+        return (grad_h.to(hidden.dtype) if grad_h is not None else None), grad_w, None, None, None, None
 
 
 def selected_logprobs(
@@ -159,4 +160,5 @@ def selected_logprobs(
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     nbytes = hidden.shape[0] * weight.shape[0] * torch.empty((), dtype=cd).element_size()
     keep = bool(grad and keep_logits_bytes > 0 and nbytes <= keep_logits_bytes)
-    return SelectedLogprob.apply(hidden, weight, targets, chunk, cd, keep)
+    out: torch.Tensor = SelectedLogprob.apply(hidden, weight, targets, chunk, cd, keep)  # type: ignore[no-untyped-call]
+    return out

@@ -43,8 +43,8 @@ def lora_scale(adapter_cfg: Mapping[str, Any], module: str) -> float:
     alpha_pattern = adapter_cfg.get("alpha_pattern") or {}
     rk = pattern_key(list(rank_pattern), module)
     ak = pattern_key(list(alpha_pattern), module)
-    r = rank_pattern[rk] if rk is not None else adapter_cfg.get("r", 8)
-    alpha = alpha_pattern[ak] if ak is not None else adapter_cfg.get("lora_alpha", 8)
+    r = float(rank_pattern[rk] if rk is not None else adapter_cfg.get("r", 8))
+    alpha = float(alpha_pattern[ak] if ak is not None else adapter_cfg.get("lora_alpha", 8))
     return alpha / math.sqrt(r) if adapter_cfg.get("use_rslora") else alpha / r
 
 

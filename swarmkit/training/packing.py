@@ -204,7 +204,10 @@ def micro_batch_tensors(prepared: Sequence[Prepared], index: Sequence[int], devi
             pos.extend(range(pos[-1] + 1, pos[-1] + 1 + pad))
         n_rows = len(ids) // cap
     real = sum(len(p.input_ids) for p in items)
-    lt = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+
+    def lt(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
     if not items:
         z = torch.zeros(1, 1, device=device)
         return MicroBatch(lt([pad_id, pad_id])[None], lt([0, 1])[None], lt([0]), lt([pad_id]), lt([0]),

@@ -9,13 +9,16 @@ PPO values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
 from swarmkit.training.logprob import DEFAULT_LOGIT_CHUNK_ELEMENTS, selected_logprobs
 
 
-def _causal_lm(lm: nn.Module) -> nn.Module:
+def _causal_lm(lm: Any) -> Any:
     """The transformers ``*ForCausalLM`` inside a peft model (or the model itself)."""
     get_base = getattr(lm, "get_base_model", None)
     return get_base() if callable(get_base) else lm
@@ -31,7 +34,8 @@ class PolicyModel(nn.Module):
     def __init__(self, lm: nn.Module, compute_dtype: torch.dtype, value_head: bool = False,
                  chunk_elements: int = DEFAULT_LOGIT_CHUNK_ELEMENTS, keep_logits_bytes: int = 0):
         super().__init__()
-        self.lm = lm
+        #: the HF causal LM (or peft model around one); typed Any: its attributes are dynamic
+        self.lm: Any = lm
         self.compute_dtype = compute_dtype
         self.chunk_elements = chunk_elements
         self.keep_logits_bytes = keep_logits_bytes
@@ -42,7 +46,7 @@ class PolicyModel(nn.Module):
             nn.init.zeros_(self.value_head.bias)
 
     @property
-    def causal_lm(self) -> nn.Module:
+    def causal_lm(self) -> Any:
         return _causal_lm(self.lm)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, select: torch.Tensor,
@@ -95,12 +99,13 @@ class PolicyModel(nn.Module):
         return len(layers)
 
 
-def _compiled_forward(eager, compiled, failed: list[str]):
+def _compiled_forward(eager: Callable[..., Any], compiled: Callable[..., Any],
+                      failed: list[str]) -> Callable[..., Any]:
     """A layer forward that runs ``compiled`` and, if compiling fails (no Triton, no C++ compiler, an
     unsupported op), warns once and runs ``eager`` for good; errors of the model itself still raise."""
     from torch._dynamo.exc import TorchDynamoException
 
-    def forward(*args, **kwargs):
+    def forward(*args: Any, **kwargs: Any) -> Any:
         if failed:
             return eager(*args, **kwargs)
         try:

@@ -82,8 +82,9 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
             key = (r, role) if isinstance(reward, Mapping) and role in reward else (r, None)
             u = units[key]
             adv, value = float(advantages[u]), rewards[u]
-            for t in merge_timelines(timelines, match):
-                ids, mask, lps = t.token_ids(), t.loss_mask(), t.logprobs()
+            for merged in merge_timelines(timelines, match):
+                assert isinstance(merged, Timeline)  # the merge answers in the form it was given
+                ids, mask, lps = merged.token_ids(), merged.loss_mask(), merged.logprobs()
                 if not any(mask):
                     continue
                 samples.append(TrainSample(

@@ -51,6 +51,7 @@ def build_algo(algo_cfg: Any) -> Algorithm:
         raise ValueError("the algo group needs a name (e.g. grpo, ppo)")
     algo = load_component("algo", str(cfg["name"]))(**cfg)
     check_algorithm(algo)
+    assert isinstance(algo, Algorithm)  # for the type checker: check_algorithm raised otherwise
     return algo
 
 
