@@ -93,6 +93,19 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "swarmkit", *args], capture_output=True, text=True)
 
 
+def test_plan_with_typos_lists_every_problem_and_the_known_keys(tmp_path):
+    out = _cli("mode=plan", "optim.lrr=1", "model.pathh=x", "optim.lr=abc", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2
+    assert "3 problem(s)" in out.stderr and "+optim.lrr" not in out.stderr
+    assert "optim.lrr: unknown key (known keys: " in out.stderr and "model.pathh: unknown key" in out.stderr
+    assert "optim.lr: Value 'abc'" in out.stderr
+
+
+def test_a_sweep_is_checked_value_by_value(tmp_path):
+    out = _cli("--multirun", "mode=plan", "optim.lr=1e-4,xyz", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 2 and "optim.lr: Value 'xyz'" in out.stderr
+
+
 def test_cli_unknown_backend_fails_with_one_message(tmp_path):
     out = _cli("+backend=nosuch", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2

@@ -157,6 +157,13 @@ def test_configure_lists_every_problem(make):
     assert_error(h.tc.post("/api/v1/admin/configure", headers=h.admin, json={"overrides": ["backend=nope"]}),
                  422, "invalid_config")
     assert_error(h.tc.post("/api/v1/admin/configure", headers=h.admin, json={}), 422, "missing_field")
+    # the overrides form lists every problem too (no Hydra "Could not override ... use +optim.lrr" advice)
+    r = h.tc.post("/api/v1/admin/configure", headers=h.admin,
+                  json={"overrides": ["optim.lrr=1", "model.pathh=x", "optim.lr=abc"]})
+    assert_error(r, 422, "invalid_config")
+    msg = r.json()["error"]["message"]
+    assert "3 problem(s)" in msg and "optim.lrr: unknown key" in msg and "model.pathh: unknown key" in msg
+    assert "optim.lr:" in msg and "+optim.lrr" not in msg
     assert h.srv.config is None
 
 
