@@ -19,27 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
-    "You may call tools. Tools: {{ tools | tojson }}\n"
-    "Reply with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> to call one.<|im_end|>\n"
-    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}"
-    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n"
-    "{% if message.get('content') %}{{ message['content'] }}{% endif %}"
-    "{% for tc in message.get('tool_calls') or [] %}"
-    "<tool_call>{\"name\": \"{{ tc['function']['name'] }}\", \"arguments\": "
-    "{{ tc['function']['arguments'] if tc['function']['arguments'] is string else tc['function']['arguments'] | tojson }}}</tool_call>"
-    "{% endfor %}<|im_end|>\n"
-    "{% elif message['role'] == 'tool' %}<|im_start|>tool\n{{ message['content'] }}<|im_end|>\n"
-    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from swarmkit.chat_templates import TINY_CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

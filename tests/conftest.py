@@ -7,7 +7,17 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import time  # noqa: E402
+
 import pytest  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from swarmkit.server.app import create_app  # noqa: E402
+from swarmkit.swarm.server import MemoryCycle, SwarmServer  # noqa: E402
+from swarmkit.testing.scripted import ScriptedBackend  # noqa: E402
+
+#: the conversation Harness.chat sends by default
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture()
@@ -18,3 +28,77 @@ def fresh_plugins(monkeypatch):
     plugins.reset()
     yield plugins
     plugins.reset()
+
+
+# --------------------------------------------------------------------------- in-process server
+@pytest.fixture(scope="session")
+def train_cfg():
+    from swarmkit.config.compose import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.plugins import get_registry
+
+    return validate_config(compose(["model=tiny"]), get_registry())
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from swarmkit.models import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+class Harness:
+    """An in-process server (Starlette TestClient) on a scripted backend, with request helpers."""
+
+    def __init__(self, tc: TestClient, srv: SwarmServer, backend: ScriptedBackend, accepted: list):
+        self.tc, self.srv, self.backend, self.accepted = tc, srv, backend, accepted
+        self.admin = {"Authorization": f"Bearer {srv.admin_token}"}
+
+    def call(self, fn, *args):
+        """Run ``fn`` in the server's event loop thread."""
+        return self.tc.portal.call(fn, *args)
+
+    def register(self, **body):
+        body.setdefault("task_id", "t1")
+        r = self.tc.post("/api/v1/episodes", json=body)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def chat(self, key, **body):
+        body.setdefault("messages", MSGS)
+        body.setdefault("model", "any")
+        return self.tc.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+    def report(self, ep, reward, key=None):
+        return self.tc.post(f"/api/v1/episodes/{ep['episode_id']}/report", json={"reward": reward},
+                            headers={"Authorization": f"Bearer {key or ep['api_key']}"})
+
+
+@pytest.fixture()
+def make(train_cfg, tokenizer, tmp_path):
+    made = []
+
+    def factory(replies=("Hello there.",), start=True, accept_hook=None, config=train_cfg, **server_cfg):
+        backend = ScriptedBackend(tokenizer, replies=replies)
+        accepted: list = []
+        hook = None if accept_hook is False else accept_hook or accepted.append
+        scfg = {"run_dir": str(tmp_path), "admin_token": "admin-secret-token", **server_cfg}
+        srv = SwarmServer(scfg, config=config, backend_factory=lambda cfg: backend, cycle=MemoryCycle(hook))
+        srv.reaper_interval_s = 0.05
+        tc = TestClient(create_app(srv), base_url="http://127.0.0.1:8000")
+        tc.__enter__()
+        made.append(tc)
+        h = Harness(tc, srv, backend, accepted)
+        if start:
+            r = tc.post("/api/v1/admin/start", headers=h.admin)
+            assert r.status_code == 202, r.text
+            for _ in range(200):
+                if srv.state.state == "ROLLING":
+                    break
+                time.sleep(0.01)
+            assert srv.state.state == "ROLLING", srv.state.last_error
+        return h
+
+    yield factory
+    for tc in made:
+        tc.__exit__(None, None, None)

@@ -21,6 +21,7 @@ SOURCES = {"swarmkit": ROOT / "swarmkit", "swarmkit_plugins": ROOT / "plugins"}
 #: the core's packages, bottom first: a module may import its own package and any lower rank
 RANKS: dict[str, int] = {
     "swarmkit.errors": 0,
+    "swarmkit.chat_templates": 0,
     "swarmkit.models": 1,
     "swarmkit.contract": 1,
     "swarmkit.hookspecs": 1,
@@ -40,7 +41,7 @@ SHIMS = {"swarmkit.interfaces", "swarmkit.trainer"}
 #: all the light client SDK may import from the core (pure Python: a laptop with httpx runs it)
 CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines")
 #: what a built-in plugin may import from the core
-PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
+PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.chat_templates", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
                      "swarmkit.training", "swarmkit.timelines")
 
 

@@ -28,6 +28,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     #: transformers attention implementation ("sdpa", "eager", "flash_attention_2")
     attn_implementation: str = "sdpa"
+    #: the chat template the server renders with: "auto" (a shipped tool-aware template
+    #: for builtin:smollm2, the model's own otherwise), "model", "builtin:<name>"
+    #: (swarmkit.chat_templates), a .jinja file path, or the template text
+    chat_template: str = "auto"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmkit.errors import ApiError
+from swarmkit.timelines.replay import TurnMemory
 
 RUNNING = "running"
 FINISHED = "finished"
@@ -52,6 +53,8 @@ class Episode:
     #: calls now being generated (the reaper waits for none, it aborts anyway)
     in_flight: int = 0
     accepted: bool = False
+    #: the assistant turns generated for this episode, replayed token-exact when sent back
+    turns: TurnMemory = field(default_factory=TurnMemory)
 
     @property
     def running(self) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.plain import as_dict
 from swarmkit.config.schema import ModelConfig, ServerConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
@@ -279,13 +280,15 @@ class SwarmServer:
         try:
             backend = await asyncio.to_thread(self._make_backend, cfg)
             await backend.start()
+            full = as_dict(cfg)
+            model = ModelConfig(**as_dict(full.get("model")))
             factory = self.renderer_factory or ChatRenderer
-            self.renderer = factory(backend.tokenizer)
+            template = resolve_chat_template(model.chat_template, model.path)
+            self.renderer = (factory(backend.tokenizer, chat_template=template) if template
+                             else factory(backend.tokenizer))
             self.token_text = TokenText(backend.tokenizer)
             self.tracker = ContextTracker(self.renderer)
             self.backend = backend
-            full = as_dict(cfg)
-            model = ModelConfig(**as_dict(full.get("model")))
             self.model_name = model.name or "swarmkit"
             self.max_context = backend.max_context or model.max_context
             if "server" in full:  # the training config's timeouts apply from this boot on

@@ -70,17 +70,19 @@ class ScriptedBackend(InferenceBackend):
         text = self._reply(prompt_ids, k)
         ids = self._ids(text)
         finish = "stop"
+        hit = False
         for s in params.stop:
             cut = text.find(s)
             if cut >= 0:
                 text = text[:cut]
                 ids = self._ids(text) + self._ids(s)
+                hit = True
         if len(ids) > params.max_tokens:
             ids = ids[: params.max_tokens]
             text = self.tokenizer.decode(ids)
             finish = "length"
         eos = self.tokenizer.eos_token_id
-        if finish == "stop" and eos is not None:
+        if finish == "stop" and not hit and eos is not None:  # a stop string ends the turn before the EOS
             ids = ids + [eos]
         tops = None
         if params.top_logprobs:

@@ -72,18 +72,18 @@ def _absorb_block(target: Block, source: Block) -> Block:
     """``target`` after absorbing the generated block ``source`` (a new block).
 
     Built without re-validation: ``source`` is a valid block, and the result has
-    its lengths, author ``llm`` and a loss mask of ones. The ``token_ids`` and
-    ``logprobs`` lists are ``source``'s own, and so is its loss mask when that is
-    all ones already: shared, as untouched blocks are (copying ~100 scattered int
-    objects per block was most of the merge's time); the merge never mutates a list.
+    its lengths, author ``llm`` and ``source``'s loss mask (ones, except tokens the
+    server forced into the turn). The ``token_ids``, ``logprobs`` and ``loss_mask``
+    lists are ``source``'s own: shared, as untouched blocks are (copying ~100
+    scattered int objects per block was most of the merge's time); the merge never
+    mutates a list.
     """
     new = object.__new__(Block)
     new.author = "llm"
     new.text = target.text
     new.token_ids = source.token_ids
     new.logprobs = source.logprobs
-    mask = source.loss_mask
-    new.loss_mask = mask if mask.count(1) == len(mask) else [1] * len(mask)
+    new.loss_mask = source.loss_mask
     return new
 
 
@@ -96,7 +96,7 @@ def merge(timelines: Sequence[TimelineLike], match: str | MatchStrategy = "text"
     results. Inputs are not mutated: surviving timelines are new containers;
     a block updated by absorption is a new :class:`Block` (the absorbed
     block's text is kept, token ids / logprobs are copied from the generated
-    block, loss mask ones); untouched blocks are shared with the input.
+    block and its loss mask); untouched blocks are shared with the input.
     """
     strategy = resolve_match(match)
     if method == "fast":
@@ -118,7 +118,7 @@ def merge_timelines(timelines: Sequence[TimelineLike], match: str | MatchStrateg
     j from i-1 down to 1, not absorbed: T_j is absorbed into T_i when
     ``len(T_i) >= len(T_j)`` and ``key(T_i[k]) == key(T_j[k])`` for every k of
     T_j; then every block k authored ``llm`` in T_j but not in T_i becomes
-    ``llm`` in T_i with T_j's token ids and logprobs and a loss mask of ones.
+    ``llm`` in T_i with T_j's token ids, logprobs and loss mask.
     Updates happen in place during the walk (they may change T_i's later keys
     for a strategy whose key depends on author or tokens); the result is
     identical to :func:`merge_timelines_reference`. Runs in about

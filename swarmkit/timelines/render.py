@@ -41,7 +41,22 @@ from typing import Any
 
 from swarmkit.timelines.block import Block
 
-__all__ = ["ChatRenderer"]
+__all__ = ["ChatRenderer", "TemplateError"]
+
+
+class TemplateError(ValueError):
+    """The chat template refused a conversation.
+
+    :ivar index: the first message whose prefix fails to render (``None``
+        when every prefix renders and only the whole conversation fails).
+    :ivar reason: the template's own error (e.g. its ``raise_exception`` text).
+    """
+
+    def __init__(self, index: int | None, reason: str):
+        where = f"messages[{index}]" if index is not None else "the conversation"
+        super().__init__(f"the chat template could not render {where}: {reason}")
+        self.index = index
+        self.reason = reason
 
 _ROLE_AUTHOR = {"system": "user", "developer": "user", "user": "user", "tool": "env", "ipython": "env"}
 
@@ -130,24 +145,91 @@ class ChatRenderer:
         #: added tokens that are split out before BPE: a split next to one is always safe
         self._specials: tuple[str, ...] = tuple(sorted(set(specials), key=len, reverse=True))
         self.stats = {"calls": 0, "renders": 0, "encodes": 0, "reused_messages": 0}
+        self._tools_ignored: dict[str, bool] = {}
+        self._last_error: str = ""
 
     # ------------------------------------------------------------------ public
-    def render_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[Block]:
+    def render_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                      generated: Sequence[tuple[str, Sequence[int]]] = ()) -> list[Block]:
         """Prompt blocks (with the generation prompt) of ``messages``.
 
         Concatenated ``token_ids`` equal ``apply_chat_template(messages, tools=tools,
         add_generation_prompt=True, tokenize=True)``; loss masks are 0 and logprobs 0.0.
+
+        ``generated`` replays earlier model turns: ``(text, token_ids)`` pairs, ``text``
+        the decoded generation. An assistant body that renders as ``text`` (optionally
+        followed by more template text, e.g. an EOS the generation stopped before) takes
+        those ``token_ids`` instead of a re-tokenization, so the prompt holds the tokens
+        the model produced.
+
+        :raises TemplateError: the template refused the messages (names the message).
         """
         if not messages:
             raise ValueError("render_prompt needs at least one message")
         self.stats["calls"] += 1
-        pieces = self._pieces(messages, tools)
-        return [self._block(p) for p in pieces]
+        pieces = self._pieces(messages, tools, generated)
+        return [self._block(p, generated) for p in pieces]
 
-    def completion_block(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> Block:
-        """The generated tokens (including the EOS, if any) as an ``llm`` block."""
-        ids = list(token_ids)
-        return Block("llm", self.decode(ids), ids, list(logprobs), [1] * len(ids))
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added; cached)."""
+        return list(self._encode(text))
+
+    @property
+    def template_source(self) -> str:
+        """The Jinja source the renderer uses (the override, or the tokenizer's)."""
+        return str(self.tokenizer.get_chat_template(self.chat_template, None))
+
+    @property
+    def has_developer_role(self) -> bool:
+        """Whether the template mentions a ``developer`` role (else callers map it to ``system``)."""
+        return "developer" in self.template_source
+
+    def ignores_tools(self, tools: list[dict[str, Any]]) -> bool:
+        """Whether the template renders a conversation the same with and without ``tools``."""
+        key = repr(tools)
+        hit = self._tools_ignored.get(key)
+        if hit is None:
+            probe = [{"role": "user", "content": "?"}]
+            with_tools = self._render(probe, tools, True)
+            hit = with_tools is not None and with_tools == self._render(probe, None, True)
+            self._tools_ignored[key] = hit
+        return hit
+
+    def tool_call_prefix(self, name: str | None = None) -> str:
+        """The text an assistant turn starts with to call a tool, as this template writes it.
+
+        Without ``name``: up to the function name's opening quote (e.g. ``<tool_call>\\n{"name": "``);
+        with ``name``: up to the arguments (``...{"name": "add", "arguments": ``). Found by
+        rendering a probe tool call; templates that write no ``<tool_call>`` get the
+        Hermes form the parser reads.
+        """
+        marker = "swarmkit_probe_fn"
+        probe = [{"role": "user", "content": "?"}]
+        call = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": marker, "arguments": "{}"}}]}
+        head = self._render(probe, None, True)
+        whole = self._render([*probe, call], None, False)
+        prefix, between = '<tool_call>\n{"name": "', '", "arguments": '
+        if head is not None and whole is not None and whole.startswith(head) and marker in whole:
+            tail = whole[len(head):]
+            cut = tail.index(marker)
+            after = tail[cut + len(marker):]
+            brace = after.find("{")
+            if "<tool_call>" in tail[:cut] and brace >= 0:
+                prefix, between = tail[:cut], after[:brace]
+        return prefix if name is None else prefix + name + between
+
+    def completion_block(self, token_ids: Sequence[int], logprobs: Sequence[float],
+                         forced: Sequence[int] = ()) -> Block:
+        """The generated tokens (including the EOS, if any) as an ``llm`` block.
+
+        ``forced`` are tokens the server put at the start of the model's turn (e.g. the
+        opening of a tool call that ``tool_choice`` requires): part of the turn's text
+        and tokens, logprob 0.0 and loss mask 0, so they are never trained.
+        """
+        ids = [*forced, *token_ids]
+        return Block("llm", self.decode(ids), ids, [0.0] * len(forced) + list(logprobs),
+                     [0] * len(forced) + [1] * len(token_ids))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Decode keeping special tokens and spaces as generated (the text of an ``llm`` block)."""
@@ -159,7 +241,7 @@ class ChatRenderer:
         """The chat template's text for ``messages`` (same as ``apply_chat_template(tokenize=False)``)."""
         out = self._render(messages, tools, add_generation_prompt)
         if out is None:
-            raise ValueError("the chat template failed to render these messages")
+            raise self._diagnose(messages, tools)
         return out
 
     def clear_cache(self) -> None:
@@ -192,10 +274,20 @@ class ChatRenderer:
             return self._template(tools is not None).render(
                 messages=messages, tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **kwargs)
-        except Exception:  # noqa: BLE001 - e.g. a template that requires alternating roles
+        except Exception as exc:  # noqa: BLE001 - e.g. a template that requires alternating roles
+            self._last_error = f"{type(exc).__name__}: {exc}"
             return None
 
-    def _pieces(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[_Piece]:
+    def _diagnose(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> TemplateError:
+        """Which message the template refuses, and its error."""
+        reason = self._last_error or "unknown error"
+        for k in range(1, len(messages) + 1):
+            if self._render(messages[:k], tools, False) is None:
+                return TemplateError(k - 1, self._last_error or reason)
+        return TemplateError(None, reason)
+
+    def _pieces(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                generated: Sequence[tuple[str, Sequence[int]]] = ()) -> list[_Piece]:
         n = len(messages)
         tkey = repr(tools)
         mkeys = tuple(repr(m) for m in messages)
@@ -206,7 +298,7 @@ class ChatRenderer:
             hashes.append(h)
         full = self._render(messages, tools, True)
         if full is None:
-            raise ValueError("the chat template failed to render these messages")
+            raise self._diagnose(messages, tools)
         # the longest earlier render of a prefix of this conversation
         prev: _State | None = None
         for d in range(n, 0, -1):
@@ -260,7 +352,7 @@ class ChatRenderer:
         flat = [p for ps in pieces for p in ps if p.rendered]
         if gen_prompt:
             flat.append(_Piece("template", gen_prompt, gen_prompt))
-        return self._fix_splits(flat)
+        return self._fix_splits(flat, generated)
 
     def _resolve_unstable(self, full: str, bounds: list[int], start: int) -> None:
         """Split points whose prefix render is not a prefix of ``full`` (history re-rendered):
@@ -348,9 +440,32 @@ class ChatRenderer:
             self._pair_cache[key] = ok
         return ok
 
-    def _fix_splits(self, pieces: list[_Piece]) -> list[_Piece]:
+    def _replayed(self, p: _Piece, generated: Sequence[tuple[str, Sequence[int]]]) -> list[int] | None:
+        """The generated token ids a history piece replays (see ``render_prompt``), or None."""
+        if p.author != "history" or not generated:
+            return None
+        for text, ids in generated:
+            if not text or not p.rendered.startswith(text):
+                continue
+            rest = p.rendered[len(text):]
+            if not rest:
+                return list(ids)
+            if self._safe_split(text, rest):
+                return list(ids) + self._encode(rest)
+        return None
+
+    def _fix_splits(self, pieces: list[_Piece], generated: Sequence[tuple[str, Sequence[int]]] = ()) -> list[_Piece]:
+        """Join neighbours whose separate tokenization differs from the joint one.
+
+        A replayed generation is never joined: its tokens are what the model produced
+        after the prompt before it, which is exactly this split.
+        """
         out: list[_Piece] = []
         for p in pieces:
+            if generated and (self._replayed(p, generated) is not None
+                              or (out and self._replayed(out[-1], generated) is not None)):
+                out.append(p)
+                continue
             while out and not self._safe_split(out[-1].rendered, p.rendered):
                 q = out.pop()
                 author = "history" if "history" in (q.author, p.author) else q.author
@@ -358,8 +473,9 @@ class ChatRenderer:
             out.append(p)
         return out
 
-    def _block(self, p: _Piece) -> Block:
-        ids = list(self._encode(p.rendered))
+    def _block(self, p: _Piece, generated: Sequence[tuple[str, Sequence[int]]] = ()) -> Block:
+        replayed = self._replayed(p, generated)
+        ids = replayed if replayed is not None else list(self._encode(p.rendered))
         n = len(ids)
         return Block(p.author, p.text, ids, [0.0] * n, [0] * n)
 

@@ -76,6 +76,11 @@ class ToolCallStreamParser:
         self._held: list[str] = []  # raw tool-call segments, open tag included
         self.calls: list[dict[str, Any]] = []
 
+    @property
+    def in_call(self) -> bool:
+        """Inside an opened ``<tool_call>`` that has not closed yet."""
+        return self._in_call
+
     def feed(self, delta: str) -> str:
         self._buf += delta
         out: list[str] = []

@@ -53,15 +53,20 @@ class ContextTracker:
         *,
         endpoint: str,
         meta: dict[str, Any] | None = None,
+        forced: Sequence[int] = (),
     ) -> list[Timeline]:
-        """Append one timeline per output to ``episode.timelines``; returns them."""
+        """Append one timeline per output to ``episode.timelines``; returns them.
+
+        ``forced``: tokens the server prefilled at the start of every choice's turn
+        (kept in the completion block with loss mask 0, see ``completion_block``).
+        """
         call_index = episode.n_calls
         episode.n_calls += 1
         self.calls += 1
         now = time.time()
         made = []
         for choice, out in enumerate(outputs):
-            completion = self.renderer.completion_block(list(out.token_ids), list(out.logprobs))
+            completion = self.renderer.completion_block(list(out.token_ids), list(out.logprobs), forced)
             self.tokens_generated += len(out.token_ids)
             info = {
                 "episode_id": episode.id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -12,6 +13,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarmkit.contract import GenerationOutput, SamplingParams
 from swarmkit.errors import ApiError
+from swarmkit.server.chat_input import (
+    ToolChoice,
+    normalize_messages,
+    parse_tool_choice,
+    parse_tools,
+)
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
     chat_logprobs,
@@ -21,43 +28,74 @@ from swarmkit.server.routes.openai import (
     server_of,
     sse,
 )
-from swarmkit.timelines.toolcalls import ToolCallStreamParser, parse_tool_calls
+from swarmkit.timelines.render import TemplateError
+from swarmkit.timelines.toolcalls import CLOSE, OPEN, ToolCallStreamParser, parse_tool_calls
 
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.episodes import Episode
     from swarmkit.swarm.server import SwarmServer
 
 
-def _validate_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "missing required field 'messages' (a list of chat messages)", "missing_field",
-                       param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of chat messages", "invalid_value", param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "invalid_value",
-                           param=f"messages[{i}]")
-        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise ApiError(400, f"messages[{i}].role '{m['role']}' is not one of system, developer, user, "
-                           "assistant, tool", "invalid_value", param=f"messages[{i}].role")
-        content = m.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise ApiError(400, f"messages[{i}].content must be a string, a list of parts or null",
-                           "invalid_value", param=f"messages[{i}].content")
-    return messages
+@dataclass
+class _Prepared:
+    """A checked chat request, ready to generate."""
+
+    blocks: list[Any]
+    prompt_ids: list[int]
+    choice: ToolChoice
+    forced_text: str
+    forced_ids: list[int]
+    internal_stop: bool  # a stop at the first </tool_call> (parallel_tool_calls: false)
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
-    """(tools for the template, whether tool calls are parsed from the output)."""
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        return None, False
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise ApiError(400, "'tools' must be a list of tool objects", "invalid_value", param="tools")
-    choice = body.get("tool_choice", "auto")
-    return tools, choice != "none"
+def _prepare(srv: SwarmServer, ep: Episode, body: dict[str, Any]) -> _Prepared:
+    renderer = srv.renderer
+    messages = normalize_messages(body.get("messages"), developer_role=renderer.has_developer_role)
+    tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
+    if tools is not None and renderer.ignores_tools(tools):
+        raise ApiError(400, "this model's chat template ignores 'tools' (it renders the same prompt without them), "
+                       "so the model would never see them; set model.chat_template to a tool-aware template "
+                       "(builtin:smollm2_tools, a .jinja file, or the template text; see docs/agents.md)",
+                       "tools_unsupported", param="tools")
+    messages, generated = ep.turns.substitute(messages)
+    try:
+        blocks = renderer.render_prompt(messages, tools=tools, generated=generated)
+    except TemplateError as exc:
+        param = f"messages[{exc.index}]" if exc.index is not None else "messages"
+        raise ApiError(400, str(exc), "invalid_messages", param=param) from None
+    forced_text = renderer.tool_call_prefix(choice.name) if choice.forced else ""
+    forced_ids = renderer.encode(forced_text) if forced_text else []
+    prompt_ids = [t for b in blocks for t in b.token_ids] + forced_ids
+    return _Prepared(blocks, prompt_ids, choice, forced_text, forced_ids, choice.parse and not choice.parallel)
+
+
+def _sampling(srv: SwarmServer, body: dict[str, Any], prep: _Prepared) -> tuple[SamplingParams, bool]:
+    params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(prep.prompt_ids)))
+    if prep.internal_stop and CLOSE not in params.stop:
+        params.stop = [*params.stop, CLOSE]
+    else:
+        prep.internal_stop = False
+    return params, want_lp
+
+
+def _reply_text(prep: _Prepared, text: str, finish_reason: str | None) -> str:
+    """What tool calls are parsed from: the forced opening, the text, and the ``</tool_call>``
+    that the internal stop (``parallel_tool_calls: false``) cut off."""
+    full = prep.forced_text + text
+    if prep.internal_stop and finish_reason == "stop" and full.rfind(OPEN) > full.rfind(CLOSE):
+        full += CLOSE
+    return full
+
+
+def _remember(srv: SwarmServer, ep: Episode, prep: _Prepared, token_ids: list[int], content: str | None,
+              calls: list[dict[str, Any]]) -> None:
+    """Keep the turn for token-exact replay when the client sends it back."""
+    ids = [*prep.forced_ids, *token_ids]
+    rendered = srv.renderer.decode(ids)
+    eos = srv.renderer.eos_text
+    text = rendered[: -len(eos)] if eos and rendered.endswith(eos) else rendered
+    ep.turns.remember(text, ids, rendered, content, calls)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -65,15 +103,8 @@ async def chat_completions(request: Request) -> Response:
     srv = server_of(request)
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
-    messages = _validate_messages(body)
-    tools, parse_tools = _tools(body)
-    try:
-        blocks = srv.renderer.render_prompt(messages, tools=tools)
-    except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
-        raise ApiError(400, f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
-                       "invalid_messages", param="messages") from None
-    prompt_ids = [t for b in blocks for t in b.token_ids]
-    params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(prompt_ids)))
+    prep = _prepare(srv, ep, body)
+    params, want_lp = _sampling(srv, body, prep)
     want_top = want_lp and params.top_logprobs > 0
     created = int(time.time())
     cid = "chatcmpl-" + secrets.token_hex(12)
@@ -81,18 +112,21 @@ async def chat_completions(request: Request) -> Response:
     if body.get("stream"):
         opts = body.get("stream_options") or {}
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-        gen = _chat_stream(srv, ep, role, blocks, prompt_ids, params, want_lp, want_top, parse_tools,
-                           cid, created, model, include_usage)
+        gen = _chat_stream(srv, ep, role, prep, params, want_lp, want_top, cid, created, model, include_usage)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    outputs = await srv.generate(ep, prompt_ids, params)
-    srv.tracker.record(ep, role, blocks, outputs, endpoint="chat")
+    outputs = await srv.generate(ep, prep.prompt_ids, params)
+    srv.tracker.record(ep, role, prep.blocks, outputs, endpoint="chat", forced=prep.forced_ids)
     tt = srv.token_text if want_lp else None
     choices = []
     completion_tokens = 0
     for i, out in enumerate(outputs):
         completion_tokens += len(out.token_ids)
-        content, calls = parse_tool_calls(out.text) if parse_tools else (out.text, [])
+        if prep.choice.parse:
+            content, calls = parse_tool_calls(_reply_text(prep, out.text, out.finish_reason))
+        else:
+            content, calls = out.text, []
+        _remember(srv, ep, prep, list(out.token_ids), content, calls)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -115,9 +149,9 @@ async def chat_completions(request: Request) -> Response:
             "system_fingerprint": f"swarmkit-v{srv.policy_version}",
             "choices": choices,
             "usage": {
-                "prompt_tokens": len(prompt_ids),
+                "prompt_tokens": len(prep.prompt_ids),
                 "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt_ids) + completion_tokens,
+                "total_tokens": len(prep.prompt_ids) + completion_tokens,
             },
         }
     )
@@ -127,12 +161,10 @@ async def _chat_stream(
     srv: SwarmServer,
     ep: Episode,
     role: str | None,
-    blocks: list[Any],
-    prompt_ids: list[int],
+    prep: _Prepared,
     params: SamplingParams,
     want_lp: bool,
     want_top: bool,
-    parse_tools: bool,
     cid: str,
     created: int,
     model: str,
@@ -144,7 +176,10 @@ async def _chat_stream(
     lps: list[list[float]] = [[] for _ in range(n)]
     tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
-    parsers = [ToolCallStreamParser() if parse_tools else None for _ in range(n)]
+    parsers = [ToolCallStreamParser() if prep.choice.parse else None for _ in range(n)]
+    contents: list[list[str]] = [[] for _ in range(n)]
+    calls_of: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    prompt_ids = prep.prompt_ids
     tt = srv.token_text if want_lp else None
     version = srv.policy_version
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -168,14 +203,20 @@ async def _chat_stream(
             for i in range(n)
         ]
         if ep.running and any(ids):
-            srv.tracker.record(ep, role, blocks, outputs, endpoint="chat",
+            srv.tracker.record(ep, role, prep.blocks, outputs, endpoint="chat", forced=prep.forced_ids,
                                meta={"stream": True, "complete": completed})
+            if completed:
+                for i in range(n):
+                    _remember(srv, ep, prep, ids[i], "".join(contents[i]) or None, calls_of[i])
 
     srv.begin_call(ep)
     try:
         await srv.wait_serving(ep)
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
+            parser = parsers[i]
+            if parser is not None and prep.forced_text:
+                parser.feed(prep.forced_text)  # an open tool call: held until it closes
         async for i, ch in choice_streams(srv, prompt_ids, params):
             ids[i].extend(ch.token_ids)
             lps[i].extend(ch.logprobs)
@@ -191,14 +232,20 @@ async def _chat_stream(
             if tt is not None and ch.token_ids:
                 lp = {"content": chat_logprobs(tt, ch.token_ids, ch.logprobs, ch.top_logprobs if want_top else None),
                       "refusal": None}
+            if text:
+                contents[i].append(text)
             if text or lp is not None:
                 yield chunk(i, {"content": text} if text else {}, None, lp)
         for i in range(n):
             reason = finish[i] or "stop"
             parser = parsers[i]
             if parser is not None:
+                if prep.internal_stop and finish[i] == "stop" and parser.in_call:
+                    parser.feed(CLOSE)
                 rest, calls = parser.finish()
+                calls_of[i] = calls
                 if rest:
+                    contents[i].append(rest)
                     yield chunk(i, {"content": rest})
                 if calls:
                     reason = "tool_calls"

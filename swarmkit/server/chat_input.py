@@ -1,0 +1,175 @@
+"""Validate and normalise what agent frameworks send to ``/v1/chat/completions``.
+
+Frameworks differ in small ways that a chat template does not forgive:
+
+- ``content`` as a list of parts (AgentScope, smolagents, the OpenAI SDK's
+  typed messages): text parts are joined, as vLLM and SGLang do; any other
+  part (image, audio, file) is refused with a 400 naming it;
+- ``content: null`` beside ``tool_calls`` (the OpenAI SDK, LangChain, the
+  Agents SDK, pydantic-ai, AutoGen...): becomes ``""``;
+- the ``developer`` role (newer OpenAI clients): sent as ``system`` when the
+  template has no developer role of its own (Qwen-style templates would drop it);
+- ``tool_choice`` and ``parallel_tool_calls``: parsed into :class:`ToolChoice`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkit.errors import ApiError
+
+__all__ = ["ToolChoice", "normalize_messages", "parse_tool_choice", "parse_tools"]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _bad(msg: str, param: str) -> ApiError:
+    return ApiError(400, msg, "invalid_value", param=param)
+
+
+def _join_parts(parts: list[Any], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise _bad(f"{where}[{j}] must be a content part object", f"{where}[{j}]")
+        kind = part.get("type", "text")
+        if kind in _TEXT_PARTS or (kind == "refusal" and isinstance(part.get("refusal"), str)):
+            text = part.get("text", part.get("refusal"))
+            if not isinstance(text, str):
+                raise _bad(f"{where}[{j}] is a {kind!r} part without a string 'text'", f"{where}[{j}].text")
+            texts.append(text)
+        else:
+            raise _bad(f"{where}[{j}] is a {kind!r} part; this server's model reads text only "
+                       "(content parts of type 'text' are joined)", f"{where}[{j}].type")
+    return "".join(texts)
+
+
+def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise _bad(f"{where} must be a list", where)
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise _bad(f"{where}[{j}] must be an object with function.name", f"{where}[{j}]")
+        if not isinstance(f.get("arguments", ""), (str, dict)):
+            raise _bad(f"{where}[{j}].function.arguments must be a JSON string", f"{where}[{j}].function.arguments")
+    return calls
+
+
+def normalize_messages(messages: Any, *, developer_role: bool) -> list[dict[str, Any]]:
+    """Checked messages with string content (new dicts; the input is not changed).
+
+    :param developer_role: the template knows ``developer``; otherwise it becomes ``system``.
+    :raises ApiError: 400 naming the message and field.
+    """
+    if messages is None:
+        raise ApiError(400, "missing required field 'messages' (a list of chat messages)", "missing_field",
+                       param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list of chat messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"{where} must be an object with a string 'role'", where)
+        role = m["role"]
+        if role not in ROLES:
+            raise _bad(f"{where}.role '{role}' is not one of {', '.join(ROLES)}", f"{where}.role")
+        msg = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):
+            msg["content"] = _join_parts(content, f"{where}.content")
+        elif content is None:
+            if role != "assistant":
+                raise _bad(f"{where}.content is null; only an assistant message (with tool_calls) may omit "
+                           "its content", f"{where}.content")
+            msg["content"] = ""
+        elif not isinstance(content, str):
+            raise _bad(f"{where}.content must be a string, a list of parts or null", f"{where}.content")
+        if "tool_calls" in m:
+            if m["tool_calls"] is None or m["tool_calls"] == []:
+                msg.pop("tool_calls")
+            elif role != "assistant":
+                raise _bad(f"{where} has tool_calls but role '{role}'", f"{where}.tool_calls")
+            else:
+                _check_tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "developer" and not developer_role:
+            msg["role"] = "system"
+        out.append(msg)
+    return out
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """``tools`` for the template (None when absent or empty)."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _bad("'tools' must be a list of tool objects", "tools")
+    for j, t in enumerate(tools):
+        f = t.get("function")
+        if t.get("type", "function") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise _bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                       f"tools[{j}]")
+    return tools
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What the request asks of tool calls.
+
+    :ivar mode: ``none`` (no tools offered or calls not parsed), ``auto``,
+        ``required`` (the reply must call a tool) or ``named`` (must call ``name``).
+    :ivar parallel: several calls in one reply are allowed.
+    """
+
+    mode: str = "none"
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def parse(self) -> bool:
+        """Whether tool calls are lifted out of the generated text."""
+        return self.mode != "none"
+
+    @property
+    def forced(self) -> bool:
+        """Whether the reply must start with a tool call."""
+        return self.mode in ("required", "named")
+
+
+def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """``tool_choice`` / ``parallel_tool_calls`` of a request, checked against ``tools``."""
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if not tools:
+        if choice in ("none", "auto"):
+            return ToolChoice("none", parallel=parallel)
+        raise _bad("'tool_choice' asks for a tool call but the request has no 'tools'", "tool_choice")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise _bad(f"'tool_choice' {choice!r} is not one of none, auto, required, or "
+                       "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        return ToolChoice(choice, parallel=parallel)
+    if isinstance(choice, dict):
+        f = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        name = f.get("name")
+        names = [t["function"]["name"] for t in tools]
+        if not isinstance(name, str):
+            raise _bad("'tool_choice' must name a function: {'type': 'function', 'function': {'name': ...}}",
+                       "tool_choice")
+        if name not in names:
+            raise _bad(f"'tool_choice' names {name!r}, which is not in 'tools' ({', '.join(names)})", "tool_choice")
+        return ToolChoice("named", name=name, parallel=parallel)
+    raise _bad("'tool_choice' must be a string or an object", "tool_choice")
