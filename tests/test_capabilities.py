@@ -28,8 +28,8 @@ import httpx
 import pytest
 
 from swarmkit.apps.task_client import run_episode
-from swarmkit.apps.tasks import make_tasks
 from swarmkit.client import SwarmClient
+from swarmkit.tasks import make_tasks
 
 TOKEN = "capabilities-test-token"
 FAMILIES = {"arithmetic", "token_rule"}

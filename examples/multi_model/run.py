@@ -12,7 +12,7 @@ is trained on exactly the tokens it generated itself.
 
 The episode (a relay): role ``a`` answers the task prompt; role ``b`` sees the
 prompt and ``a``'s reply and answers; and so on. Each role's reply is scored
-by the task's scorer (``swarmkit.apps.tasks.score``) on its own text.
+by the task's scorer (``swarmkit.tasks.score``) on its own text.
 
     python examples/multi_model/run.py                      # 2 servers on CPU, token_rule, 4 steps each
     python examples/multi_model/run.py --steps 8 --servers 3
@@ -44,8 +44,8 @@ from typing import Any
 import httpx
 
 from swarmkit.apps.task_client import EpisodeLoop
-from swarmkit.apps.tasks import Task, make_tasks, score
 from swarmkit.client import SwarmClient
+from swarmkit.tasks import Task, make_tasks, score
 
 ROLE_NAMES = "abcdefghijklmnopqrstuvwxyz"
 DEFAULT_TOKEN = "multi-model-demo-token"

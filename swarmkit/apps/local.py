@@ -22,10 +22,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from swarmkit.apps.serve import start_server_thread
-from swarmkit.apps.task_client import TrainingClient, evaluate
-from swarmkit.apps.tasks import make_tasks
+from swarmkit.apps.task_client import TrainingClient, evaluate, send_demonstrations
 from swarmkit.client import SwarmClient
 from swarmkit.config.validate import to_dict
+from swarmkit.tasks import make_tasks
 
 console = Console()
 
@@ -76,6 +76,14 @@ def run_local(cfg: DictConfig) -> int:
         with console.status(f"evaluating on {len(eval_tasks)} held-out tasks (greedy)..."):
             before = evaluate(client, eval_tasks, max_tokens=task.max_tokens, concurrency=task.concurrency)
         console.print(f"eval reward before training: {before}")
+        n_demos = 0
+        if int(task.demonstrations) > 0:
+            demo_tasks = make_tasks(task.name, int(task.demonstrations), seed=task.seed + 1, split="demo",
+                                    options=dict(task.options))
+            with console.status(f"supervised warm start: sending {len(demo_tasks)} demonstrations..."):
+                n_demos = send_demonstrations(client, demo_tasks, group_size=int(batching.rollouts_per_task),
+                                              concurrency=task.concurrency)
+            console.print(f"supervised warm start: {n_demos} demonstrations in the pool (trained before RL episodes)")
 
         rewards: list[float] = []
         trainer_client = TrainingClient(
@@ -120,6 +128,9 @@ def run_local(cfg: DictConfig) -> int:
         "eval_before": {"mean": before.mean, "ci95": before.ci95, "n": before.n},
         "eval_after": {"mean": after.mean, "ci95": after.ci95, "n": after.n},
         "improvement": after.mean - before.mean,
+        "eval_metrics_before": {k: {"mean": m, "ci95": c} for k, (m, c) in before.metrics.items()},
+        "eval_metrics_after": {k: {"mean": m, "ci95": c} for k, (m, c) in after.metrics.items()},
+        "demonstrations": n_demos,
         "global_step": status["global_step"],
         "train_episodes": len(rewards),
         "wall_time_s": time.time() - t_start,
@@ -132,6 +143,11 @@ def run_local(cfg: DictConfig) -> int:
     table.add_column("value")
     table.add_row("eval reward before", str(before))
     table.add_row("eval reward after", str(after))
+    for key, (m, c) in after.metrics.items():
+        b_m, b_c = before.metrics.get(key, (float("nan"), 0.0))
+        table.add_row(f"eval {key}", f"{b_m:.3f} ± {b_c:.3f} -> {m:.3f} ± {c:.3f}")
+    if n_demos:
+        table.add_row("demonstrations (warm start)", str(n_demos))
     table.add_row("optimizer steps", str(summary["global_step"]))
     table.add_row("training episodes", str(summary["train_episodes"]))
     table.add_row("wall time", f"{summary['wall_time_s']:.0f} s")

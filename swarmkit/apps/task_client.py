@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from swarmkit.apps.tasks import Task, cycle, make_tasks, score
 from swarmkit.client.sdk import SwarmClient, SwarmError
+from swarmkit.tasks import Task, cycle, demonstration, make_tasks, run_task
 
 
 @dataclass
@@ -30,6 +30,7 @@ class EpisodeResult:
     reward: float
     completion: str
     eval: bool
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def run_episode(
@@ -41,29 +42,38 @@ def run_episode(
     eval: bool = False,
     http: httpx.Client | None = None,
 ) -> EpisodeResult:
-    """One episode: a single chat call through the swarm endpoint, scored and reported."""
+    """One episode of ``task`` through the swarm endpoint (one call, or an agent loop), graded and reported."""
     own = http is None
     http = http or httpx.Client(timeout=600.0)
     try:
         with client.episode(task_id=task.task_id, eval=eval, meta={"task_family": task.family}) as ep:
-            resp = http.post(
-                f"{ep.base_url}/chat/completions",
-                headers={"Authorization": f"Bearer {ep.api_key}"},
-                json={
-                    "model": "swarm",
-                    "messages": task.messages,
-                    "max_tokens": max_tokens,
-                    "temperature": temperature,
-                },
-            )
-            resp.raise_for_status()
-            text = resp.json()["choices"][0]["message"].get("content") or ""
-            reward = score(task, text)
-            ep.report(reward)
-        return EpisodeResult(task.task_id, reward, text, eval)
+            outcome = run_task(http, ep.base_url, ep.api_key, task, max_tokens=max_tokens, temperature=temperature)
+            ep.report(outcome.reward)
+        return EpisodeResult(task.task_id, outcome.reward, outcome.completion, eval, outcome.metrics)
     finally:
         if own:
             http.close()
+
+
+def send_demonstrations(client: SwarmClient, tasks: list[Task], *, group_size: int,
+                        concurrency: int = 8) -> int:
+    """The supervised warm start: one demonstration episode per task (families that have them).
+
+    Episodes are grouped ``group_size`` to a task id (``demo-<k>``), so a batching policy that
+    waits for N episodes per task (C2/C3) releases B groups of N different demonstrations.
+    Returns how many were accepted.
+    """
+    demos = [(t, d) for t in tasks if (d := demonstration(t)) is not None]
+
+    def send(k: int) -> bool:
+        task, demo = demos[k]
+        with client.episode(task_id=f"demo-{k // max(1, group_size)}",
+                            meta={"task_family": task.family, "demo_of": task.task_id}) as ep:
+            ep.demonstrate(demo["messages"], tools=demo.get("tools"))
+            return bool(ep.report(1.0).get("accepted"))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return sum(pool.map(send, range(len(demos))))
 
 
 @dataclass
@@ -72,15 +82,25 @@ class EvalResult:
     ci95: float
     n: int
     rewards: list[float] = field(default_factory=list)
+    #: per-episode metric means (e.g. ``correct``, ``valid_tool_call``) with 95% intervals
+    metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n})"
+        extra = "".join(f", {k} {m:.3f} ± {c:.3f}" for k, (m, c) in self.metrics.items())
+        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n}{extra})"
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and normal-approximation 95% half-interval."""
+    mean = statistics.fmean(values) if values else math.nan
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return mean, 1.96 * sd / math.sqrt(max(1, len(values)))
 
 
 def evaluate(
     client: SwarmClient, tasks: list[Task], *, max_tokens: int, concurrency: int = 8, temperature: float = 0.0
 ) -> EvalResult:
-    """Eval episodes (never trained on) over ``tasks``; mean reward with a normal 95% interval."""
+    """Eval episodes (never trained on) over ``tasks``; mean reward (and metrics) with 95% intervals."""
     with httpx.Client(timeout=600.0) as http, ThreadPoolExecutor(concurrency) as pool:
         results = list(
             pool.map(
@@ -89,9 +109,10 @@ def evaluate(
             )
         )
     rewards = [r.reward for r in results]
-    mean = statistics.fmean(rewards) if rewards else math.nan
-    sd = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
-    return EvalResult(mean, 1.96 * sd / math.sqrt(max(1, len(rewards))), len(rewards), rewards)
+    mean, ci = mean_ci(rewards)
+    keys = sorted({k for r in results for k in r.metrics if k in ("correct", "valid_tool_call")})
+    metrics = {k: mean_ci([r.metrics.get(k, 0.0) for r in results]) for k in keys}
+    return EvalResult(mean, ci, len(rewards), rewards, metrics)
 
 
 class EpisodeLoop:

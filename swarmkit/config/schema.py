@@ -47,6 +47,9 @@ class TaskConfig:
     temperature: float = 1.0
     #: episodes the client runs at once
     concurrency: int = 8
+    #: supervised warm start: demonstration episodes sent before RL (families with
+    #: demonstrations, e.g. calc_agent); 0 = none
+    demonstrations: int = 0
     #: task-specific knobs
     options: dict[str, Any] = field(default_factory=dict)
 

@@ -15,7 +15,8 @@ class TrainSample:
     rollout time (only meaningful where ``loss_mask[t] == 1``; NaN asks the
     engine to score it); ``advantages[t]`` is the sample's advantage on
     generated tokens, 0 elsewhere. ``reward`` is the (episode, role) reward
-    (PPO puts it on the last generated token).
+    (PPO puts it on the last generated token). ``demonstration`` marks a
+    supervised sample (a demonstrated conversation, see ``build_samples``).
     """
 
     input_ids: list[int]
@@ -27,6 +28,7 @@ class TrainSample:
     policy_version: int = 0
     role: str | None = None
     reward: float = 0.0
+    demonstration: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

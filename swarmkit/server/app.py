@@ -54,6 +54,7 @@ def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
         Route("/api/v1/episodes/{episode_id}", episodes.get_episode, methods=["GET"]),
         Route("/api/v1/episodes/{episode_id}/report", episodes.report, methods=["POST"]),
         Route("/api/v1/episodes/{episode_id}/abort", episodes.abort, methods=["POST"]),
+        Route("/api/v1/episodes/{episode_id}/demonstration", episodes.demonstration, methods=["POST"]),
         Route("/api/v1/episodes/{episode_id}/timelines", episodes.timelines, methods=["GET"]),
         Route("/api/v1/clients/ready", episodes.client_ready, methods=["POST"]),
         Route("/api/v1/clients/heartbeat", episodes.client_heartbeat, methods=["POST"]),

@@ -19,7 +19,7 @@ from typing import Any
 
 from swarmkit.errors import ApiError
 
-__all__ = ["ToolChoice", "normalize_messages", "parse_tool_choice", "parse_tools"]
+__all__ = ["ToolChoice", "check_tools_rendered", "normalize_messages", "parse_tool_choice", "parse_tools"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -173,3 +173,12 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) 
             raise _bad(f"'tool_choice' names {name!r}, which is not in 'tools' ({', '.join(names)})", "tool_choice")
         return ToolChoice("named", name=name, parallel=parallel)
     raise _bad("'tool_choice' must be a string or an object", "tool_choice")
+
+
+def check_tools_rendered(renderer: Any, tools: list[dict[str, Any]] | None) -> None:
+    """400 when the chat template would drop ``tools`` silently."""
+    if tools is not None and renderer.ignores_tools(tools):
+        raise ApiError(400, "this model's chat template ignores 'tools' (it renders the same prompt without them), "
+                       "so the model would never see them; set model.chat_template to a tool-aware template "
+                       "(builtin:smollm2_tools, a .jinja file, or the template text; see docs/agents.md)",
+                       "tools_unsupported", param="tools")

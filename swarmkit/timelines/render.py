@@ -170,6 +170,41 @@ class ChatRenderer:
         pieces = self._pieces(messages, tools, generated)
         return [self._block(p, generated) for p in pieces]
 
+    def render_demonstration(self, messages: list[dict[str, Any]],
+                             tools: list[dict[str, Any]] | None = None) -> list[Block]:
+        """Blocks of a whole demonstrated conversation (no generation prompt).
+
+        Every assistant body (content, tool calls as the template writes them, and the
+        EOS) becomes an ``llm`` block with loss mask 1 and logprob 0.0: the tokens a
+        supervised warm start trains; everything else keeps mask 0.
+
+        :raises ValueError: the conversation does not end with an assistant message.
+        :raises TemplateError: the template refused the messages.
+        """
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("a demonstration must end with an assistant message")
+        pieces = self._pieces(messages, tools)
+        end = self._render(messages, tools, False)
+        if end is None:
+            raise self._diagnose(messages, tools)
+        kept: list[_Piece] = []
+        size = 0
+        for p in pieces:
+            if size >= len(end):
+                break
+            kept.append(p)
+            size += len(p.rendered)
+        if size != len(end):
+            raise ValueError("the demonstration's last turn could not be told apart from the generation prompt")
+        out = []
+        for p in kept:
+            b = self._block(p)
+            if p.author == "history":
+                n = len(b.token_ids)
+                b = Block("llm", b.text, b.token_ids, [0.0] * n, [1] * n)
+            out.append(b)
+        return out
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added; cached)."""
         return list(self._encode(text))

@@ -16,11 +16,17 @@
    another role's) with the match strategy; every surviving timeline is one
    sample, and all its generated spans (loss mask 1) get the advantage of its
    (episode, role).
+4. Demonstrated timelines (a supervised warm start) get no reward unit: they
+   are merged apart from sampled ones, and every assistant token gets
+   advantage 1 with its old logprob scored by the engine just before the step,
+   so the policy-gradient loss (ratio 1) has the gradient of the plain token
+   NLL. An algorithm that ``needs_values`` refuses them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 
 from swarmkit.contract import Algorithm, MatchStrategy, TrainSample, scalar_reward
@@ -46,11 +52,14 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
     groups: list[str] = []
     per_record: list[list[tuple[str | None, list[Timeline]]]] = []
     fallbacks = 0
+    demos: list[tuple[int, str | None, list[Timeline]]] = []
     for r, rec in enumerate(records):
         timelines = [Timeline.from_dict(t) if isinstance(t, Mapping) else t for t in rec.timelines]
         by_role: dict[str | None, list[Timeline]] = {}
+        demo_by_role: dict[str | None, list[Timeline]] = {}
         for t in timelines:
-            by_role.setdefault(t.role, []).append(t)
+            (demo_by_role if is_demonstration(t) else by_role).setdefault(t.role, []).append(t)
+        demos.extend((r, role, tls) for role, tls in demo_by_role.items())
         per_record.append(list(by_role.items()))
         reward = rec.reward
         for role in by_role:
@@ -92,6 +101,28 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
                     advantages=[adv if m else 0.0 for m in mask], episode_id=str(rec.episode_id),
                     task_id=str(rec.task_id), policy_version=int(rec.policy_version),
                     role=role, reward=value))
+    if demos and algo.needs_values:
+        raise ValueError("demonstrations (supervised warm start) need an algorithm without a value head "
+                         f"(e.g. algo=grpo); {type(algo).__name__} needs values")
+    for r, role, timelines in demos:
+        rec = records[r]
+        for merged in merge_timelines(timelines, match):
+            assert isinstance(merged, Timeline)
+            ids, mask = merged.token_ids(), merged.loss_mask()
+            if not any(mask):
+                continue
+            # advantage 1 and old logprobs scored by the engine before the step (NaN): the
+            # policy-gradient loss at ratio 1 has the gradient of the token NLL
+            samples.append(TrainSample(
+                input_ids=ids, loss_mask=mask, old_logprobs=[math.nan] * len(ids),
+                advantages=[1.0 if m else 0.0 for m in mask], episode_id=str(rec.episode_id),
+                task_id=str(rec.task_id), policy_version=int(rec.policy_version), role=role,
+                reward=0.0, demonstration=True))
     return samples
+
+
+def is_demonstration(timeline: Timeline) -> bool:
+    """Whether a timeline came from ``POST /episodes/{id}/demonstration`` (trained supervised)."""
+    return bool(timeline.meta.get("demonstration"))
 
 

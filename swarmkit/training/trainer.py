@@ -122,6 +122,7 @@ class Trainer:
         Metrics: the engine's (``loss``, ``trained_tokens``, ``tokens``,
         ``grad_norm``, ``lr``, …) plus ``reward_mean``, ``episodes``,
         ``timelines``, ``samples``, ``merge_ratio`` (timelines per sample),
+        ``demonstrations`` / ``demo_samples`` (supervised; not in ``reward_mean``),
         ``build_time_s``, ``step_time_s`` (whole call) and ``global_step``.
         """
         t0 = time.perf_counter()
@@ -129,9 +130,12 @@ class Trainer:
         t1 = time.perf_counter()
         metrics = dict(self.engine.train_step(samples))
         n_timelines = sum(len(r.timelines) for r in records)
+        sampled = [r for r in records if not r.meta.get("demonstration")]
         metrics.update(
-            reward_mean=(sum(scalar_reward(r.reward) for r in records) / len(records)) if records else 0.0,
+            reward_mean=(sum(scalar_reward(r.reward) for r in sampled) / len(sampled)) if sampled else 0.0,
             episodes=float(len(records)),
+            demonstrations=float(len(records) - len(sampled)),
+            demo_samples=float(sum(s.demonstration for s in samples)),
             timelines=float(n_timelines),
             samples=float(len(samples)),
             merge_ratio=(n_timelines / len(samples)) if samples else 0.0,

@@ -15,6 +15,7 @@ from swarmkit.contract import GenerationOutput, SamplingParams
 from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import (
     ToolChoice,
+    check_tools_rendered,
     normalize_messages,
     parse_tool_choice,
     parse_tools,
@@ -53,11 +54,7 @@ def _prepare(srv: SwarmServer, ep: Episode, body: dict[str, Any]) -> _Prepared:
     messages = normalize_messages(body.get("messages"), developer_role=renderer.has_developer_role)
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
-    if tools is not None and renderer.ignores_tools(tools):
-        raise ApiError(400, "this model's chat template ignores 'tools' (it renders the same prompt without them), "
-                       "so the model would never see them; set model.chat_template to a tool-aware template "
-                       "(builtin:smollm2_tools, a .jinja file, or the template text; see docs/agents.md)",
-                       "tools_unsupported", param="tools")
+    check_tools_rendered(renderer, tools)
     messages, generated = ep.turns.substitute(messages)
     try:
         blocks = renderer.render_prompt(messages, tools=tools, generated=generated)

@@ -5,6 +5,9 @@
 - ``POST /api/v1/episodes/{id}/report`` ``{"reward": 1.0}`` or
   ``{"reward": {"wolf": 1.0, "seer": 0.0}}`` ends it.
 - ``POST /api/v1/episodes/{id}/abort`` ``{"reason": "..."}`` ends it without a sample.
+- ``POST /api/v1/episodes/{id}/demonstration`` ``{"messages": [...], "tools": [...]}``
+  records a demonstrated conversation; its assistant turns train with a
+  supervised loss (see docs/agents.md, "Supervised warm start").
 - ``GET /api/v1/episodes/{id}`` and ``.../timelines``: read-only, for its owner.
 - ``POST /api/v1/clients/ready`` ``{"ready": true}``: batching C4/C5 votes.
 
@@ -16,15 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkit.errors import ApiError, busy
+from swarmkit.server.chat_input import check_tools_rendered, normalize_messages, parse_tools
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.swarm.episodes import check_reward
 from swarmkit.swarm.state import ServerState
+from swarmkit.timelines import Timeline
+from swarmkit.timelines.render import TemplateError
 
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
@@ -152,6 +159,43 @@ async def report(request: Request) -> Response:
     srv.episodes.finish(ep, reward, rewards, accepted)
     return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": reward,
                          "rewards": rewards or None, "accepted": accepted, "n_timelines": len(ep.timelines)})
+
+
+async def demonstration(request: Request) -> Response:
+    """Record a demonstrated conversation: its assistant turns train with a supervised (NLL) loss."""
+    srv = _server(request)
+    body = await read_json(request)
+    ep = _owned(request, srv)
+    srv.episodes.check_open(ep)
+    renderer = srv.renderer
+    if renderer is None:
+        raise ApiError(409, "the server has no model loaded; start it first", "not_serving")
+    token = bearer(request)
+    role = next((r for r, k in ep.keys.items() if k == token), None)
+    messages = normalize_messages(body.get("messages"), developer_role=renderer.has_developer_role)
+    if messages[-1]["role"] != "assistant":
+        raise ApiError(400, "a demonstration must end with an assistant message (the turns to learn)",
+                       "invalid_value", param=f"messages[{len(messages) - 1}].role")
+    tools = parse_tools(body)
+    check_tools_rendered(renderer, tools)
+    try:
+        blocks = renderer.render_demonstration(messages, tools)
+    except TemplateError as exc:
+        param = f"messages[{exc.index}]" if exc.index is not None else "messages"
+        raise ApiError(400, str(exc), "invalid_messages", param=param) from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_messages", param="messages") from None
+    n_tokens = sum(len(b.token_ids) for b in blocks)
+    if srv.max_context and n_tokens > srv.max_context:
+        raise ApiError(400, f"the demonstration has {n_tokens} tokens, more than the model's context "
+                       f"({srv.max_context})", "context_length_exceeded", param="messages")
+    meta = {"episode_id": ep.id, "task_id": ep.task_id, "call": ep.n_calls, "endpoint": "demonstration",
+            "demonstration": True, "policy_version": srv.policy_version, "time": time.time()}
+    ep.n_calls += 1
+    ep.timelines.append(Timeline(blocks=blocks, role=role, meta=meta))
+    ep.meta["demonstration"] = True
+    trained = sum(sum(b.loss_mask) for b in blocks)
+    return JSONResponse({"episode_id": ep.id, "tokens": n_tokens, "trained_tokens": trained}, status_code=201)
 
 
 async def abort(request: Request) -> Response:

@@ -1,8 +1,4 @@
-"""Built-in example tasks with verifiable rewards (client side: no torch).
-
-A task yields :class:`Task` items (chat messages plus the expected answer) and
-scores a completion with :func:`score`. Train and held-out eval items come
-from disjoint seeds.
+"""Single-call tasks with verifiable rewards: one chat call per episode, scored on its reply.
 
 - ``arithmetic``: "What is a + b?"; reward 1.0 for the right number in
   ``<answer></answer>``, 0.5 when the first number after the first ``=`` is
@@ -19,21 +15,12 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
+
+from swarmkit.tasks.base import Task
 
 _ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 _EQUALS_RE = re.compile(r"=\s*(-?\d+)")
-
-
-@dataclass
-class Task:
-    task_id: str
-    messages: list[dict[str, Any]]
-    answer: str
-    family: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def _arithmetic(n: int, seed: int, split: str, options: dict[str, Any]) -> list[Task]:
@@ -75,20 +62,8 @@ def _token_rule(n: int, seed: int, split: str, options: dict[str, Any]) -> list[
     ]
 
 
-TASKS = {"arithmetic": _arithmetic, "token_rule": _token_rule}
-
-
-def make_tasks(name: str, n: int, seed: int = 0, split: str = "train", options: dict | None = None) -> list[Task]:
-    """``n`` items of task ``name`` for ``split`` ("train" or "eval"; disjoint)."""
-    try:
-        factory = TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task '{name}'; built-in tasks: {', '.join(sorted(TASKS))}") from None
-    return factory(n, seed, split, options or {})
-
-
-def score(task: Task, completion: str) -> float:
-    """Reward of ``completion`` (the assistant's reply text) for ``task``."""
+def score_single(task: Task, completion: str) -> float:
+    """Reward of ``completion`` (the assistant's reply text) for a single-call ``task``."""
     if task.family == "arithmetic":
         m = _ANSWER_RE.search(completion)
         if m is not None and m.group(1) == task.answer:
@@ -98,13 +73,7 @@ def score(task: Task, completion: str) -> float:
     if task.family == "token_rule":
         chars = [c for c in completion if not c.isspace()]
         return sum(c in task.answer for c in chars) / len(chars) if chars else 0.0
-    raise ValueError(f"no scorer for task family '{task.family}'")
+    raise ValueError(f"no single-call scorer for task family '{task.family}'")
 
 
-def cycle(tasks: list[Task], seed: int = 0) -> Iterator[Task]:
-    """Shuffle and repeat ``tasks`` forever (a new order each epoch)."""
-    rng = random.Random(seed)
-    while True:
-        order = list(tasks)
-        rng.shuffle(order)
-        yield from order
+SINGLE_TASKS = {"arithmetic": _arithmetic, "token_rule": _token_rule}

@@ -1,0 +1,187 @@
+"""``calc_agent``: arithmetic word problems that need a calculator tool (multi-turn, client side).
+
+Each problem multiplies a 3-digit by a 2-digit number, or adds / subtracts two
+4-digit numbers, in a one-sentence story ("A warehouse stores 347 crates with 86
+bottles in each crate..."): operands too large for a 135M model to do in its
+head, easy with the ``calculator`` tool. An episode is up to ``max_turns``
+chat calls with ``tools=[CALCULATOR_TOOL]``: the agent calls the calculator, the
+client runs it (:func:`calculator`, a safe evaluator) and sends the result back
+as a ``tool`` message, and the agent ends with ``<answer>N</answer>``.
+
+Reward (:func:`grade`): 1.0 for the right answer, plus ``TOOL_CREDIT`` (0.1)
+when the episode made at least one well-formed calculator call (a JSON object
+with an ``expression`` the calculator evaluates) — a small shaping term that
+rewards the tool format before answers are right. Metrics per episode:
+``correct``, ``valid_tool_call``, ``tool_calls``, ``turns``.
+
+:func:`demonstration` writes the ideal conversation of a problem (one tool
+call, its result, the answer) for the supervised warm start. The same
+problems, tool and grading drive the framework examples (examples/frameworks/).
+Needs only httpx.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+import re
+from typing import Any
+
+import httpx
+
+from swarmkit.tasks.base import Outcome, Task, chat
+
+__all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "TOOL_CREDIT", "calculator", "demonstration", "grade",
+           "make_calc_tasks", "parse_answer", "run_calc_episode", "run_tool_call"]
+
+TOOL_CREDIT = 0.1
+
+SYSTEM_PROMPT = ("You solve arithmetic word problems. Always use the calculator tool to compute; "
+                 "then reply with the result as <answer>N</answer>.")
+
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 347 * 86"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+_STORIES = [
+    ("*", "A warehouse stores {a} crates with {b} bottles in each crate. How many bottles are there?"),
+    ("*", "A train travels {a} km every day for {b} days. How many km does it travel in total?"),
+    ("*", "A school orders {a} boxes of pencils with {b} pencils per box. How many pencils is that?"),
+    ("+", "A library had {a} books and received {b} more. How many books does it have now?"),
+    ("+", "A city planted {a} trees last year and {b} trees this year. How many trees were planted?"),
+    ("-", "A farm harvested {a} kg of apples and sold {b} kg. How many kg are left?"),
+    ("-", "A stadium has {a} seats and {b} are taken. How many seats are free?"),
+]
+_ANSWER_RE = re.compile(r"<answer>\s*(-?[\d,]+)\s*</answer>")
+_BINOPS: dict[type, Any] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+                            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def make_calc_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> list[Task]:
+    """``n`` problems of ``split`` (train and eval draw from disjoint seeds)."""
+    rng = random.Random(f"calc-{split}-{seed}")
+    system = str(options.get("system", SYSTEM_PROMPT))
+    tasks = []
+    for i in range(n):
+        op, story = _STORIES[rng.randrange(len(_STORIES))]
+        if op == "*":
+            a, b = rng.randint(101, 999), rng.randint(11, 99)
+        else:
+            a, b = sorted((rng.randint(1000, 9999), rng.randint(1000, 9999)), reverse=op == "-")
+        value = {"*": a * b, "+": a + b, "-": a - b}[op]
+        tasks.append(Task(
+            task_id=f"calc-{split}-{i}",
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": story.format(a=a, b=b)}],
+            answer=str(value), family="calc_agent",
+            meta={"expression": f"{a} {op} {b}", "max_turns": int(options.get("max_turns", 3))},
+        ))
+    return tasks
+
+
+def _eval(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        v = _eval(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return _BINOPS[type(node.op)](_eval(node.left), _eval(node.right))
+    raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate ``expression`` (numbers, + - * / // %, parentheses); an ``error: ...`` string when it cannot."""
+    if not isinstance(expression, str) or not expression.strip() or len(expression) > 200:
+        return "error: expected a short arithmetic expression"
+    try:
+        value = _eval(ast.parse(expression.replace(",", "").replace("x", "*").strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, TypeError) as exc:
+        return f"error: {exc}"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def run_tool_call(name: str, arguments: str | dict[str, Any]) -> tuple[str, bool]:
+    """(the tool's result text, whether the call was well formed)."""
+    if name != "calculator":
+        return f"error: unknown tool {name!r}; the only tool is calculator", False
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return "error: arguments are not JSON", False
+    if not isinstance(args, dict) or not isinstance(args.get("expression"), str):
+        return "error: expected {\"expression\": \"...\"}", False
+    result = calculator(args["expression"])
+    return result, not result.startswith("error")
+
+
+def parse_answer(text: str) -> str | None:
+    """The number in the last ``<answer>N</answer>`` of ``text`` (commas dropped)."""
+    found = _ANSWER_RE.findall(text or "")
+    return found[-1].replace(",", "") if found else None
+
+
+def grade(task: Task, final_text: str, valid_tool_calls: int, tool_calls: int = 0, turns: int = 0) -> Outcome:
+    """The reward and metrics of an episode that ended with ``final_text``."""
+    correct = parse_answer(final_text) == task.answer
+    valid = valid_tool_calls > 0
+    return Outcome(
+        reward=float(correct) + (TOOL_CREDIT if valid else 0.0), completion=final_text,
+        metrics={"correct": float(correct), "valid_tool_call": float(valid), "tool_calls": float(tool_calls),
+                 "turns": float(turns)},
+    )
+
+
+def run_calc_episode(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max_tokens: int = 48,
+                     temperature: float = 1.0, max_turns: int = 3, seed: int | None = None) -> Outcome:
+    """The agent loop over the raw OpenAI chat protocol: call, run tools, repeat, grade."""
+    messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
+    final, valid, n_calls, turns = "", 0, 0, 0
+    for _ in range(max_turns):
+        body: dict[str, Any] = {"messages": messages, "tools": [CALCULATOR_TOOL], "max_tokens": max_tokens,
+                                "temperature": temperature}
+        if seed is not None:
+            body["seed"] = seed
+        msg = chat(http, base_url, api_key, body)
+        turns += 1
+        calls = msg.get("tool_calls") or []
+        reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+        if calls:
+            reply["tool_calls"] = calls
+        messages.append(reply)
+        if not calls:
+            final = msg.get("content") or ""
+            break
+        for c in calls:
+            result, ok = run_tool_call(c["function"]["name"], c["function"].get("arguments", "{}"))
+            n_calls += 1
+            valid += ok
+            messages.append({"role": "tool", "tool_call_id": c.get("id", ""), "content": result})
+    outcome = grade(task, final, valid, n_calls, turns)
+    outcome.messages = messages
+    return outcome
+
+
+def demonstration(task: Task) -> dict[str, Any]:
+    """The ideal conversation of ``task`` (``messages`` + ``tools``) for ``POST .../demonstration``."""
+    expression = str(task.meta["expression"])
+    call = {"id": "call_demo", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    messages = [*task.messages,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_demo", "content": calculator(expression)},
+                {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
+    return {"messages": messages, "tools": [CALCULATOR_TOOL]}
