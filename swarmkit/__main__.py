@@ -1,6 +1,30 @@
-"""``python -m swarmkit``: see :mod:`swarmkit.apps.cli`."""
+"""``python -m swarmkit``: see :mod:`swarmkit.apps.cli` (needs ``pip install 'swarmkit[server]'``).
 
-from swarmkit.apps.cli import main
+On a light install (``pip install swarmkit``: the client SDK only) it says
+which extra to install instead of showing an ImportError.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from swarmkit.errors import missing_server_extra
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m swarmkit`` and the ``swarmkit`` script."""
+    try:
+        from swarmkit.apps.cli import main as cli_main
+
+        cli_main(argv)
+    except ModuleNotFoundError as exc:
+        message = missing_server_extra(exc, "python -m swarmkit (the server, training and the main job)")
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
 
 if __name__ == "__main__":
     main()

@@ -64,3 +64,26 @@ class ApiError(SwarmkitError):
 def busy(message: str, retry_after: float = 1.0, code: str = "server_busy") -> ApiError:
     """A 503 "retry later" answer that the client SDK (and the openai SDK) honour."""
     return ApiError(503, message, code, headers={"Retry-After": f"{max(1, round(retry_after))}"})
+
+
+#: the top-level modules of the ``server`` extra (pyproject.toml) and what they pull in
+SERVER_EXTRA_MODULES = frozenset({
+    "pluggy", "hydra", "omegaconf", "starlette", "uvicorn", "torch", "transformers", "tokenizers",
+    "peft", "safetensors", "rich", "gguf", "numpy",
+})
+SERVER_EXTRA_INSTALL = "pip install 'swarmkit[server]'"
+
+
+def missing_server_extra(exc: BaseException, what: str = "this") -> str | None:
+    """What to say when ``exc`` is a module of the ``server`` extra not found (a light install); else None.
+
+    The base install (``pip install swarmkit``) is only the client SDK; the
+    server, training and the command line need ``swarmkit[server]``.
+    """
+    if not isinstance(exc, ModuleNotFoundError) or isinstance(exc, MissingDependencyError):
+        return None
+    name = (exc.name or "").split(".")[0]
+    if name not in SERVER_EXTRA_MODULES:
+        return None
+    return (f"{what} needs the server extra of swarmkit (module {name!r} is not installed; the base install "
+            f"is only the client SDK, swarmkit.client): {SERVER_EXTRA_INSTALL}")

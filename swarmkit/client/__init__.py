@@ -1,8 +1,18 @@
 """Light client SDK (httpx only; never imports torch).
 
-``from swarmkit.client import SwarmClient`` — see :mod:`swarmkit.client.sdk`.
+``from swarmkit.client import SwarmClient, AsyncSwarmClient`` — see :mod:`swarmkit.client.sdk`.
 """
 
-from swarmkit.client.sdk import Episode, ServerUnavailable, SwarmAPIError, SwarmClient, SwarmError
+from swarmkit.client.sdk import (
+    AsyncEpisode,
+    AsyncSwarmClient,
+    Episode,
+    RetryEvent,
+    ServerUnavailable,
+    SwarmAPIError,
+    SwarmClient,
+    SwarmError,
+)
 
-__all__ = ["Episode", "ServerUnavailable", "SwarmAPIError", "SwarmClient", "SwarmError"]
+__all__ = ["AsyncEpisode", "AsyncSwarmClient", "Episode", "RetryEvent", "ServerUnavailable", "SwarmAPIError",
+           "SwarmClient", "SwarmError"]

@@ -1,0 +1,335 @@
+"""What the sync and the async client share: errors, request bodies, retries, episode info.
+
+Everything here is pure (no I/O but reading a config file): the two clients
+(:mod:`swarmkit.client.sync`, :mod:`swarmkit.client.aio`) only add the HTTP
+call and the sleep, so both retry, log and fail the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = ["CLIENT_HEADER", "RetryEvent", "ServerUnavailable", "SwarmAPIError", "SwarmError"]
+
+CLIENT_HEADER = "X-Swarm-Client"
+
+#: the logger of every retry and wait (INFO), e.g. ``logging.basicConfig(level=logging.INFO)`` shows them
+log = logging.getLogger("swarmkit.client")
+
+#: connection failures worth retrying (the request never reached a handler)
+TRANSIENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+#: first backoff step and its cap (seconds); the step doubles after each failed attempt
+FIRST_DELAY_S = 0.1
+MAX_DELAY_S = 2.0
+#: no single sleep is longer than this, whatever ``Retry-After`` says
+MAX_SLEEP_S = 10.0
+
+_STATES = ("ROLLING_POST", "WEIGHT_SYNCING", "BOOTING", "OFFLINE", "ROLLING")
+_STATE_RE = re.compile(r"\b(" + "|".join(_STATES) + r")\b")
+_STATE_OF_CODE = {"server_booting": "BOOTING", "server_offline": "OFFLINE"}
+
+
+# ---------------------------------------------------------------------- errors
+class SwarmError(Exception):
+    """Base class of the client's errors."""
+
+
+class SwarmAPIError(SwarmError):
+    """The server answered with an error (4xx/5xx other than a retried 503).
+
+    :ivar status: HTTP status. :ivar code: the server's error code
+    (``episode_already_ended``, ``invalid_reward``...). :ivar body: the JSON body.
+    """
+
+    def __init__(self, status: int, message: str, code: str | None = None, body: Any = None):
+        super().__init__(f"HTTP {status} ({code}): {message}" if code else f"HTTP {status}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.body = body
+
+
+class ServerUnavailable(SwarmError):
+    """The server stayed unreachable or busy for longer than the retry budget."""
+
+
+def error_of(resp: httpx.Response) -> SwarmAPIError:
+    """The :class:`SwarmAPIError` of an error answer (OpenAI-shaped JSON or plain text)."""
+    try:
+        body = resp.json()
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        message = err.get("message") or resp.text
+        code = err.get("code")
+    except ValueError:
+        body, message, code = resp.text, resp.text or resp.reason_phrase, None
+    return SwarmAPIError(resp.status_code, message, code, body)
+
+
+def checked(resp: httpx.Response) -> httpx.Response:
+    """The response itself, or its :class:`SwarmAPIError` raised."""
+    if resp.status_code >= 400:
+        raise error_of(resp)
+    return resp
+
+
+def json_object(resp: httpx.Response) -> dict[str, Any]:
+    """The JSON object of a successful answer."""
+    data = resp.json()
+    if not isinstance(data, dict):
+        raise SwarmAPIError(resp.status_code, f"expected a JSON object, got {type(data).__name__}", None, data)
+    return data
+
+
+def retry_after(resp: httpx.Response, default: float) -> float:
+    """Seconds the server asks to wait (``Retry-After``), else ``default``."""
+    value = resp.headers.get("retry-after")
+    if value is None:
+        return default
+    try:
+        return max(0.05, float(value))
+    except ValueError:
+        return default
+
+
+def state_of(err: SwarmAPIError) -> str | None:
+    """The server state a 503 answer names (``ROLLING_POST``, ``BOOTING``...), if any."""
+    if err.code in _STATE_OF_CODE:
+        return _STATE_OF_CODE[err.code]
+    found = _STATE_RE.search(err.message or "")
+    return found.group(1) if found else None
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# ---------------------------------------------------------------------- retries
+@dataclass(frozen=True)
+class RetryEvent:
+    """One retry, as the ``on_retry`` callback of a client receives it.
+
+    :ivar method: ``GET``/``POST``. :ivar path: e.g. ``/api/v1/episodes``.
+    :ivar attempt: the number of the attempt about to be made (2 = the first retry).
+    :ivar wait_s: seconds the client sleeps now before the next attempt.
+    :ivar waited_s: seconds since the first attempt.
+    :ivar reason: what the server answered (``503 server_busy: ...``) or the
+        connection error (``ConnectError: ...``).
+    :ivar status: the HTTP status (503), or ``None`` for a connection error.
+    :ivar state: the server state the answer names (``ROLLING_POST``...), if any.
+    """
+
+    method: str
+    path: str
+    attempt: int
+    wait_s: float
+    waited_s: float
+    reason: str
+    status: int | None = None
+    state: str | None = None
+
+    def describe(self) -> str:
+        """The log line: ``server in ROLLING_POST (503 server_busy), retrying POST ... in 1.0 s (...)``."""
+        if self.status is None:
+            what = f"server unreachable ({self.reason})"
+        else:
+            code = self.reason.split(":", 1)[0]
+            what = f"server in {self.state} ({code})" if self.state else f"server busy ({code})"
+        return (f"{what}, retrying {self.method} {self.path} in {self.wait_s:.1f} s "
+                f"(attempt {self.attempt}, {self.waited_s:.1f} s waited)")
+
+
+RetryCallback = Callable[[RetryEvent], object]
+
+
+class Retry:
+    """The retry schedule of one request: exponential backoff with jitter, ``Retry-After`` first.
+
+    The client calls :meth:`after_error` or :meth:`after_busy` after a failed
+    attempt and sleeps the seconds it returns; past the budget they raise
+    :class:`ServerUnavailable` naming the last answer. Each retry is logged
+    (INFO, ``swarmkit.client``) and passed to ``on_retry``.
+    """
+
+    def __init__(self, url: str, method: str, path: str, budget: float,
+                 on_retry: RetryCallback | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 jitter: Callable[[], float] = random.random):
+        self.url, self.method, self.path, self.budget = url, method, path, budget
+        self.on_retry = on_retry
+        self.clock, self.jitter = clock, jitter
+        self.start = clock()
+        self.delay = FIRST_DELAY_S
+        self.attempt = 0  # failed attempts so far
+
+    def after_error(self, exc: Exception) -> float:
+        return self._next(exc.__class__.__name__ + f": {exc}", self.delay, None, None)
+
+    def after_busy(self, resp: httpx.Response) -> float:
+        err = error_of(resp)
+        reason = f"{resp.status_code} {err.code}: {err.message}" if err.code else f"{resp.status_code}: {err.message}"
+        return self._next(reason, retry_after(resp, self.delay), resp.status_code, state_of(err))
+
+    def _next(self, reason: str, wait: float, status: int | None, state: str | None) -> float:
+        self.attempt += 1
+        elapsed = self.clock() - self.start
+        if elapsed + min(wait, 0.05) >= self.budget:
+            raise ServerUnavailable(
+                f"{self.method} {self.url}{self.path}: server unreachable or busy for {elapsed:.1f} s "
+                f"({self.attempt} attempts); last: {reason}"
+            )
+        sleep = min(wait * (0.8 + 0.4 * self.jitter()), max(0.0, self.budget - elapsed), MAX_SLEEP_S)
+        self.delay = min(self.delay * 2, MAX_DELAY_S)
+        event = RetryEvent(self.method, self.path, self.attempt + 1, sleep, elapsed, reason, status, state)
+        log.info(event.describe())
+        if self.on_retry is not None:
+            self.on_retry(event)
+        return sleep
+
+
+class StateWait:
+    """The decisions of ``wait_for_state``: done, failed, timed out, or poll again (logged on change)."""
+
+    def __init__(self, state: str | Iterable[str], timeout: float, *, clock: Callable[[], float] = time.monotonic):
+        self.wanted = {state} if isinstance(state, str) else set(state)
+        self.timeout = timeout
+        self.clock = clock
+        self.start = clock()
+        self.end = self.start + timeout
+        self.seen: str | None = None
+
+    def remaining(self) -> float:
+        return self.end - self.clock()
+
+    def done(self, last: Mapping[str, Any], remaining: float) -> bool:
+        """Whether ``last`` is a wanted state; raises on a failed boot or past the timeout."""
+        state = last.get("state")
+        if state in self.wanted:
+            return True
+        if state == "OFFLINE" and last.get("last_error") and "OFFLINE" not in self.wanted:
+            raise SwarmError(f"server fell back to OFFLINE: {last['last_error']}")
+        if remaining <= 0:
+            raise TimeoutError(f"server still {state} after {self.timeout:g} s (wanted "
+                               f"{', '.join(sorted(self.wanted))})")
+        if state != self.seen:
+            self.seen = state
+            log.info("waiting for the server to be %s: it is %s (%.1f s waited)", " or ".join(sorted(self.wanted)),
+                     state, self.clock() - self.start)
+        return False
+
+
+# ---------------------------------------------------------------------- request bodies
+def configure_body(config: Mapping[str, Any] | str | os.PathLike[str] | Sequence[str]) -> dict[str, Any]:
+    """The body of ``configure``: a dict, a YAML file path, or Hydra overrides (a list of strings)."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file {path!r} not found (pass a dict, a YAML file path or a list "
+                                    "of overrides)")
+        with open(path, encoding="utf-8") as f:
+            return {"yaml": f.read()}
+    if isinstance(config, Mapping):
+        if type(config).__name__ == "DictConfig":  # OmegaConf, if the caller has it
+            from omegaconf import OmegaConf
+
+            config = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
+        return {"config": json.loads(json.dumps(config))}
+    if isinstance(config, Sequence) and all(isinstance(o, str) for o in config):
+        return {"overrides": list(config)}
+    raise TypeError("configure() takes a dict, a YAML file path or a list of override strings")
+
+
+def register_body(task_id: str, eval: bool, timeout_s: float | None, roles: Sequence[str] | None,
+                  meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"task_id": task_id, "eval": bool(eval)}
+    if timeout_s is not None:
+        body["timeout_s"] = timeout_s
+    if roles:
+        body["roles"] = list(roles)
+    if meta:
+        body["meta"] = dict(meta)
+    return body
+
+
+def report_body(reward: float | Mapping[str, float], meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"reward": dict(reward) if isinstance(reward, Mapping) else reward}
+    if meta:
+        body["meta"] = dict(meta)
+    return body
+
+
+# ---------------------------------------------------------------------- episodes
+class EpisodeInfo:
+    """A registered episode's data: where to send the agent (``base_url``, ``api_key``).
+
+    With roles, ``keys[role]`` is the key of each role (``key_for(role)``);
+    ``api_key`` is the first role's.
+    """
+
+    def __init__(self, info: dict[str, Any]):
+        self.info = info
+        self.episode_id: str = info["episode_id"]
+        self.base_url: str = info["base_url"]
+        self.api_key: str = info["api_key"]
+        self.keys: dict[str, str] = dict(info.get("keys") or {})
+        self.roles: list[str] = list(info.get("roles") or [])
+        self.task_id: str = info.get("task_id", "")
+        self.eval: bool = bool(info.get("eval", False))
+        self.deadline: float = float(info.get("deadline", 0.0))
+        self.result: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        state = "open" if self.result is None else self.result.get("status")
+        return f"{type(self).__name__}({self.episode_id!r}, task_id={self.task_id!r}, {state})"
+
+    @property
+    def ended(self) -> bool:
+        return self.result is not None
+
+    def key_for(self, role: str) -> str:
+        """The API key of one role (episodes registered with ``roles``)."""
+        try:
+            return self.keys[role]
+        except KeyError:
+            raise KeyError(f"episode has no role {role!r}; roles: {', '.join(self.roles) or '(none)'}") from None
+
+    def _path(self, tail: str = "") -> str:
+        return f"/api/v1/episodes/{self.episode_id}{tail}"
+
+
+def timelines_of(data: Mapping[str, Any], as_objects: bool) -> list[Any]:
+    tls = list(data["timelines"])
+    if as_objects:
+        from swarmkit.timelines import Timeline  # needs the full swarmkit install
+
+        return [Timeline.from_dict(t) for t in tls]
+    return tls
+
+
+def is_lost_report_ack(exc: SwarmAPIError, tail: str, ep: EpisodeInfo) -> bool:
+    """A retried report whose first attempt did arrive (the server says it already ended)."""
+    return exc.code == "episode_already_ended" and tail == "/report" and ep.result is None
+
+
+def already_reported(ep: EpisodeInfo, info: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The report answer rebuilt from the episode's status, if the server has the reward."""
+    if info.get("status") == "finished" and info.get("reward") is not None:
+        return {"episode_id": ep.episode_id, "status": "finished", "reward": info["reward"],
+                "rewards": info.get("rewards"), "accepted": info.get("accepted"), "note": "already reported"}
+    return None
+
+
+def abort_reason(exc: BaseException | None) -> str:
+    """Why the ``episode`` block aborted its episode (at most 1000 characters)."""
+    if exc is None:
+        return "the episode block ended without a reward"
+    return f"exception in the client: {type(exc).__name__}: {exc}"[:1000]

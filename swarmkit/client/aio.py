@@ -1,0 +1,229 @@
+"""The asyncio client: :class:`AsyncSwarmClient` and its :class:`AsyncEpisode` (``httpx.AsyncClient``).
+
+The same API as :class:`swarmkit.client.SwarmClient`, awaited::
+
+    async with AsyncSwarmClient("http://127.0.0.1:8000") as client:
+        async with client.episode(task_id="t1") as ep:
+            llm = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key)
+            ...
+            await ep.report(1.0)
+
+Requests, retries (same schedule, same log lines, same ``on_retry`` events)
+and errors come from :mod:`swarmkit.client._common`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from swarmkit.client._common import (
+    CLIENT_HEADER,
+    TRANSIENT_ERRORS,
+    EpisodeInfo,
+    Retry,
+    RetryCallback,
+    ServerUnavailable,
+    StateWait,
+    SwarmAPIError,
+    SwarmError,
+    abort_reason,
+    already_reported,
+    auth_headers,
+    checked,
+    configure_body,
+    is_lost_report_ack,
+    json_object,
+    register_body,
+    report_body,
+    timelines_of,
+)
+
+__all__ = ["AsyncEpisode", "AsyncSwarmClient"]
+
+
+class AsyncEpisode(EpisodeInfo):
+    """A registered episode of an :class:`AsyncSwarmClient` (``await ep.report(...)``)."""
+
+    def __init__(self, client: AsyncSwarmClient, info: dict[str, Any]):
+        super().__init__(info)
+        self._client = client
+
+    async def report(self, reward: float | Mapping[str, float],
+                     meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """End the episode with a reward (a number, or role → number)."""
+        self.result = await self._client._end(self, "/report", report_body(reward, meta))
+        return self.result
+
+    async def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
+        """End the episode without a sample (e.g. the environment failed)."""
+        self.result = await self._client._end(self, "/abort", {"reason": str(reason)})
+        return self.result
+
+    async def timelines(self, as_objects: bool = False) -> list[Any]:
+        """The recorded timelines as JSON dicts (``swarmkit.timelines.Timeline`` with ``as_objects``)."""
+        return timelines_of(await self._client._call("GET", self._path("/timelines"), key=self.api_key), as_objects)
+
+    async def status(self) -> dict[str, Any]:
+        """The server's summary of this episode."""
+        return await self._client._call("GET", self._path(), key=self.api_key)
+
+
+class AsyncSwarmClient:
+    """Talks to one swarm server from asyncio code; the parameters of :class:`~swarmkit.client.SwarmClient`.
+
+    ``async with AsyncSwarmClient(url) as client`` (or ``await client.close()``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        client_id: str | None = None,
+        timeout: float = 60.0,
+        retry_for: float = 120.0,
+        on_retry: RetryCallback | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
+        self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
+        self.retry_for = float(retry_for)
+        self.on_retry = on_retry
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport,
+                                       headers={CLIENT_HEADER: self.client_id})
+
+    # ------------------------------------------------------------------ plumbing
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    aclose = close
+
+    async def __aenter__(self) -> AsyncSwarmClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _request(self, method: str, path: str, *, json_body: Any = None, key: str | None = None,
+                       admin: bool = False, retry_for: float | None = None) -> httpx.Response:
+        headers = auth_headers(self.token if admin else key)
+        retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry)
+        while True:
+            try:
+                resp = await self._http.request(method, path, json=json_body, headers=headers)
+            except TRANSIENT_ERRORS as exc:
+                await asyncio.sleep(retry.after_error(exc))
+                continue
+            if resp.status_code != 503:
+                return checked(resp)
+            await asyncio.sleep(retry.after_busy(resp))
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        return json_object(await self._request(method, path, **kwargs))
+
+    # ------------------------------------------------------------------ controller
+    async def configure(self, config: Mapping[str, Any] | str | os.PathLike[str] | Sequence[str]) -> dict[str, Any]:
+        """Send a training config: a dict, a YAML file path, or Hydra overrides (a list of strings)."""
+        body = configure_body(config)
+        return await self._call("POST", "/api/v1/admin/configure", json_body=body, admin=True)
+
+    async def start(self) -> dict[str, Any]:
+        """Load the configured model: the server goes BOOTING, then ROLLING."""
+        return await self._call("POST", "/api/v1/admin/start", admin=True)
+
+    async def stop(self) -> dict[str, Any]:
+        """Abort running episodes and unload the model (OFFLINE)."""
+        return await self._call("POST", "/api/v1/admin/stop", admin=True)
+
+    async def restart(self) -> dict[str, Any]:
+        """Stop, then start with the latest configuration."""
+        return await self._call("POST", "/api/v1/admin/restart", admin=True)
+
+    async def checkpoint(self) -> dict[str, Any]:
+        return await self._call("POST", "/api/v1/admin/checkpoint", admin=True)
+
+    async def status(self) -> dict[str, Any]:
+        """``state``, ``global_step``, ``episodes``, ``pool``, ``clients``... (admin token needed)."""
+        return await self._call("GET", "/api/v1/status", admin=True)
+
+    async def health(self) -> dict[str, Any]:
+        """``state`` and ``global_step``; needs no token."""
+        return await self._call("GET", "/api/v1/health")
+
+    async def wait_for_state(self, state: str | Iterable[str], timeout: float = 300.0,
+                             poll: float = 0.2) -> dict[str, Any]:
+        """Poll until the server is in ``state`` (or one of several); returns the last answer.
+
+        :raises SwarmError: the boot failed (the server fell back to OFFLINE with an error).
+        :raises TimeoutError: still not there after ``timeout`` seconds.
+        """
+        wait = StateWait(state, timeout)
+        while True:
+            remaining = wait.remaining()
+            try:
+                last = await (self.status() if self.token else self.health())
+            except ServerUnavailable:
+                if remaining <= 0:
+                    raise
+                last = {"state": "UNREACHABLE"}
+            if wait.done(last, remaining):
+                return last
+            await asyncio.sleep(min(poll, max(0.0, remaining)))
+
+    async def ready(self, flag: bool = True) -> dict[str, Any]:
+        """Vote for (or against) training now (batching policies C4/C5)."""
+        return await self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)})
+
+    async def heartbeat(self) -> dict[str, Any]:
+        """Tell the server this client is alive (any request does too)."""
+        return await self._call("POST", "/api/v1/clients/heartbeat")
+
+    # ------------------------------------------------------------------ episodes
+    async def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
+                       roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> AsyncEpisode:
+        """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
+        body = register_body(task_id, eval, timeout_s, roles, meta)
+        return AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body))
+
+    @asynccontextmanager
+    async def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
+                      roles: Sequence[str] | None = None,
+                      meta: Mapping[str, Any] | None = None) -> AsyncIterator[AsyncEpisode]:
+        """Register an episode for the ``async with`` block.
+
+        An exception inside the block (a cancellation too) aborts the episode
+        and propagates; a block that ends without ``report``/``abort`` aborts it too.
+        """
+        ep = await self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta)
+        try:
+            yield ep
+        except BaseException as exc:
+            if not ep.ended:
+                await self._abort_quietly(ep, abort_reason(exc))
+            raise
+        if not ep.ended:
+            await self._abort_quietly(ep, abort_reason(None))
+
+    async def _abort_quietly(self, ep: AsyncEpisode, reason: str) -> None:
+        try:
+            await ep.abort(reason)
+        except SwarmError:
+            pass
+
+    async def _end(self, ep: AsyncEpisode, tail: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._call("POST", ep._path(tail), json_body=body, key=ep.api_key)
+        except SwarmAPIError as exc:
+            if is_lost_report_ack(exc, tail, ep):
+                result = already_reported(ep, await ep.status())
+                if result is not None:
+                    return result
+            raise

@@ -1,0 +1,232 @@
+"""The blocking client: :class:`SwarmClient` and its :class:`Episode` (``httpx.Client``).
+
+The async twin is :mod:`swarmkit.client.aio`; both build their requests,
+retry and parse answers with :mod:`swarmkit.client._common`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from swarmkit.client._common import (
+    CLIENT_HEADER,
+    TRANSIENT_ERRORS,
+    EpisodeInfo,
+    Retry,
+    RetryCallback,
+    ServerUnavailable,
+    StateWait,
+    SwarmAPIError,
+    SwarmError,
+    abort_reason,
+    already_reported,
+    auth_headers,
+    checked,
+    configure_body,
+    is_lost_report_ack,
+    json_object,
+    register_body,
+    report_body,
+    timelines_of,
+)
+
+__all__ = ["Episode", "SwarmClient"]
+
+
+class Episode(EpisodeInfo):
+    """A registered episode: where to send the agent, and how to end it.
+
+    ``base_url`` / ``api_key`` go to any OpenAI-compatible agent. With roles,
+    ``keys[role]`` is the key of each role (``key_for(role)``); ``api_key`` is
+    the first role's.
+    """
+
+    def __init__(self, client: SwarmClient, info: dict[str, Any]):
+        super().__init__(info)
+        self._client = client
+
+    def report(self, reward: float | Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """End the episode with a reward (a number, or role → number)."""
+        self.result = self._client._end(self, "/report", report_body(reward, meta))
+        return self.result
+
+    def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
+        """End the episode without a sample (e.g. the environment failed)."""
+        self.result = self._client._end(self, "/abort", {"reason": str(reason)})
+        return self.result
+
+    def timelines(self, as_objects: bool = False) -> list[Any]:
+        """The recorded timelines as JSON dicts (``swarmkit.timelines.Timeline`` with ``as_objects``)."""
+        return timelines_of(self._client._call("GET", self._path("/timelines"), key=self.api_key),
+                            as_objects)
+
+    def status(self) -> dict[str, Any]:
+        """The server's summary of this episode."""
+        return self._client._call("GET", self._path(), key=self.api_key)
+
+
+class SwarmClient:
+    """Talks to one swarm server.
+
+    :param url: the server's address, e.g. ``http://127.0.0.1:8000``.
+    :param token: the admin token (needed for controller calls: configure,
+        start, stop, status...); default ``$SWARMKIT_ADMIN_TOKEN``.
+    :param client_id: stable id sent with every request so the server can
+        count this client as active (batching C4/C5); default: random.
+    :param timeout: seconds per HTTP request.
+    :param retry_for: seconds to keep retrying connection errors and 503s.
+    :param on_retry: called with a :class:`~swarmkit.client.RetryEvent` before
+        each retry's sleep (every retry is also logged at INFO on the
+        ``swarmkit.client`` logger); an exception it raises ends the retries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        client_id: str | None = None,
+        timeout: float = 60.0,
+        retry_for: float = 120.0,
+        on_retry: RetryCallback | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
+        self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
+        self.retry_for = float(retry_for)
+        self.on_retry = on_retry
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
+                                  headers={CLIENT_HEADER: self.client_id})
+
+    # ------------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> SwarmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, *, json_body: Any = None, key: str | None = None,
+                 admin: bool = False, retry_for: float | None = None) -> httpx.Response:
+        headers = auth_headers(self.token if admin else key)
+        retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry)
+        while True:
+            try:
+                resp = self._http.request(method, path, json=json_body, headers=headers)
+            except TRANSIENT_ERRORS as exc:
+                time.sleep(retry.after_error(exc))
+                continue
+            if resp.status_code != 503:
+                return checked(resp)
+            time.sleep(retry.after_busy(resp))
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        return json_object(self._request(method, path, **kwargs))
+
+    # ------------------------------------------------------------------ controller
+    def configure(self, config: Mapping[str, Any] | str | os.PathLike[str] | Sequence[str]) -> dict[str, Any]:
+        """Send a training config: a dict, a YAML file path, or Hydra overrides (a list of strings)."""
+        return self._call("POST", "/api/v1/admin/configure", json_body=configure_body(config), admin=True)
+
+    def start(self) -> dict[str, Any]:
+        """Load the configured model: the server goes BOOTING, then ROLLING."""
+        return self._call("POST", "/api/v1/admin/start", admin=True)
+
+    def stop(self) -> dict[str, Any]:
+        """Abort running episodes and unload the model (OFFLINE)."""
+        return self._call("POST", "/api/v1/admin/stop", admin=True)
+
+    def restart(self) -> dict[str, Any]:
+        """Stop, then start with the latest configuration."""
+        return self._call("POST", "/api/v1/admin/restart", admin=True)
+
+    def checkpoint(self) -> dict[str, Any]:
+        return self._call("POST", "/api/v1/admin/checkpoint", admin=True)
+
+    def status(self) -> dict[str, Any]:
+        """``state``, ``global_step``, ``episodes``, ``pool``, ``clients``... (admin token needed)."""
+        return self._call("GET", "/api/v1/status", admin=True)
+
+    def health(self) -> dict[str, Any]:
+        """``state`` and ``global_step``; needs no token."""
+        return self._call("GET", "/api/v1/health")
+
+    def wait_for_state(self, state: str | Iterable[str], timeout: float = 300.0, poll: float = 0.2) -> dict[str, Any]:
+        """Poll until the server is in ``state`` (or one of several); returns the last answer.
+
+        Each state seen on the way is logged once (INFO, ``swarmkit.client``).
+
+        :raises SwarmError: the boot failed (the server fell back to OFFLINE with an error).
+        :raises TimeoutError: still not there after ``timeout`` seconds.
+        """
+        wait = StateWait(state, timeout)
+        while True:
+            remaining = wait.remaining()
+            try:
+                last = self.status() if self.token else self.health()
+            except ServerUnavailable:
+                if remaining <= 0:
+                    raise
+                last = {"state": "UNREACHABLE"}
+            if wait.done(last, remaining):
+                return last
+            time.sleep(min(poll, max(0.0, remaining)))
+
+    def ready(self, flag: bool = True) -> dict[str, Any]:
+        """Vote for (or against) training now (batching policies C4/C5)."""
+        return self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)})
+
+    def heartbeat(self) -> dict[str, Any]:
+        """Tell the server this client is alive (any request does too)."""
+        return self._call("POST", "/api/v1/clients/heartbeat")
+
+    # ------------------------------------------------------------------ episodes
+    def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
+                 roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Episode:
+        """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
+        body = register_body(task_id, eval, timeout_s, roles, meta)
+        return Episode(self, self._call("POST", "/api/v1/episodes", json_body=body))
+
+    @contextmanager
+    def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
+                roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Iterator[Episode]:
+        """Register an episode for the ``with`` block.
+
+        An exception inside the block aborts the episode (and propagates); a
+        block that ends without ``report``/``abort`` aborts it too.
+        """
+        ep = self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta)
+        try:
+            yield ep
+        except BaseException as exc:
+            if not ep.ended:
+                self._abort_quietly(ep, abort_reason(exc))
+            raise
+        if not ep.ended:
+            self._abort_quietly(ep, abort_reason(None))
+
+    def _abort_quietly(self, ep: Episode, reason: str) -> None:
+        try:
+            ep.abort(reason)
+        except SwarmError:
+            pass
+
+    def _end(self, ep: Episode, tail: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._call("POST", ep._path(tail), json_body=body, key=ep.api_key)
+        except SwarmAPIError as exc:
+            if is_lost_report_ack(exc, tail, ep):
+                result = already_reported(ep, ep.status())
+                if result is not None:
+                    return result
+            raise
