@@ -94,12 +94,29 @@ def template_ids(tok, messages, tools=None) -> list[int]:
     return list(out)
 
 
-def check_timeline(tl: dict, messages: list[dict], tools, reference) -> None:
+def check_timeline(tl: dict, messages: list[dict], tools, reference, generated=()) -> None:
+    """The prompt is the chat template's render of ``messages``: the same tokens, except an
+    earlier turn the server generated (``generated``: its completion ids), which is replayed
+    with the model's own tokens (the same text, possibly another tokenization)."""
     model, tok = reference
     blocks = tl["blocks"]
     *prompt, completion = blocks
     prompt_ids = [t for b in prompt for t in b["token_ids"]]
-    assert prompt_ids == template_ids(tok, messages, tools), "prompt tokens differ from the chat template"
+    if prompt_ids != template_ids(tok, messages, tools):
+        # a replayed turn is the model's raw generation (special tokens it generated included)
+        replayed = []
+        for m in messages:
+            raw = next((tok.decode(g) for g in generated if m["role"] == "assistant" and not m.get("tool_calls")
+                        and tok.decode(g, skip_special_tokens=True).strip() == (m["content"] or "").strip()), None)
+            if raw is not None and raw.endswith(tok.eos_token):
+                raw = raw[: -len(tok.eos_token)]
+            replayed.append(m if raw is None else {"role": "assistant", "content": raw})
+        text = tok.apply_chat_template(replayed, tools=tools, add_generation_prompt=True, tokenize=False)
+        assert tok.decode(prompt_ids) == text, "prompt text differs from the chat template"
+        for b in prompt:
+            if b["token_ids"] != tok.encode(b["text"], add_special_tokens=False):
+                assert b["author"] == "history" and any(b["token_ids"][: len(g)] == g for g in generated), \
+                    "prompt tokens differ from the chat template outside a replayed generated turn"
     assert completion["author"] == "llm"
     assert completion["loss_mask"] == [1] * len(completion["token_ids"]) and completion["token_ids"]
     for b in prompt:
@@ -168,8 +185,8 @@ def test_multi_turn_agent_with_tools_is_recorded_token_by_token(server, referenc
         timelines = ep.timelines()
     assert len(timelines) == sum(n for _, _, n in sent)
     expected = [(m, t) for m, t, n in sent for _ in range(n)]
-    for tl, (msgs, tools) in zip(timelines, expected, strict=True):
-        check_timeline(tl, msgs, tools, reference)
+    for k, (tl, (msgs, tools)) in enumerate(zip(timelines, expected, strict=True)):
+        check_timeline(tl, msgs, tools, reference, [t["blocks"][-1]["token_ids"] for t in timelines[:k]])
     # the recorded first completion is what the agent received
     first = timelines[0]["blocks"][-1]
     assert [t.logprob for t in r1.choices[0].logprobs.content] == pytest.approx(first["logprobs"], abs=1e-6)
@@ -209,8 +226,8 @@ def test_concurrent_episodes_keep_separate_timelines(server, reference):
         results = list(pool.map(run, range(n_eps)))
     for i, sent, tls in results:
         assert len(tls) == 2, f"episode {i} has {len(tls)} timelines"
-        for tl, msgs in zip(tls, sent, strict=True):
-            assert [t for b in tl["blocks"][:-1] for t in b["token_ids"]] == template_ids(tok, dump(msgs))
+        for k, (tl, msgs) in enumerate(zip(tls, sent, strict=True)):
+            check_timeline(tl, dump(msgs), None, reference, [t["blocks"][-1]["token_ids"] for t in tls[:k]])
             text = "".join(b["text"] for b in tl["blocks"][:-1])
             assert f"marker {i} apple" in text
             others = [j for j in range(n_eps) if j != i and f"marker {j} apple" in text]

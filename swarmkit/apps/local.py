@@ -41,8 +41,10 @@ def _port_free(host: str, port: int) -> bool:
 
 def _step_line(m: dict[str, Any], fill: dict[str, Any] | None) -> str:
     fill_txt = f"{fill['current']:g}/{fill['target']:g} {fill['unit']}" if fill else "-"
+    demos = int(m.get("demonstrations", 0))
+    reward = "sft" if demos and demos == int(m.get("episodes", 0)) else f"{m.get('reward_mean', float('nan')):.3f}"
     return (
-        f"step {int(m['step']):>3}  reward {m.get('reward_mean', float('nan')):.3f}  "
+        f"step {int(m['step']):>3}  reward {reward:>5}  "
         f"loss {m.get('loss', float('nan')):+.4f}  samples {int(m.get('samples', 0))}  "
         f"tokens {int(m.get('trained_tokens', m.get('tokens', 0)))}  pool {fill_txt}  "
         f"{m.get('cycle_time_s', 0.0):.1f}s (sync {m.get('weight_sync_s', 0.0):.2f}s)"
@@ -53,7 +55,7 @@ def run_local(cfg: DictConfig) -> int:
     import logging
 
     # one line per request is noise next to the per-step lines
-    for name in ("httpx", "httpcore"):
+    for name in ("httpx", "httpcore", "swarmkit.client"):  # the client's retry lines: the status bar shows the state
         logging.getLogger(name).setLevel(logging.WARNING)
     t_start = time.time()
     run_dir = Path(cfg.server.run_dir)

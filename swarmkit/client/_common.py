@@ -306,6 +306,18 @@ class EpisodeInfo:
         return f"/api/v1/episodes/{self.episode_id}{tail}"
 
 
+def demonstration_body(messages: Sequence[Mapping[str, Any]],
+                       tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """The body of ``POST /episodes/{id}/demonstration``: a whole conversation ending with the
+    assistant turns to learn (OpenAI chat messages, ``tool_calls`` included)."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("a demonstration is a conversation that ends with an assistant message")
+    body: dict[str, Any] = {"messages": [dict(m) for m in messages]}
+    if tools:
+        body["tools"] = [dict(t) for t in tools]
+    return body
+
+
 def timelines_of(data: Mapping[str, Any], as_objects: bool) -> list[Any]:
     tls = list(data["timelines"])
     if as_objects:

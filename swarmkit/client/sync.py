@@ -30,6 +30,7 @@ from swarmkit.client._common import (
     auth_headers,
     checked,
     configure_body,
+    demonstration_body,
     is_lost_report_ack,
     json_object,
     register_body,
@@ -61,6 +62,14 @@ class Episode(EpisodeInfo):
         """End the episode without a sample (e.g. the environment failed)."""
         self.result = self._client._end(self, "/abort", {"reason": str(reason)})
         return self.result
+
+    def demonstrate(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        """Record a demonstrated conversation: its assistant turns train with a supervised
+        (NLL) loss, the warm start of an agent that cannot use its tools yet. Report the
+        episode afterwards as usual (the reward is not used for demonstrated turns)."""
+        return self._client._call("POST", self._path("/demonstration"),
+                                     json_body=demonstration_body(messages, tools), key=self.api_key)
 
     def timelines(self, as_objects: bool = False) -> list[Any]:
         """The recorded timelines as JSON dicts (``swarmkit.timelines.Timeline`` with ``as_objects``)."""
