@@ -251,6 +251,7 @@ def test_tool_turns_replay_as_generated_and_merge_into_one_sample(make, train_cf
     for tl in tls[:-1]:
         gen = tl.blocks[-1]
         assert any(b.token_ids == gen.token_ids for b in last.blocks[:-1]), "a tool turn was re-tokenized"
+    assert len(merge_timelines(tls, "none")) == n + 1  # the ablation: every call its own sample
     for match in ("token", "text"):
         merged = merge_timelines(tls, match)
         assert len(merged) == 1, f"{style}/{how}: {len(merged)} samples with {match} match"
@@ -282,3 +283,23 @@ def test_a_turn_of_another_episode_is_not_replayed(make, train_cfg):
     assert h.chat(b["api_key"], messages=history, tools=TOOLS).status_code == 200
     ep_b = h.srv.episodes.get(b["episode_id"])
     assert ep_b.turns.stats["replayed"] == 0
+
+
+# --------------------------------------------------------------------------- fields the server cannot honour
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
+                                         ("frequency_penalty", 0.5), ("presence_penalty", -1.0),
+                                         ("functions", [{"name": "f"}]), ("best_of", 3)])
+def test_a_field_that_would_change_the_generation_is_refused(make, field, value):
+    h = make()
+    r = h.chat(h.register()["api_key"], **{field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["code"] == "unsupported_field"
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(make):
+    """What SDKs send by default (LangChain sends penalties of 0, some send response_format text)."""
+    h = make()
+    r = h.chat(h.register()["api_key"], response_format={"type": "text"}, logit_bias={}, frequency_penalty=0,
+               presence_penalty=0.0, n=1, stream=False, user="someone", metadata={"a": "b"})
+    assert r.status_code == 200, r.text

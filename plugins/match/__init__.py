@@ -15,3 +15,8 @@ def register_match_strategies(register):
         "swarmkit_plugins.match.strategies:TOKEN",
         description="blocks match when their token ids are equal (strict)",
     )
+    register(
+        "none",
+        "swarmkit_plugins.match.strategies:NONE",
+        description="no block matches: every call is its own sample (ablation of merging)",
+    )

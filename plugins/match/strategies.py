@@ -1,4 +1,4 @@
-"""The built-in match strategies: keys on a block's text or its token ids."""
+"""The built-in match strategies: keys on a block's text or its token ids, or none (no merging)."""
 
 from __future__ import annotations
 
@@ -28,5 +28,17 @@ class TokenMatch:
         return tuple(block.token_ids)
 
 
+class NoMatch:
+    """No two blocks match: merging keeps every call as its own sample (an ablation baseline)."""
+
+    name = "none"
+    stable_keys = False
+    key_field = None
+
+    def key(self, block: Any) -> Hashable:
+        return object()  # a fresh object is equal to nothing else
+
+
 TEXT = TextMatch()
 TOKEN = TokenMatch()
+NONE = NoMatch()

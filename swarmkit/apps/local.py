@@ -92,7 +92,10 @@ def run_local(cfg: DictConfig) -> int:
             client, train_tasks, rollouts_per_task=int(batching.rollouts_per_task), max_tokens=task.max_tokens,
             temperature=task.temperature, concurrency=task.concurrency, seed=cfg.seed,
             on_result=lambda r: rewards.append(r.reward),
-        ).start()
+        )
+        # sampling starts once the warm start is trained: earlier episodes would come from the untrained policy
+        warm_steps = n_demos // max(1, int(batching.batch_size) * int(batching.rollouts_per_task))
+        sampling = False
         total = int(cfg.trainer.total_steps)
         seen = 0
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -106,6 +109,9 @@ def run_local(cfg: DictConfig) -> int:
                 if last and int(last["step"]) > seen:
                     seen = int(last["step"])
                     progress.console.print(_step_line(last, pool.get("fill")))
+                if not sampling and step >= warm_steps:
+                    trainer_client.start()
+                    sampling = True
                 progress.update(bar, completed=step,
                                 description=f"{status['state']:<14} episodes {len(rewards):>5}")
                 if total and step >= total:

@@ -55,8 +55,37 @@ def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | 
     return value
 
 
+#: fields that change what is generated and that this server cannot honour: refused (400)
+#: when set to anything but their no-op value, never silently ignored (docs/agents.md has the table)
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "response_format": (({"type": "text"},), "structured output (JSON mode / json_schema) is not supported; "
+                        "ask for JSON in the prompt or use a tool with tool_choice"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported (only 0)"),
+    "presence_penalty": ((0, 0.0), "presence_penalty is not supported (only 0)"),
+    "functions": (([],), "the legacy 'functions' field is not supported; send 'tools'"),
+    "function_call": (("none", "auto"), "the legacy 'function_call' field is not supported; send 'tool_choice'"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "audio": ((), "audio output is not supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "best_of": ((1,), "best_of is not supported (only 1); use n"),
+    "echo": ((False,), "echo is not supported"),
+    "suffix": (("",), "suffix (insertion) is not supported"),
+}
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """400 for a field that would change the generation in a way the server cannot honour."""
+    for name, (noop, why) in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or any(value == v and type(value) is type(v) for v in noop):
+            continue
+        raise ApiError(400, f"'{name}' = {json.dumps(value)[:80]}: {why}", "unsupported_field", param=name)
+
+
 def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int) -> tuple[SamplingParams, bool]:
-    """SamplingParams of a request, and whether logprobs were asked for."""
+    """SamplingParams of a request, and whether logprobs were asked for (unsupported fields: 400)."""
+    refuse_unsupported(body)
     max_tokens = _int(body, "max_completion_tokens", None, 1, 10**7) if chat else None
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1, 10**7)
