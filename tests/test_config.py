@@ -194,3 +194,13 @@ def test_cli_help_lists_modes_and_groups():
     assert out.returncode == 0
     assert "mode=server" in out.stdout and "backend: hf, sglang, vllm" in out.stdout
     assert "conf/" not in out.stdout
+
+
+@pytest.mark.parametrize("value", ["builtin:nope", "/no/such/template.jinja"])
+def test_a_bad_chat_template_is_a_config_error(value):
+    from swarmkit.config.compose import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.plugins import get_registry
+
+    with pytest.raises(ConfigError, match="model.chat_template"):
+        validate_config(compose(["model=tiny", f"model.chat_template={value}"]), get_registry())

@@ -40,3 +40,24 @@ def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
     assert len(rows) >= 30 and all("reward_mean" in r and "loss" in r for r in rows)
     assert (tmp_path / "tensorboard").is_dir()
     assert "eval reward before training" in out.stdout and "step  30" in out.stdout
+
+
+def test_calc_agent_main_job_warm_starts_then_samples_multi_turn_episodes(tmp_path):
+    """``task=calc_agent`` on the tiny model: demonstration steps first (sft), then sampled tool episodes."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmkit", "model=tiny", "task=calc_agent", "task.demonstrations=32",
+         "task.eval_size=4", "task.train_size=8", "batching.batch_size=2", "batching.rollouts_per_task=4",
+         "trainer.total_steps=6", "server.port=0", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("kind") == "train"]
+    assert [int(r["demonstrations"]) for r in steps[:4]] == [8, 8, 8, 8]  # 32 demonstrations, 8 per step
+    assert all(r["demo_samples"] == r["samples"] for r in steps[:4])
+    assert all(r["demonstrations"] == 0 and r["samples"] > 0 for r in steps[4:6])
+    assert "reward   sft" in out.stdout  # a demonstration-only step is marked
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["demonstrations"] == 32
+    assert set(summary["eval_metrics_after"]) == {"correct", "valid_tool_call"}

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.schema import MODES, SwarmkitConfig
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins.registry import KINDS, Registry
@@ -101,6 +102,12 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
         checked = _check_node(component.schema, node, kind, problems)
         if checked is not None:
             result[kind] = checked
+    model = result.get("model")
+    if model is not None:
+        try:
+            resolve_chat_template(str(model.get("chat_template", "auto")), str(model.get("path", "")))
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise ConfigError(problems)
     out = OmegaConf.create({"mode": mode, "seed": seed})
