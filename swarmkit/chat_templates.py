@@ -5,7 +5,7 @@
 - ``SMOLLM2_TOOLS_TEMPLATE``: SmolLM2-Instruct's own template, made tool-aware.
   Without ``tools``, ``tool_calls`` or ``tool`` messages it renders byte for
   byte what SmolLM2's template renders (the main job's prompts do not change);
-  with them it writes a Qwen2.5/Hermes-style tool preamble in the system turn,
+  with them it writes a short Hermes-style tool preamble in the system turn,
   assistant tool calls as ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
   (arguments verbatim when they are a string, JSON otherwise) and tool results
   as a ``user`` turn of ``<tool_response>`` blocks. SmolLM2's own template drops
@@ -52,11 +52,9 @@ SMOLLM2_TOOLS_TEMPLATE = (
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
     "{%- else %}{{- '" + _SMOLLM2_DEFAULT_SYSTEM + "' }}{%- endif %}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{- '\\n\\n# Tools\\nYou can call these functions:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "{{- '\\n</tools>\\nTo call one, write:\\n<tool_call>\\n{\"name\": <function-name>, "
     "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"

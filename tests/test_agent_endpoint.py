@@ -303,3 +303,15 @@ def test_no_op_values_of_unsupported_fields_are_accepted(make):
     r = h.chat(h.register()["api_key"], response_format={"type": "text"}, logit_bias={}, frequency_penalty=0,
                presence_penalty=0.0, n=1, stream=False, user="someone", metadata={"a": "b"})
     assert r.status_code == 200, r.text
+
+
+def test_a_no_op_strict_flag_is_dropped_and_strict_true_refused(make):
+    h = make()
+    key = h.register()["api_key"]
+    flagged = [{**t, "function": {**t["function"], "strict": False}} for t in TOOLS]
+    assert h.chat(key, tools=flagged).status_code == 200
+    assert h.chat(key, tools=TOOLS).status_code == 200
+    assert h.backend.prompts[0] == h.backend.prompts[1]  # the Agents SDK's "strict": false changes nothing
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    r = h.chat(key, tools=strict)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.strict"

@@ -1,7 +1,7 @@
 """The light install: ``pip install swarmkit`` is the client SDK (httpx only).
 
 - the installed metadata: nothing heavy outside an extra; the ``server``
-  extra holds it and ``dev`` pulls ``server``;
+  extra holds it, ``test`` pulls ``server`` and ``dev`` pulls ``test``;
 - a child process in which every heavy module is blocked (a
   ``sitecustomize`` meta-path finder refuses them, as if they were not
   installed) imports ``swarmkit.client`` and runs episodes against a real
@@ -81,9 +81,12 @@ def test_the_base_install_requires_only_httpx():
     assert not heavy_outside, hint
     server = {_name(r) for r in reqs if _extra(r) == "server"}
     assert {"torch", "transformers", "starlette", "uvicorn", "hydra-core", "omegaconf", "pluggy"} <= server, hint
+    test = [r for r in reqs if _extra(r) == "test"]
+    assert any(_name(r) == "swarmkit" and "server" in r.split(";")[0] for r in test), \
+        f"test must pull swarmkit[server]; {hint}"
     dev = [r for r in reqs if _extra(r) == "dev"]
-    assert any(_name(r) == "swarmkit" and "server" in r.split(";")[0] for r in dev), \
-        f"dev must pull swarmkit[server] (README's install is .[dev]); {hint}"
+    assert any(_name(r) == "swarmkit" and "test" in r.split(";")[0] for r in dev), \
+        f"dev must pull swarmkit[test] (README's install is .[dev]); {hint}"
     assert {_name(r) for r in reqs if _extra(r) == "client"} == {"httpx"}
 
 

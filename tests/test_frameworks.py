@@ -63,7 +63,8 @@ WIRE: dict[str, dict[str, Any]] = {
 #: frameworks whose prompts differ from the reference's, and how: (reference text, their text)
 _STRICT_TOOL = copy.deepcopy(CALCULATOR_TOOL)
 _STRICT_TOOL["function"]["strict"] = False
-DIFFERS: dict[str, tuple[str, str]] = {"openai_agents": (json.dumps(CALCULATOR_TOOL), json.dumps(_STRICT_TOOL))}
+#: (none since the server drops the no-op `"strict": false` the Agents SDK sends with every tool)
+DIFFERS: dict[str, tuple[str, str]] = {}
 #: the tiny model's own template (tool results in a `tool` turn) and the one the main job's
 #: SmolLM2 runs with (tools in the system turn one per line, results as <tool_response> in a user turn)
 TEMPLATES = ["builtin:tiny", "builtin:smollm2_tools"]

@@ -105,18 +105,27 @@ def normalize_messages(messages: Any, *, developer_role: bool) -> list[dict[str,
 
 
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """``tools`` for the template (None when absent or empty)."""
+    """``tools`` for the template (None when absent or empty); ``strict: false`` is dropped, ``true`` refused."""
     tools = body.get("tools")
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise _bad("'tools' must be a list of tool objects", "tools")
+    out = []
     for j, t in enumerate(tools):
         f = t.get("function")
         if t.get("type", "function") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise _bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
                        f"tools[{j}]")
-    return tools
+        if "strict" in f:
+            if f["strict"] not in (None, False):
+                raise ApiError(400, f"tools[{j}].function.strict: strict function calling (arguments constrained "
+                               "to the schema) is not supported; set strict to false", "unsupported_field",
+                               param=f"tools[{j}].function.strict")
+            # a no-op flag the Agents SDK always sends: dropped, so the prompt is the same as without it
+            t = {**t, "function": {k: v for k, v in f.items() if k != "strict"}}
+        out.append(t)
+    return out
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import httpx
 
 from swarmkit.tasks.base import Outcome, Task, chat, cycle
 from swarmkit.tasks.calc_agent import demonstration as _calc_demonstration
-from swarmkit.tasks.calc_agent import make_calc_tasks, run_calc_episode
+from swarmkit.tasks.calc_agent import grade, load_agent, make_calc_tasks, run_calc_episode
 from swarmkit.tasks.single import SINGLE_TASKS, score_single
 
 __all__ = ["TASKS", "Outcome", "Task", "cycle", "demonstration", "make_tasks", "run_task", "score"]
@@ -47,6 +47,10 @@ def run_task(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max
              temperature: float, seed: int | None = None) -> Outcome:
     """Run one episode of ``task`` against an episode's endpoint and grade it (no report)."""
     if task.family == "calc_agent":
+        agent = task.meta.get("agent")
+        if agent:  # the same agent written in another framework (task.options.agent)
+            outcome = grade(task, *load_agent(str(agent))(base_url, api_key, task, temperature=temperature, seed=seed))
+            return outcome
         return run_calc_episode(http, base_url, api_key, task, max_tokens=max_tokens, temperature=temperature,
                                 max_turns=int(task.meta.get("max_turns", 3)), seed=seed)
     body: dict[str, Any] = {"messages": task.messages, "max_tokens": max_tokens, "temperature": temperature}

@@ -23,34 +23,38 @@ Needs only httpx.
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
+import importlib.util
 import json
 import operator
 import random
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from swarmkit.tasks.base import Outcome, Task, chat
 
-__all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "TOOL_CREDIT", "calculator", "demonstration", "grade",
+__all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "TOOL_CREDIT", "calculator", "demonstration", "grade", "load_agent",
            "make_calc_tasks", "parse_answer", "run_calc_episode", "run_tool_call"]
+
+#: an agent in another framework: (base_url, api_key, task, *, temperature, seed) ->
+#: (final_text, valid_tool_calls, tool_calls, turns), as examples/frameworks/*.py write it
+AgentFn = Callable[..., tuple[str, int, int, int]]
 
 TOOL_CREDIT = 0.1
 
-SYSTEM_PROMPT = ("You solve arithmetic word problems. Always use the calculator tool to compute; "
-                 "then reply with the result as <answer>N</answer>.")
+SYSTEM_PROMPT = "Compute with the calculator tool, then reply <answer>N</answer>."
 
 CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. 347 * 86"}},
-            "required": ["expression"],
-        },
+        "description": "Evaluate arithmetic, e.g. 347 * 86",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
 
@@ -85,7 +89,8 @@ def make_calc_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> l
             messages=[{"role": "system", "content": system},
                       {"role": "user", "content": story.format(a=a, b=b)}],
             answer=str(value), family="calc_agent",
-            meta={"expression": f"{a} {op} {b}", "max_turns": int(options.get("max_turns", 3))},
+            meta={"expression": f"{a} {op} {b}", "max_turns": int(options.get("max_turns", 3)),
+                  "agent": str(options.get("agent", ""))},
         ))
     return tasks
 
@@ -173,6 +178,28 @@ def run_calc_episode(http: httpx.Client, base_url: str, api_key: str, task: Task
     outcome = grade(task, final, valid, n_calls, turns)
     outcome.messages = messages
     return outcome
+
+
+@functools.cache
+def load_agent(spec: str) -> AgentFn:
+    """The ``run_episode`` function named by ``task.options.agent``: ``path/to/file.py``
+    (its ``run_episode``), ``path/to/file.py:func`` or ``package.module:func``."""
+    target, _, name = spec.partition(":")
+    name = name or "run_episode"
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"task.options.agent: no file {target!r}")
+        module_spec = importlib.util.spec_from_file_location(f"swarmkit_agent_{path.stem}", path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"task.options.agent: {spec!r} has no function {name!r}")
+    return fn  # type: ignore[no-any-return]
 
 
 def demonstration(task: Task) -> dict[str, Any]:
