@@ -61,3 +61,5 @@ def test_calc_agent_main_job_warm_starts_then_samples_multi_turn_episodes(tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["demonstrations"] == 32
     assert set(summary["eval_metrics_after"]) == {"correct", "valid_tool_call"}
+    assert list(summary["eval_midway"]) == ["4"]  # evaluated after the warm start, before sampling
+    assert "eval reward after the warm start (step 4)" in out.stdout

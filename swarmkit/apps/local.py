@@ -22,7 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from swarmkit.apps.serve import start_server_thread
-from swarmkit.apps.task_client import TrainingClient, evaluate, send_demonstrations
+from swarmkit.apps.task_client import EvalResult, TrainingClient, evaluate, send_demonstrations
 from swarmkit.client import SwarmClient
 from swarmkit.config.validate import to_dict
 from swarmkit.tasks import make_tasks
@@ -88,15 +88,27 @@ def run_local(cfg: DictConfig) -> int:
             console.print(f"supervised warm start: {n_demos} demonstrations in the pool (trained before RL episodes)")
 
         rewards: list[float] = []
-        trainer_client = TrainingClient(
-            client, train_tasks, rollouts_per_task=int(batching.rollouts_per_task), max_tokens=task.max_tokens,
-            temperature=task.temperature, concurrency=task.concurrency, seed=cfg.seed,
-            on_result=lambda r: rewards.append(r.reward),
-        )
+
+        def sampler(seed: int) -> TrainingClient:
+            return TrainingClient(
+                client, train_tasks, rollouts_per_task=int(batching.rollouts_per_task), max_tokens=task.max_tokens,
+                temperature=task.temperature, concurrency=task.concurrency, seed=seed,
+                on_result=lambda r: rewards.append(r.reward),
+            )
+
+        def eval_now(label: str) -> EvalResult:
+            result = evaluate(client, eval_tasks, max_tokens=task.max_tokens, concurrency=task.concurrency)
+            progress.console.print(f"eval reward {label}: {result}")
+            return result
+
+        trainer_client = sampler(cfg.seed)
+        midway: dict[int, EvalResult] = {}
         # sampling starts once the warm start is trained: earlier episodes would come from the untrained policy
         warm_steps = n_demos // max(1, int(batching.batch_size) * int(batching.rollouts_per_task))
         sampling = False
         total = int(cfg.trainer.total_steps)
+        eval_every = int(cfg.trainer.eval_every)
+        next_eval = eval_every
         seen = 0
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console, transient=False) as progress:
@@ -110,8 +122,15 @@ def run_local(cfg: DictConfig) -> int:
                     seen = int(last["step"])
                     progress.console.print(_step_line(last, pool.get("fill")))
                 if not sampling and step >= warm_steps:
+                    if n_demos:  # the warm start alone, before any sampled episode
+                        midway[step] = eval_now(f"after the warm start (step {step})")
                     trainer_client.start()
                     sampling = True
+                elif sampling and eval_every and step >= next_eval and (not total or step < total):
+                    trainer_client.stop()  # no sampling while evaluating (steps already released may still run)
+                    midway[step] = eval_now(f"at step {step}")
+                    next_eval = step + eval_every
+                    trainer_client = sampler(cfg.seed + step).start()
                 progress.update(bar, completed=step,
                                 description=f"{status['state']:<14} episodes {len(rewards):>5}")
                 if total and step >= total:
@@ -139,6 +158,9 @@ def run_local(cfg: DictConfig) -> int:
         "eval_metrics_before": {k: {"mean": m, "ci95": c} for k, (m, c) in before.metrics.items()},
         "eval_metrics_after": {k: {"mean": m, "ci95": c} for k, (m, c) in after.metrics.items()},
         "demonstrations": n_demos,
+        "eval_midway": {str(k): {"mean": v.mean, "ci95": v.ci95, "n": v.n,
+                                 **{m: {"mean": a, "ci95": b} for m, (a, b) in v.metrics.items()}}
+                        for k, v in midway.items()},
         "global_step": status["global_step"],
         "train_episodes": len(rewards),
         "wall_time_s": time.time() - t_start,

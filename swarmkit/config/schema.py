@@ -77,7 +77,8 @@ class TrainerConfig:
     checkpoint_every: int = 10
     #: continue from the newest checkpoint in run_dir
     resume: bool = False
-    #: run an evaluation pass every this many steps (0 = only before and after)
+    #: the main job pauses sampling and evaluates every this many steps (0 = only before and after,
+    #: and after a supervised warm start)
     eval_every: int = 0
 
 
