@@ -49,8 +49,9 @@ def run_task(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max
     if task.family == "calc_agent":
         agent = task.meta.get("agent")
         if agent:  # the same agent written in another framework (task.options.agent)
-            outcome = grade(task, *load_agent(str(agent))(base_url, api_key, task, temperature=temperature, seed=seed))
-            return outcome
+            run = load_agent(str(agent))
+            return grade(task, *run(base_url, api_key, task, temperature=temperature, seed=seed, max_tokens=max_tokens,
+                                    max_turns=int(task.meta.get("max_turns", 3))))
         return run_calc_episode(http, base_url, api_key, task, max_tokens=max_tokens, temperature=temperature,
                                 max_turns=int(task.meta.get("max_turns", 3)), seed=seed)
     body: dict[str, Any] = {"messages": task.messages, "max_tokens": max_tokens, "temperature": temperature}

@@ -41,8 +41,8 @@ from swarmkit.tasks.base import Outcome, Task, chat
 __all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "TOOL_CREDIT", "calculator", "demonstration", "grade", "load_agent",
            "make_calc_tasks", "parse_answer", "run_calc_episode", "run_tool_call"]
 
-#: an agent in another framework: (base_url, api_key, task, *, temperature, seed) ->
-#: (final_text, valid_tool_calls, tool_calls, turns), as examples/frameworks/*.py write it
+#: an agent in another framework: (base_url, api_key, task, *, temperature, seed, max_tokens, max_turns)
+#: -> (final_text, valid_tool_calls, tool_calls, turns), as examples/frameworks/*.py write it
 AgentFn = Callable[..., tuple[str, int, int, int]]
 
 TOOL_CREDIT = 0.1
