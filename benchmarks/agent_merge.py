@@ -5,7 +5,8 @@ main job ``python -m swarmkit task=calc_agent server.run_dir=runs/calc`` — and
 builds the training samples twice, with ``match=text`` (merging) and
 ``match=none`` (every call is its own sample), then times one actor update
 (``FSDPEngine.train_step``, the run's model and LoRA settings) on each set, on
-the same engine state. Prints a table and writes JSON.
+the same engine state (learning rate 1e-9, after one untimed warm-up step). Prints a
+table and writes JSON.
 
     python benchmarks/agent_merge.py --journal runs/calc/journal.sqlite [--model builtin:smollm2]
         [--episodes 16] [--repeats 2] [--out benchmarks/results/agent_merge.json]
@@ -47,6 +48,7 @@ def main() -> int:
     algo = build_algo({"name": "grpo"})
     engine = FSDPEngine(resolve_model_path(args.model), {"lora_rank": args.lora_rank, "lora_alpha": 2 * args.lora_rank},
                         {"lr": 1e-9, "token_budget": 8192}, algo)
+    engine.train_step(build_samples(records[:2], algo, "text"))  # warm-up (allocations, first-call costs)
     rows = {}
     for match in ("text", "none"):
         samples = build_samples(records, algo, match)
