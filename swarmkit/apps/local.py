@@ -55,7 +55,7 @@ def run_local(cfg: DictConfig) -> int:
     import logging
 
     # one line per request is noise next to the per-step lines
-X
+    for name in ("httpx", "httpcore", "httpx2", "swarmkit.client"):  # the client's retry lines: the status bar shows the state
         logging.getLogger(name).setLevel(logging.WARNING)
     t_start = time.time()
     run_dir = Path(cfg.server.run_dir)
