@@ -77,6 +77,9 @@ KNOWN = [*make_tasks("calc_agent", 4, split="eval"), *make_tasks("calc_agent", 8
 LOOP = Task("loop", [TASKS[1].messages[0], {"role": "user", "content": "LOOP " + TASKS[1].messages[1]["content"]}],
             TASKS[1].answer, "calc_agent", dict(TASKS[1].meta))
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
+#: a task whose model calls the calculator with the wrong argument name
+BAD_ARGS = Task("bad-args", [TASKS[1].messages[0], {"role": "user", "content": "BADARGS " + TASKS[1].messages[1]["content"]}],
+                TASKS[1].answer, "calc_agent", dict(TASKS[1].meta))
 
 
 def script(prompt: str) -> str:
@@ -85,6 +88,8 @@ def script(prompt: str) -> str:
     results = [a or b for a, b in results]
     if results and "LOOP" not in prompt:
         return f"<answer>{results[-1]}</answer>"
+    if "BADARGS" in prompt:
+        return '<tool_call>\n{"name": "calculator", "arguments": {"value": "1"}}\n</tool_call>'
     for task in (*KNOWN, LOOP):
         if task.messages[1]["content"] in prompt:
             return CALL % task.meta["expression"]
@@ -349,3 +354,12 @@ def test_a_short_training_run_on_the_tiny_model(name, tmp_path):
     rows = [r for r in read_metrics(tmp_path) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) and r["samples"] >= 1 and r["trained_tokens"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_malformed_tool_call_is_answered_with_an_error_not_a_crash(runs, name):
+    """The model's wrong argument names come back to it as an error result (the calculator's, or
+    AgentScope's own input validation), as in swarmkit's own loop: the episode is not lost."""
+    final, valid, calls, turns = runs(name, BAD_ARGS).result
+    assert (valid, calls) == (0, 1) and turns == 2
+    assert final.startswith("<answer>") and ("error" in final or "validation failed" in final), final

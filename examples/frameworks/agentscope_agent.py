@@ -17,7 +17,7 @@ from agentscope.permission import PermissionBehavior, PermissionDecision
 from agentscope.tool import FunctionTool, Toolkit
 
 from swarmkit.tasks import Task
-from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, calculator, run_tool_call
+from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, call_calculator, run_tool_call
 
 
 class CountTurns(MiddlewareBase):
@@ -35,7 +35,7 @@ async def _run(base_url: str, api_key: str, task: Task, temperature: float, seed
     system, question = (m["content"] for m in task.messages)  # the system prompt and the word problem
     toolkit = Toolkit()
     await toolkit.add_tool(FunctionTool(
-        calculator, name="calculator", description=CALCULATOR_TOOL["function"]["description"],
+        call_calculator, name="calculator", description=CALCULATOR_TOOL["function"]["description"],
         input_schema=CALCULATOR_TOOL["function"]["parameters"],  # the task's own schema
         permission=PermissionDecision(behavior=PermissionBehavior.ALLOW, message="always allowed")))
     model = OpenAIChatModel(

@@ -13,11 +13,11 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from swarmkit.tasks import Task
-from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, calculator, run_tool_call
+from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, call_calculator, run_tool_call
 
 # the task's own JSON schema (an @tool-decorated function would send a schema of its own)
 calculator_tool = StructuredTool.from_function(
-    calculator, name="calculator", description=CALCULATOR_TOOL["function"]["description"],
+    call_calculator, name="calculator", description=CALCULATOR_TOOL["function"]["description"],
     args_schema=CALCULATOR_TOOL["function"]["parameters"])
 
 

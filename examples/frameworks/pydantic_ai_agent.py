@@ -12,12 +12,12 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from swarmkit.tasks import Task
-from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, calculator, run_tool_call
+from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, call_calculator, run_tool_call
 
 # the task's own JSON schema (a decorated @agent.tool_plain would send one generated from the signature);
 # strict=False: left to infer, Pydantic AI makes a strict-compatible schema strict (adds "strict" and
 # "additionalProperties": false), which changes the tools the prompt renders
-calculator_tool = Tool.from_schema(calculator, name="calculator",
+calculator_tool = Tool.from_schema(call_calculator, name="calculator",
                                    description=CALCULATOR_TOOL["function"]["description"],
                                    json_schema=CALCULATOR_TOOL["function"]["parameters"])
 calculator_tool.strict = False

@@ -9,6 +9,7 @@ runs it in threads next to a local server.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import statistics
@@ -22,6 +23,8 @@ import httpx
 
 from swarmkit.client.sdk import SwarmClient, SwarmError
 from swarmkit.tasks import Task, cycle, demonstration, make_tasks, run_task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,10 +87,13 @@ class EvalResult:
     rewards: list[float] = field(default_factory=list)
     #: per-episode metric means (e.g. ``correct``, ``valid_tool_call``) with 95% intervals
     metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: episodes that raised (scored 0)
+    failures: int = 0
 
     def __str__(self) -> str:
         extra = "".join(f", {k} {m:.3f} ± {c:.3f}" for k, (m, c) in self.metrics.items())
-        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n}{extra})"
+        failed = f", {self.failures} failed" if self.failures else ""
+        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n}{extra}{failed})"
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -101,18 +107,21 @@ def evaluate(
     client: SwarmClient, tasks: list[Task], *, max_tokens: int, concurrency: int = 8, temperature: float = 0.0
 ) -> EvalResult:
     """Eval episodes (never trained on) over ``tasks``; mean reward (and metrics) with 95% intervals."""
+    def one(task: Task, http: httpx.Client) -> EpisodeResult:
+        try:
+            return run_episode(client, task, max_tokens=max_tokens, temperature=temperature, eval=True, http=http)
+        except Exception as exc:  # noqa: BLE001 - a failed eval episode scores 0 and is counted, not lost
+            log.warning("eval episode %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+            return EpisodeResult(task.task_id, 0.0, "", True, {"failed": 1.0})
+
     with httpx.Client(timeout=600.0) as http, ThreadPoolExecutor(concurrency) as pool:
-        results = list(
-            pool.map(
-                lambda t: run_episode(client, t, max_tokens=max_tokens, temperature=temperature, eval=True, http=http),
-                tasks,
-            )
-        )
+        results = list(pool.map(lambda t: one(t, http), tasks))
     rewards = [r.reward for r in results]
     mean, ci = mean_ci(rewards)
     keys = sorted({k for r in results for k in r.metrics if k in ("correct", "valid_tool_call")})
     metrics = {k: mean_ci([r.metrics.get(k, 0.0) for r in results]) for k in keys}
-    return EvalResult(mean, ci, len(rewards), rewards, metrics)
+    return EvalResult(mean, ci, len(rewards), rewards, metrics,
+                      failures=sum(int(r.metrics.get("failed", 0)) for r in results))
 
 
 class EpisodeLoop:
@@ -162,9 +171,11 @@ class EpisodeLoop:
                 for fut in done:
                     try:
                         result = fut.result()
-                    except (SwarmError, httpx.HTTPError) as exc:
+                    except Exception as exc:  # noqa: BLE001 - a failed episode (server busy, an agent's own
+                        # error...) is aborted by the SDK and counted; the loop keeps sampling
                         self.failures += 1
                         self.last_error = f"{type(exc).__name__}: {exc}"
+                        log.warning("episode failed: %s", self.last_error)
                         continue
                     self.finished += 1
                     self.handle(result)

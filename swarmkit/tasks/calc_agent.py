@@ -38,7 +38,7 @@ import httpx
 
 from swarmkit.tasks.base import Outcome, Task, chat
 
-__all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "TOOL_CREDIT", "calculator", "demonstration", "grade", "load_agent",
+__all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "TOOL_CREDIT", "calculator", "call_calculator", "demonstration", "grade", "load_agent",
            "make_calc_tasks", "parse_answer", "run_calc_episode", "run_tool_call"]
 
 #: an agent in another framework: (base_url, api_key, task, *, temperature, seed, max_tokens, max_turns)
@@ -117,6 +117,13 @@ def calculator(expression: str) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
+
+
+def call_calculator(**arguments: Any) -> str:
+    """The calculator as a framework's tool function: any keyword arguments, an ``error: ...``
+    result (never an exception) when they are not ``expression=...`` — a model's malformed
+    call is the model's mistake to see, as in :func:`run_calc_episode`."""
+    return run_tool_call("calculator", arguments)[0]
 
 
 def run_tool_call(name: str, arguments: str | dict[str, Any]) -> tuple[str, bool]:
