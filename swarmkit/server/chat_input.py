@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmkit.errors import ApiError
+from swarmkit.timelines.render import TemplateError
 
-__all__ = ["ToolChoice", "check_tools_rendered", "normalize_messages", "parse_tool_choice", "parse_tools"]
+__all__ = ["ToolChoice", "check_tools_rendered", "normalize_messages", "parse_tool_choice", "parse_tools",
+           "template_error"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -191,3 +193,9 @@ def check_tools_rendered(renderer: Any, tools: list[dict[str, Any]] | None) -> N
                        "so the model would never see them; set model.chat_template to a tool-aware template "
                        "(builtin:smollm2_tools, a .jinja file, or the template text; see docs/agents.md)",
                        "tools_unsupported", param="tools")
+
+
+def template_error(exc: TemplateError) -> ApiError:
+    """The 400 of a ``TemplateError``: the refused message as ``param``, the template's reason in the text."""
+    param = f"messages[{exc.index}]" if exc.index is not None else "messages"
+    return ApiError(400, str(exc), "invalid_messages", param=param)

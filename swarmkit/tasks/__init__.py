@@ -48,12 +48,13 @@ def run_task(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max
     """Run one episode of ``task`` against an episode's endpoint and grade it (no report)."""
     if task.family == "calc_agent":
         agent = task.meta.get("agent")
+        max_turns = int(task.meta.get("max_turns", 3))
         if agent:  # the same agent written in another framework (task.options.agent)
             run = load_agent(str(agent))
             return grade(task, *run(base_url, api_key, task, temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                    max_turns=int(task.meta.get("max_turns", 3))))
+                                    max_turns=max_turns))
         return run_calc_episode(http, base_url, api_key, task, max_tokens=max_tokens, temperature=temperature,
-                                max_turns=int(task.meta.get("max_turns", 3)), seed=seed)
+                                max_turns=max_turns, seed=seed)
     body: dict[str, Any] = {"messages": task.messages, "max_tokens": max_tokens, "temperature": temperature}
     if seed is not None:
         body["seed"] = seed

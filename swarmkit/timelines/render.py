@@ -167,8 +167,8 @@ class ChatRenderer:
         if not messages:
             raise ValueError("render_prompt needs at least one message")
         self.stats["calls"] += 1
-        pieces = self._pieces(messages, tools, generated)
-        return [self._block(p, generated) for p in pieces]
+        pieces, replay = self._pieces(messages, tools, generated)
+        return [self._block(p, replay.get(id(p))) for p in pieces]
 
     def render_demonstration(self, messages: list[dict[str, Any]],
                              tools: list[dict[str, Any]] | None = None) -> list[Block]:
@@ -183,7 +183,7 @@ class ChatRenderer:
         """
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("a demonstration must end with an assistant message")
-        pieces = self._pieces(messages, tools)
+        pieces, _ = self._pieces(messages, tools)
         end = self._render(messages, tools, False)
         if end is None:
             raise self._diagnose(messages, tools)
@@ -322,7 +322,8 @@ class ChatRenderer:
         return TemplateError(None, reason)
 
     def _pieces(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                generated: Sequence[tuple[str, Sequence[int]]] = ()) -> list[_Piece]:
+                generated: Sequence[tuple[str, Sequence[int]]] = ()) -> tuple[list[_Piece], dict[int, list[int]]]:
+        """The conversation's pieces after split fixing, and the token ids of the replayed ones (by ``id``)."""
         n = len(messages)
         tkey = repr(tools)
         mkeys = tuple(repr(m) for m in messages)
@@ -387,7 +388,8 @@ class ChatRenderer:
         flat = [p for ps in pieces for p in ps if p.rendered]
         if gen_prompt:
             flat.append(_Piece("template", gen_prompt, gen_prompt))
-        return self._fix_splits(flat, generated)
+        replay = {id(p): ids for p in flat if (ids := self._replayed(p, generated)) is not None}
+        return self._fix_splits(flat, replay), replay
 
     def _resolve_unstable(self, full: str, bounds: list[int], start: int) -> None:
         """Split points whose prefix render is not a prefix of ``full`` (history re-rendered):
@@ -489,7 +491,7 @@ class ChatRenderer:
                 return list(ids) + self._encode(rest)
         return None
 
-    def _fix_splits(self, pieces: list[_Piece], generated: Sequence[tuple[str, Sequence[int]]] = ()) -> list[_Piece]:
+    def _fix_splits(self, pieces: list[_Piece], replay: dict[int, list[int]]) -> list[_Piece]:
         """Join neighbours whose separate tokenization differs from the joint one.
 
         A replayed generation is never joined: its tokens are what the model produced
@@ -497,8 +499,7 @@ class ChatRenderer:
         """
         out: list[_Piece] = []
         for p in pieces:
-            if generated and (self._replayed(p, generated) is not None
-                              or (out and self._replayed(out[-1], generated) is not None)):
+            if replay and (id(p) in replay or (out and id(out[-1]) in replay)):
                 out.append(p)
                 continue
             while out and not self._safe_split(out[-1].rendered, p.rendered):
@@ -508,8 +509,7 @@ class ChatRenderer:
             out.append(p)
         return out
 
-    def _block(self, p: _Piece, generated: Sequence[tuple[str, Sequence[int]]] = ()) -> Block:
-        replayed = self._replayed(p, generated)
+    def _block(self, p: _Piece, replayed: list[int] | None = None) -> Block:
         ids = replayed if replayed is not None else list(self._encode(p.rendered))
         n = len(ids)
         return Block(p.author, p.text, ids, [0.0] * n, [0] * n)

@@ -53,10 +53,9 @@ def _canonical_calls(calls: Any) -> tuple[str, ...] | None:
 
 
 def _content(message: dict[str, Any]) -> str:
+    """A normalised message's content, stripped (the server joined content parts already)."""
     content = message.get("content")
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return (content or "").strip() if isinstance(content, str) else ""
+    return content.strip() if isinstance(content, str) else ""
 
 
 @dataclass

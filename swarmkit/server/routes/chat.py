@@ -12,13 +12,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarmkit.contract import GenerationOutput, SamplingParams
-from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import (
     ToolChoice,
     check_tools_rendered,
     normalize_messages,
     parse_tool_choice,
     parse_tools,
+    template_error,
 )
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
@@ -35,6 +35,7 @@ from swarmkit.timelines.toolcalls import CLOSE, OPEN, ToolCallStreamParser, pars
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.episodes import Episode
     from swarmkit.swarm.server import SwarmServer
+    from swarmkit.timelines.block import Block
 
 
 @dataclass
@@ -59,8 +60,7 @@ def _prepare(srv: SwarmServer, ep: Episode, body: dict[str, Any]) -> _Prepared:
     try:
         blocks = renderer.render_prompt(messages, tools=tools, generated=generated)
     except TemplateError as exc:
-        param = f"messages[{exc.index}]" if exc.index is not None else "messages"
-        raise ApiError(400, str(exc), "invalid_messages", param=param) from None
+        raise template_error(exc) from None
     forced_text = renderer.tool_call_prefix(choice.name) if choice.forced else ""
     forced_ids = renderer.encode(forced_text) if forced_text else []
     prompt_ids = [t for b in blocks for t in b.token_ids] + forced_ids
@@ -85,14 +85,14 @@ def _reply_text(prep: _Prepared, text: str, finish_reason: str | None) -> str:
     return full
 
 
-def _remember(srv: SwarmServer, ep: Episode, prep: _Prepared, token_ids: list[int], content: str | None,
+def _remember(srv: SwarmServer, ep: Episode, completion: Block, content: str | None,
               calls: list[dict[str, Any]]) -> None:
-    """Keep the turn for token-exact replay when the client sends it back."""
-    ids = [*prep.forced_ids, *token_ids]
-    rendered = srv.renderer.decode(ids)
+    """Keep the turn (its recorded completion block: forced + generated tokens, decoded) for
+    token-exact replay when the client sends it back."""
+    rendered = completion.text
     eos = srv.renderer.eos_text
     text = rendered[: -len(eos)] if eos and rendered.endswith(eos) else rendered
-    ep.turns.remember(text, ids, rendered, content, calls)
+    ep.turns.remember(text, completion.token_ids, rendered, content, calls)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -113,7 +113,7 @@ async def chat_completions(request: Request) -> Response:
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outputs = await srv.generate(ep, prep.prompt_ids, params)
-    srv.tracker.record(ep, role, prep.blocks, outputs, endpoint="chat", forced=prep.forced_ids)
+    recorded = srv.tracker.record(ep, role, prep.blocks, outputs, endpoint="chat", forced=prep.forced_ids)
     tt = srv.token_text if want_lp else None
     choices = []
     completion_tokens = 0
@@ -123,7 +123,7 @@ async def chat_completions(request: Request) -> Response:
             content, calls = parse_tool_calls(_reply_text(prep, out.text, out.finish_reason))
         else:
             content, calls = out.text, []
-        _remember(srv, ep, prep, list(out.token_ids), content, calls)
+        _remember(srv, ep, recorded[i].blocks[-1], content, calls)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -200,11 +200,11 @@ async def _chat_stream(
             for i in range(n)
         ]
         if ep.running and any(ids):
-            srv.tracker.record(ep, role, prep.blocks, outputs, endpoint="chat", forced=prep.forced_ids,
-                               meta={"stream": True, "complete": completed})
+            made = srv.tracker.record(ep, role, prep.blocks, outputs, endpoint="chat", forced=prep.forced_ids,
+                                      meta={"stream": True, "complete": completed})
             if completed:
                 for i in range(n):
-                    _remember(srv, ep, prep, ids[i], "".join(contents[i]) or None, calls_of[i])
+                    _remember(srv, ep, made[i].blocks[-1], "".join(contents[i]) or None, calls_of[i])
 
     srv.begin_call(ep)
     try:

@@ -26,7 +26,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkit.errors import ApiError, busy
-from swarmkit.server.chat_input import check_tools_rendered, normalize_messages, parse_tools
+from swarmkit.server.chat_input import (
+    check_tools_rendered,
+    normalize_messages,
+    parse_tools,
+    template_error,
+)
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.swarm.episodes import check_reward
 from swarmkit.swarm.state import ServerState
@@ -170,8 +175,7 @@ async def demonstration(request: Request) -> Response:
     renderer = srv.renderer
     if renderer is None:
         raise ApiError(409, "the server has no model loaded; start it first", "not_serving")
-    token = bearer(request)
-    role = next((r for r, k in ep.keys.items() if k == token), None)
+    _, role = srv.episodes.by_key(bearer(request))  # the key's role (`_owned` checked it is this episode's)
     messages = normalize_messages(body.get("messages"), developer_role=renderer.has_developer_role)
     if messages[-1]["role"] != "assistant":
         raise ApiError(400, "a demonstration must end with an assistant message (the turns to learn)",
@@ -181,8 +185,7 @@ async def demonstration(request: Request) -> Response:
     try:
         blocks = renderer.render_demonstration(messages, tools)
     except TemplateError as exc:
-        param = f"messages[{exc.index}]" if exc.index is not None else "messages"
-        raise ApiError(400, str(exc), "invalid_messages", param=param) from None
+        raise template_error(exc) from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_messages", param="messages") from None
     n_tokens = sum(len(b.token_ids) for b in blocks)
