@@ -143,3 +143,36 @@ def test_the_engine_gradient_on_demonstrations_is_the_nll_gradient(monkeypatch):
         torch.testing.assert_close(g, own[key].grad, rtol=1e-4, atol=1e-6)
         compared += 1
     assert compared > 10
+
+
+def test_a_demonstration_batch_steps_with_sft_lr_and_a_sampled_one_with_lr(monkeypatch):
+    """``optim.sft_lr`` is the learning rate of the warm start's steps; RL steps keep ``optim.lr``."""
+    from swarmkit.models import tiny_model_dir
+    from swarmkit_plugins.algo_rl.grpo import GRPO
+    from swarmkit_plugins.optim_fsdp.engine import FSDPEngine
+
+    engine = FSDPEngine(tiny_model_dir(), {"lora_rank": 0},
+                        {"lr": 1e-4, "sft_lr": 2e-3, "warmup_steps": 2, "token_budget": 64}, GRPO())
+    seen: list[float] = []
+    step = engine._optimizer_step
+
+    def capture():
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+        return step()
+
+    monkeypatch.setattr(engine, "_optimizer_step", capture)
+    ids = [1, 5, 9, 13, 17, 21]
+    (demo,) = build_samples([_record([_timeline(ids, [1] * 4, True)], demo=True)], GRPO())
+    sampled = build_samples([_record([_timeline(ids, [1] * 4, False)], reward=r, task="q") for r in (0.0, 1.0)], GRPO())
+    for batch in ([demo], [demo], sampled, [demo], [demo, *sampled]):
+        engine.train_step(batch)
+    # warm-up over 2 steps (×0.5, then ×1) applies in both phases; a mixed batch trains at lr
+    assert seen == pytest.approx([1e-3, 2e-3, 1e-4, 2e-3, 1e-4])
+
+
+def test_sft_lr_must_be_positive():
+    from swarmkit.config.compose import compose_checked
+    from swarmkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.sft_lr: must be > 0"):
+        compose_checked(["optim.sft_lr=0"])

@@ -108,6 +108,12 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             resolve_chat_template(str(model.get("chat_template", "auto")), str(model.get("path", "")))
         except ValueError as exc:
             problems.append(str(exc))
+    optim = result.get("optim")
+    if optim is not None:
+        for key in ("lr", "sft_lr"):
+            value = optim.get(key)
+            if value is not None and not float(value) > 0:
+                problems.append(f"optim.{key}: must be > 0, got {value}")
     if problems:
         raise ConfigError(problems)
     out = OmegaConf.create({"mode": mode, "seed": seed})

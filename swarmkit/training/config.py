@@ -13,6 +13,9 @@ class EngineConfig:
     name: str = ""
     #: AdamW learning rate (the packaged option files set 3e-4, tuned for LoRA)
     lr: float = 1e-5
+    #: learning rate of a step whose batch is all demonstrations (the supervised warm start;
+    #: null = ``lr``): formats are learnt faster than RL stays stable
+    sft_lr: float | None = None
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0

@@ -54,6 +54,8 @@ class TrainingEngine(OptimEngine):
 
     #: the schema of the ``optim`` group this engine reads (a subclass of EngineConfig)
     config_cls: ClassVar[type[EngineConfig]] = EngineConfig
+    #: the optimizer's LR scheduler (made by :meth:`_warmup` in ``_wrap``)
+    scheduler: torch.optim.lr_scheduler.LambdaLR
 
     def __init__(self, model_path: str | Path, model_cfg: Mapping[str, Any], optim_cfg: Mapping[str, Any],
                  algo: Algorithm):
@@ -75,6 +77,7 @@ class TrainingEngine(OptimEngine):
         self.token_budget = int(self.cfg.token_budget)
         self.grad_clip = float(self.cfg.grad_clip or 0.0)
         self.lora = self.model.lora_rank > 0
+        self._lr_scale = 1.0  # × lr of the coming optimizer steps (optim.sft_lr on a demonstration batch)
         self.optimizer_steps = 0  # optimizer updates taken
         self.train_steps = 0  # train_step calls that updated the model
         self.needs_values = algo.needs_values
@@ -161,8 +164,29 @@ class TrainingEngine(OptimEngine):
                                  weight_decay=float(self.cfg.weight_decay), **kw)
 
     def _warmup(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        """Linear LR warm-up over ``optim.warmup_steps`` optimizer steps, then constant."""
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(self.cfg.warmup_steps))
+        """Linear LR warm-up over ``optim.warmup_steps`` optimizer steps, then constant, × the phase's scale.
+
+        The engine keeps the returned scheduler as ``self.scheduler`` (its LR scale is set
+        per train step by :meth:`_set_lr_scale`).
+        """
+        warm = warmup_lambda(self.cfg.warmup_steps)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warm(step) * self._lr_scale)
+
+    def _set_lr_scale(self, scale: float) -> None:
+        """Multiply the learning rate of the coming optimizer steps by ``scale`` (1 = ``optim.lr``)."""
+        if scale == self._lr_scale:
+            return
+        self._lr_scale = scale
+        sched = self.scheduler
+        for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+            group["lr"] = base * fn(sched.last_epoch)
+
+    def _step_lr_scale(self, batch: Sequence[TrainSample]) -> float:
+        """``optim.sft_lr / optim.lr`` for a batch of demonstrations only, else 1."""
+        sft = self.cfg.sft_lr
+        if sft is None or not batch or not all(s.demonstration for s in batch):
+            return 1.0
+        return float(sft) / float(self.cfg.lr)
 
     def _autocast(self) -> torch.autocast:
         use = self.device.type == "cuda" and self.compute_dtype != torch.float32 and not self._native_low_precision
@@ -265,6 +289,7 @@ class TrainingEngine(OptimEngine):
         if not prepared:
             return {"skipped": 1.0, "samples": 0.0, "trained_tokens": 0.0, "step_time_s": time.perf_counter() - t0}
         self._prepass(prepared)
+        self._set_lr_scale(self._step_lr_scale(batch))
         mode = self.algo.loss_agg
         epochs = self.algo.ppo_epochs
         n_mini = self.algo.mini_batches
