@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from swarmkit.apps.processes import boot_servers, launch_server, server_env
 from swarmkit.client import SwarmAPIError, SwarmClient
 
 RUN = Path(__file__).resolve().parents[1] / "examples" / "multi_model" / "run.py"
@@ -48,7 +49,7 @@ def _client_proc(swarm: dict, log: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(RUN), "client", *routes, "--max-tokens", "4", "--rollouts", "2",
          "--train-size", "8", "--concurrency", "3", "--episode-log", str(log), *extra],
-        env=mm.server_env(TOKEN), stdout=subprocess.DEVNULL, stderr=open(log.with_suffix(".err"), "ab"),
+        env=server_env(TOKEN), stdout=subprocess.DEVNULL, stderr=open(log.with_suffix(".err"), "ab"),
     )
 
 
@@ -86,13 +87,13 @@ def swarm(tmp_path_factory):
     work = tmp_path_factory.mktemp("multi_model")
     paths = mm.model_paths(2, work)  # builtin:tiny, and a 3-layer tiny Qwen2 with seed 1
     assert paths[0] == "builtin:tiny" and Path(paths[1], "config.json").exists()
-    servers = [mm.launch_server(role, work / f"server_{role}", token=TOKEN) for role in ROLES]
+    servers = [launch_server(role, work / f"server_{role}", token=TOKEN) for role in ROLES]
     procs: list[subprocess.Popen] = []
     try:
         overrides = {s.role: mm.training_overrides(p, s.role, "cpu", task="token_rule", steps=100000, batch_size=2,
                                                    rollouts=2, lr=1e-2, episode_timeout_s=4.0)
                      for s, p in zip(servers, paths, strict=True)}
-        mm.boot_servers(servers, overrides, timeout=90)
+        boot_servers(servers, overrides, timeout=90)
         ctls = {s.role: s.client(retry_for=30) for s in servers}
         log = work / "client1.jsonl"
         procs.append(_client_proc({"servers": servers}, log))
@@ -236,3 +237,82 @@ def test_killed_client_is_reaped_and_a_restarted_client_continues(swarm):
         ids = {r["id"] for r in _journal(s)}
         assert accepted_before[s.role] <= ids
         assert any(e["episode_ids"][s.role] in ids for e in new)
+
+
+#: a client that plays one two-server episode and SIGKILLs itself at a stage of its end
+_ATOMIC_CLIENT = r'''
+import json, os, signal, sys
+import httpx
+from swarmkit.client import SwarmClient, swarm_episode
+from swarmkit.client.sync import Episode
+a_url, b_url, stage = sys.argv[1:4]
+calls = {"prepare": 0, "commit": 0, "report": 0}
+
+def dies_after(name, original):
+    def wrapped(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls[name] += 1
+        if stage == f"{name}{calls[name]}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    return wrapped
+
+for name in calls:
+    setattr(Episode, name, dies_after(name, getattr(Episode, name)))
+routes = {"a": SwarmClient(a_url, retry_for=60), "b": SwarmClient(b_url, retry_for=60)}
+with swarm_episode(routes, "atomic-" + stage, timeout_s=6.0, meta={"task_family": "token_rule"}) as ep:
+    for role in ("a", "b"):
+        httpx.post(f"{ep.base_url(role)}/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {ep.key_for(role)}"},
+                   json={"model": f"model-{role}", "messages": [{"role": "user", "content": "say e"}],
+                         "max_tokens": 4}).raise_for_status()
+    print(json.dumps({r: ep.episode(r).episode_id for r in routes}), flush=True)
+    if stage == "report1":  # the non-atomic way: one report per server
+        for role in sorted(routes, key=lambda r: routes[r].url):
+            ep.episode(role).report({role: 1.0})
+    else:
+        ep.report({"a": 1.0, "b": 0.0})
+'''
+
+
+def test_a_killed_client_leaves_a_two_server_episode_on_both_servers_or_on_neither(swarm):
+    """SIGKILL at each stage of the two-phase end: both journals keep the episode or neither does;
+    one report per server (``report1``) is the non-atomic baseline that splits it."""
+    servers, ctls = swarm["servers"], swarm["ctls"]
+    for p in swarm["procs"]:  # no other client: the servers stay ROLLING (no drain runs past a deadline)
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    urls = {s.role: s.url for s in servers}
+    stages = {"prepare1": "neither", "prepare2": "neither", "commit1": "both", "none": "both", "report1": "split"}
+    procs = {st: subprocess.Popen([sys.executable, "-c", _ATOMIC_CLIENT, urls["a"], urls["b"], st],
+                                  env=server_env(TOKEN), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for st in stages}
+    ids = {}
+    for st, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert out.strip(), f"{st}: the client printed no episode ids: {err[-2000:]}"
+        ids[st] = json.loads(out.strip().splitlines()[0])
+        assert p.returncode == (0 if st == "none" else -signal.SIGKILL), (st, p.returncode, err[-2000:])
+    # every part ends within its 6 s deadline (+ the reaper's resolution)
+    end = time.monotonic() + 40
+    ended: dict[str, dict[str, dict]] = {}
+    wanted = {r: {v[r] for v in ids.values()} for r in ctls}
+    while time.monotonic() < end:
+        ended = {r: {e["episode_id"]: e for e in c._request("GET", "/api/v1/episodes?ended=4096",
+                                                             admin=True).json()["ended"]}
+                 for r, c in ctls.items()}
+        if all(wanted[r] <= set(ended[r]) for r in ctls):
+            break
+        time.sleep(0.25)
+    journal = {s.role: {row["id"] for row in _journal(s)} for s in servers}
+    for st, expect in stages.items():
+        kept = {r: ids[st][r] in journal[r] for r in ctls}
+        for r in ctls:
+            assert ended[r][ids[st][r]]["status"] == ("finished" if kept[r] else "aborted"), (st, r, ended[r][ids[st][r]])
+        if expect == "both":
+            assert all(kept.values()), (st, kept)
+        elif expect == "neither":
+            assert not any(kept.values()), (st, kept)
+        else:
+            assert sorted(kept.values()) == [False, True], (st, kept)

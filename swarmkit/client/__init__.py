@@ -11,8 +11,10 @@ from swarmkit.client.sdk import (
     ServerUnavailable,
     SwarmAPIError,
     SwarmClient,
+    SwarmEpisode,
     SwarmError,
+    swarm_episode,
 )
 
 __all__ = ["AsyncEpisode", "AsyncSwarmClient", "Episode", "RetryEvent", "ServerUnavailable", "SwarmAPIError",
-           "SwarmClient", "SwarmError"]
+           "SwarmClient", "SwarmEpisode", "SwarmError", "swarm_episode"]

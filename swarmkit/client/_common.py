@@ -267,6 +267,15 @@ def report_body(reward: float | Mapping[str, float], meta: Mapping[str, Any] | N
     return body
 
 
+def prepare_body(reward: float | Mapping[str, float], meta: Mapping[str, Any] | None,
+                 primary: EpisodeInfo | None) -> dict[str, Any]:
+    """The body of ``POST /episodes/{id}/prepare``: the reward, and where the primary episode is."""
+    body = report_body(reward, meta)
+    if primary is not None:
+        body["primary"] = {"url": primary.server_url, "episode_id": primary.episode_id, "api_key": primary.api_key}
+    return body
+
+
 # ---------------------------------------------------------------------- episodes
 class EpisodeInfo:
     """A registered episode's data: where to send the agent (``base_url``, ``api_key``).
@@ -286,6 +295,13 @@ class EpisodeInfo:
         self.eval: bool = bool(info.get("eval", False))
         self.deadline: float = float(info.get("deadline", 0.0))
         self.result: dict[str, Any] | None = None
+        #: the answer of ``prepare`` (the first phase of a multi-server end), until the commit
+        self.prepared: dict[str, Any] | None = None
+
+    @property
+    def server_url(self) -> str:
+        """The swarm server's own address (``base_url`` without its ``/v1``)."""
+        return self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
 
     def __repr__(self) -> str:
         state = "open" if self.result is None else self.result.get("status")

@@ -42,7 +42,8 @@ from swarmkit.client._common import (
            SwarmError,
 )
 from swarmkit.client.aio import AsyncEpisode, AsyncSwarmClient
+from swarmkit.client.multi import SwarmEpisode, swarm_episode
 from swarmkit.client.sync import Episode, SwarmClient
 
 __all__ = ["CLIENT_HEADER", "AsyncEpisode", "AsyncSwarmClient", "Episode", "RetryEvent", "ServerUnavailable",
-           "SwarmAPIError", "SwarmClient", "SwarmError"]
+           "SwarmAPIError", "SwarmClient", "SwarmEpisode", "SwarmError", "swarm_episode"]

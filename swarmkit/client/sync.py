@@ -33,6 +33,7 @@ from swarmkit.client._common import (
     demonstration_body,
     is_lost_report_ack,
     json_object,
+    prepare_body,
     register_body,
     report_body,
     timelines_of,
@@ -56,6 +57,22 @@ class Episode(EpisodeInfo):
     def report(self, reward: float | Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """End the episode with a reward (a number, or role → number)."""
         self.result = self._client._end(self, "/report", report_body(reward, meta))
+        return self.result
+
+    def prepare(self, reward: float | Mapping[str, float], meta: Mapping[str, Any] | None = None, *,
+                primary: EpisodeInfo | None = None) -> dict[str, Any]:
+        """First phase of a multi-server end: the server keeps the reward until :meth:`commit`.
+
+        ``primary``: the episode whose commit decides this one (None for the primary
+        itself); see :func:`swarmkit.client.swarm_episode`, which makes these calls.
+        """
+        self.prepared = self._client._call("POST", self._path("/prepare"),
+                                              json_body=prepare_body(reward, meta, primary), key=self.api_key)
+        return self.prepared
+
+    def commit(self) -> dict[str, Any]:
+        """Second phase: the prepared episode goes to the pool (safe to repeat)."""
+        self.result = self._client._call("POST", self._path("/commit"), key=self.api_key)
         return self.result
 
     def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:

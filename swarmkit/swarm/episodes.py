@@ -6,6 +6,10 @@ maps key → (episode, role). Episodes past their deadline are aborted by
 :meth:`EpisodeRegistry.reap` (run periodically by the server's reaper task).
 Ended episodes are kept for a while (bounded) so that their owner can read
 their timelines and a second end gets 409 rather than 404.
+
+An episode that spans several servers ends in two phases (:mod:`swarmkit.swarm.atomic`):
+``prepare`` stores the reward (PREPARED: no more calls, not yet in the pool),
+``commit`` hands it to the pool (COMMITTING while that is written, then FINISHED).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from swarmkit.errors import ApiError
 from swarmkit.timelines.replay import TurnMemory
 
 RUNNING = "running"
+#: the reward is given, the episode waits for its commit (a multi-server episode)
+PREPARED = "prepared"
+#: the commit is being written to the pool
+COMMITTING = "committing"
 FINISHED = "finished"
 ABORTED = "aborted"
 
@@ -55,10 +63,19 @@ class Episode:
     accepted: bool = False
     #: the assistant turns generated for this episode, replayed token-exact when sent back
     turns: TurnMemory = field(default_factory=TurnMemory)
+    #: a prepared episode of a multi-server episode: the primary episode whose commit decides
+    #: this one (``url``, ``episode_id``, ``api_key``); None for the primary itself
+    primary: dict[str, str] | None = None
 
     @property
     def running(self) -> bool:
+        """Open for model calls (not yet reported, prepared or ended)."""
         return self.status == RUNNING
+
+    @property
+    def open(self) -> bool:
+        """Not ended yet (running, prepared or being committed)."""
+        return self.status in (RUNNING, PREPARED, COMMITTING)
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.deadline
@@ -253,9 +270,25 @@ class EpisodeRegistry:
                 raise ApiError(410, f"episode '{ep.id}' passed its deadline and was aborted", "episode_expired")
             raise ApiError(409, f"episode '{ep.id}' already ended (aborted: {ep.abort_reason})",
                            "episode_already_ended")
+        if ep.status == PREPARED:
+            raise ApiError(409, f"episode '{ep.id}' is prepared (its reward is given): commit or abort it",
+                           "episode_prepared")
+        if ep.status == COMMITTING:
+            raise ApiError(409, f"episode '{ep.id}' is being committed; ask again in a moment", "episode_committing")
         if ep.expired(now):
             self.abort(ep, "deadline", reaped=True)
             raise ApiError(410, f"episode '{ep.id}' passed its deadline and was aborted", "episode_expired")
+
+    def prepare(self, ep: Episode, reward: float, rewards: dict[str, float], primary: dict[str, str] | None) -> None:
+        """RUNNING → PREPARED: the reward is kept until :meth:`SwarmServer.commit` or an abort."""
+        ep.status = PREPARED
+        ep.reward, ep.rewards = reward, rewards
+        ep.primary = primary
+
+    def prepared_past_deadline(self, now: float | None = None) -> list[Episode]:
+        """Prepared episodes whose deadline passed (their client never committed: resolve them)."""
+        now = time.time() if now is None else now
+        return [ep for ep in self._running.values() if ep.status == PREPARED and ep.expired(now)]
 
     def finish(self, ep: Episode, reward: float, rewards: dict[str, float], accepted: bool) -> None:
         ep.status = FINISHED
@@ -266,7 +299,8 @@ class EpisodeRegistry:
         self._end(ep)
 
     def abort(self, ep: Episode, reason: str, *, reaped: bool = False) -> None:
-        if not ep.running:
+        """End a running or prepared episode without a sample (no-op once ended or committing)."""
+        if ep.status not in (RUNNING, PREPARED):
             return
         ep.status = ABORTED
         ep.abort_reason = reason
@@ -287,9 +321,10 @@ class EpisodeRegistry:
             self.on_end(ep)
 
     def reap(self, now: float | None = None) -> list[Episode]:
-        """Abort every running episode past its deadline; returns them."""
+        """Abort every running episode past its deadline; returns them (prepared ones are resolved by the
+        server, :meth:`prepared_past_deadline`)."""
         now = time.time() if now is None else now
-        expired = [ep for ep in self._running.values() if ep.expired(now)]
+        expired = [ep for ep in self._running.values() if ep.running and ep.expired(now)]
         for ep in expired:
             self.abort(ep, "deadline", reaped=True)
         return expired

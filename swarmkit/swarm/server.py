@@ -20,14 +20,17 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
+
 from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.plain import as_dict
 from swarmkit.config.schema import ModelConfig, ServerConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
 from swarmkit.errors import ApiError, busy
 from swarmkit.plugins import get_hooks, get_registry
+from swarmkit.swarm.atomic import resolve_prepared
 from swarmkit.swarm.auth import AdminAuth
-from swarmkit.swarm.episodes import Episode, EpisodeRegistry
+from swarmkit.swarm.episodes import ABORTED, COMMITTING, PREPARED, RUNNING, Episode, EpisodeRegistry
 from swarmkit.swarm.presence import ClientTracker
 from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
 from swarmkit.timelines.render import ChatRenderer, TokenText
@@ -124,6 +127,8 @@ class SwarmServer:
         self.run_dir: Path | None = Path(scfg.run_dir) if scfg.run_dir and scfg.run_dir != "auto" else None
         self.episode_timeout_s = float(scfg.episode_timeout_s)
         self.drain_timeout_s = float(scfg.drain_timeout_s)
+        self.prepared_grace_s = float(scfg.prepared_grace_s)
+        self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
         self.max_body_bytes = int(scfg.max_body_bytes)
         self.auth = AdminAuth(admin_token or scfg.admin_token, self.run_dir)
         self.state = StateMachine()
@@ -295,6 +300,7 @@ class SwarmServer:
                 scfg = ServerConfig(**as_dict(full["server"]))
                 self.episode_timeout_s = self.episodes.default_timeout_s = float(scfg.episode_timeout_s)
                 self.drain_timeout_s = float(scfg.drain_timeout_s)
+                self.prepared_grace_s = float(scfg.prepared_grace_s)
             await self.cycle.after_boot()
             self.started_at = time.time()
             self.state.transition(ServerState.ROLLING)
@@ -370,9 +376,42 @@ class SwarmServer:
                 return 0
             await asyncio.sleep(0.05)
         left = [e for e in self.episodes.running() if include_eval or not e.eval]
+        await self.resolve_prepared([e for e in left if e.status == PREPARED], final=True)
         for ep in left:
-            self.episodes.abort(ep, "drain deadline")
-        return len(left)
+            self.episodes.abort(ep, "drain deadline")  # running ones (a resolved one has ended: no-op)
+        return sum(e.status == ABORTED for e in left)
+
+    async def resolve_prepared(self, eps: list[Episode], *, final: bool) -> None:
+        """Commit or drop prepared episodes whose client never committed (:mod:`swarmkit.swarm.atomic`).
+
+        A primary that cannot be reached is asked again every 2 s until ``server.prepared_grace_s``
+        after the deadline; ``final`` (a drain ran out) decides at once.
+        """
+        if not eps:
+            return
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            for ep in eps:
+                now = time.time()
+                if ep.status != PREPARED or (not final and self._next_resolve.get(ep.id, 0.0) > now):
+                    continue
+                decision = await resolve_prepared(ep, http)
+                if ep.status != PREPARED:  # the client committed or aborted it meanwhile
+                    decision = "done"
+                elif decision == "wait" and not final and now < ep.deadline + self.prepared_grace_s:
+                    self._next_resolve[ep.id] = now + 2.0
+                    continue
+                self._next_resolve.pop(ep.id, None)
+                if decision == "commit":
+                    try:
+                        await self.commit(ep)
+                        log.info("prepared episode %s committed: its primary was committed", ep.id)
+                    except ApiError as exc:
+                        log.warning("prepared episode %s could not be committed: %s", ep.id, exc.message)
+                elif decision != "done":
+                    why = "its primary was not committed" if decision == "abort" else "its primary was unreachable"
+                    if decision == "wait":
+                        log.warning("prepared episode %s dropped: %s (it may have been committed there)", ep.id, why)
+                    self.episodes.abort(ep, f"not committed: {why}", reaped=True)
 
     def enter_weight_syncing(self) -> None:
         self.state.transition(ServerState.WEIGHT_SYNCING)
@@ -397,6 +436,26 @@ class SwarmServer:
         result = self.cycle.accept(ep)
         if inspect.isawaitable(result):
             await result
+
+    async def commit(self, ep: Episode, *, on_failure: str = PREPARED) -> None:
+        """PREPARED → FINISHED: a training episode goes to the pool (an eval one only ends).
+
+        A pool that cannot store it answers 503 (the client retries) and leaves the
+        episode ``on_failure`` (PREPARED, or RUNNING for a one-call report).
+        """
+        ep.status = COMMITTING
+        accepted = False
+        if not ep.eval:
+            try:
+                await self.accept(ep)
+            except Exception as exc:  # noqa: BLE001 - the sample was not stored: let the client retry
+                ep.status = on_failure
+                if on_failure == RUNNING:
+                    ep.reward, ep.rewards = None, {}
+                raise busy(f"the episode could not be stored in the sample pool ({type(exc).__name__}: {exc}); "
+                           "retry", 1.0, "pool_unavailable") from None
+            accepted = True
+        self.episodes.finish(ep, ep.reward if ep.reward is not None else 0.0, ep.rewards, accepted)
 
     def pool_info(self) -> dict[str, Any]:
         try:
@@ -442,6 +501,7 @@ class SwarmServer:
                 reaped = self.episodes.reap()
                 for ep in reaped:
                     log.info("episode %s (task %s) passed its deadline: aborted", ep.id, ep.task_id)
+                await self.resolve_prepared(self.episodes.prepared_past_deadline(), final=False)
             except Exception:  # noqa: BLE001 - the reaper must keep running
                 log.exception("reaper failed")
 

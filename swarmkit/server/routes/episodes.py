@@ -5,6 +5,9 @@
 - ``POST /api/v1/episodes/{id}/report`` ``{"reward": 1.0}`` or
   ``{"reward": {"wolf": 1.0, "seer": 0.0}}`` ends it.
 - ``POST /api/v1/episodes/{id}/abort`` ``{"reason": "..."}`` ends it without a sample.
+- ``POST /api/v1/episodes/{id}/prepare`` (``reward``, ``meta``, ``primary``) then
+  ``.../commit``: the two-phase end of an episode that spans several servers
+  (:mod:`swarmkit.swarm.atomic`; the SDK's ``swarm_episode`` makes both calls).
 - ``POST /api/v1/episodes/{id}/demonstration`` ``{"messages": [...], "tools": [...]}``
   records a demonstrated conversation; its assistant turns train with a
   supervised loss (see docs/agents.md, "Supervised warm start").
@@ -33,7 +36,7 @@ from swarmkit.server.chat_input import (
     template_error,
 )
 from swarmkit.server.requests import bearer, read_json
-from swarmkit.swarm.episodes import check_reward
+from swarmkit.swarm.episodes import FINISHED, PREPARED, RUNNING, check_reward
 from swarmkit.swarm.state import ServerState
 from swarmkit.timelines import Timeline
 from swarmkit.timelines.render import TemplateError
@@ -129,8 +132,8 @@ def _owned(request: Request, srv: SwarmServer, *, admin_ok: bool = False):
     return srv.episodes.owned(episode_id, token)
 
 
-async def report(request: Request) -> Response:
-    srv = _server(request)
+async def _ended_by_client(request: Request, srv: SwarmServer) -> tuple[Any, float, dict[str, float], dict]:
+    """The episode a report / prepare names, its checked reward, and the body, once its calls returned."""
     body = await read_json(request)
     ep = _owned(request, srv)
     if "reward" not in body:
@@ -151,19 +154,57 @@ async def report(request: Request) -> Response:
     srv.episodes.check_open(ep)
     if meta:
         ep.meta.update(meta)
-    accepted = False
-    if not ep.eval:
-        ep.reward, ep.rewards = reward, rewards
-        try:
-            await srv.accept(ep)
-        except Exception as exc:  # noqa: BLE001 - the sample was not stored: let the client retry
-            ep.reward, ep.rewards = None, {}
-            raise busy(f"the episode could not be stored in the sample pool ({type(exc).__name__}: {exc}); "
-                       "retry the report", 1.0, "pool_unavailable") from None
-        accepted = True
-    srv.episodes.finish(ep, reward, rewards, accepted)
-    return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": reward,
-                         "rewards": rewards or None, "accepted": accepted, "n_timelines": len(ep.timelines)})
+    return ep, reward, rewards, body
+
+
+def _result(ep: Any) -> JSONResponse:
+    return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": ep.reward,
+                         "rewards": ep.rewards or None, "accepted": ep.accepted, "n_timelines": len(ep.timelines)})
+
+
+async def report(request: Request) -> Response:
+    srv = _server(request)
+    ep, reward, rewards, _ = await _ended_by_client(request, srv)
+    srv.episodes.prepare(ep, reward, rewards, None)
+    await srv.commit(ep, on_failure=RUNNING)
+    return _result(ep)
+
+
+def _check_primary(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    fields = ("url", "episode_id", "api_key")
+    if not isinstance(value, dict) or set(value) != set(fields) or not all(
+            isinstance(value[k], str) and 0 < len(value[k]) <= 2048 for k in fields):
+        raise ApiError(422, "'primary' must be an object with the strings url, episode_id and api_key (the "
+                       "episode whose commit decides this one)", "invalid_field", param="primary")
+    if not value["url"].startswith(("http://", "https://")):
+        raise ApiError(422, "'primary.url' must be an http(s) URL of the primary's server", "invalid_field",
+                       param="primary.url")
+    return {k: value[k] for k in fields}
+
+
+async def prepare(request: Request) -> Response:
+    """First phase of ending a multi-server episode: keep the reward, wait for ``commit`` (or an abort)."""
+    srv = _server(request)
+    ep, reward, rewards, body = await _ended_by_client(request, srv)
+    srv.episodes.prepare(ep, reward, rewards, _check_primary(body.get("primary")))
+    return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": reward, "rewards": rewards or None,
+                         "deadline": ep.deadline})
+
+
+async def commit(request: Request) -> Response:
+    """Second phase: a prepared episode goes to the pool (idempotent: a committed one answers again)."""
+    srv = _server(request)
+    ep = _owned(request, srv)
+    if ep.status == FINISHED:
+        return _result(ep)
+    if ep.status != PREPARED:
+        srv.episodes.check_open(ep)  # 409 aborted / committing, 410 expired
+        raise ApiError(409, f"episode '{ep.id}' is not prepared: send 'prepare' first (or 'report' for a "
+                       "one-server episode)", "episode_not_prepared")
+    await srv.commit(ep)
+    return _result(ep)
 
 
 async def demonstration(request: Request) -> Response:
@@ -208,7 +249,8 @@ async def abort(request: Request) -> Response:
     reason = body.get("reason", "aborted by the client")
     if not isinstance(reason, str):
         raise ApiError(422, "'reason' must be a string", "invalid_field", param="reason")
-    srv.episodes.check_open(ep)
+    if ep.status != PREPARED:
+        srv.episodes.check_open(ep)
     srv.episodes.abort(ep, reason[:1000] or "aborted by the client")
     return JSONResponse({"episode_id": ep.id, "status": ep.status, "reason": ep.abort_reason})
 

@@ -1,0 +1,172 @@
+"""One episode over several servers, ended atomically: :func:`swarm_episode`.
+
+A multi-agent episode whose roles are trained by different servers (civilians
+on server A, spies on server B) is one registered episode per server. Ending it
+with one ``report`` per server is not atomic: a client killed between the two
+reports leaves A with a sample and B without. :func:`swarm_episode` registers
+the parts (in one fixed order, so two clients never wait on each other's
+servers) and ends them in two phases, ``prepare`` on every part, then
+``commit``, primary first; a server whose client died resolves its part from
+the primary's outcome (:mod:`swarmkit.swarm.atomic` says how). So every server
+keeps the episode, or none does::
+
+    from swarmkit.client import SwarmClient, swarm_episode
+
+    routes = {"civilian": SwarmClient(URL_A), "spy": SwarmClient(URL_B)}
+    with swarm_episode(routes, task_id="pair-3") as ep:
+        civ = OpenAI(base_url=ep.base_url("civilian"), api_key=ep.key_for("civilian"))
+        spy = OpenAI(base_url=ep.base_url("spy"), api_key=ep.key_for("spy"))
+        ...  # play
+        ep.report({"civilian": 1.0, "spy": 0.0})
+
+Roles routed to the same server share one episode there (``roles=[...]``).
+``frozen`` roles are played but not trained: their server's part is an eval
+episode (all roles of a part must agree).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from swarmkit.client._common import SwarmError, abort_reason
+from swarmkit.client.sync import Episode, SwarmClient
+
+log = logging.getLogger("swarmkit.client")
+
+__all__ = ["SwarmEpisode", "plan_parts", "swarm_episode"]
+
+
+def plan_parts(routes: Mapping[str, SwarmClient], frozen: Collection[str] = ()
+               ) -> list[tuple[SwarmClient, list[str], bool]]:
+    """(server, its roles, eval) per server, in the fixed order (by server URL; the first is the primary)."""
+    if not routes:
+        raise ValueError("swarm_episode needs at least one role -> server route")
+    unknown = set(frozen) - set(routes)
+    if unknown:
+        raise ValueError(f"frozen role(s) {sorted(unknown)} have no route")
+    by_url: dict[str, tuple[SwarmClient, list[str]]] = {}
+    for role, client in routes.items():
+        by_url.setdefault(client.url, (client, []))[1].append(role)
+    parts = []
+    for url in sorted(by_url):
+        client, roles = by_url[url]
+        flags = {r in frozen for r in roles}
+        if len(flags) > 1:
+            raise ValueError(f"roles {roles} share the server {url}: freeze all of them or none "
+                             "(one episode there is either trained or not)")
+        parts.append((client, roles, flags.pop()))
+    return parts
+
+
+class SwarmEpisode:
+    """The parts of one multi-server episode (primary first) and how to end them together."""
+
+    def __init__(self, parts: list[tuple[SwarmClient, Episode]]):
+        self.parts = parts
+        #: the primary committed: the episode is decided (a part whose commit failed follows on its server)
+        self.committed = False
+        self._by_role = {role: ep for _, ep in parts for role in ep.roles}
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self._by_role)
+
+    @property
+    def primary(self) -> Episode:
+        return self.parts[0][1]
+
+    @property
+    def ended(self) -> bool:
+        return self.committed or all(ep.ended for _, ep in self.parts)
+
+    def episode(self, role: str) -> Episode:
+        """The registered episode that holds ``role``."""
+        try:
+            return self._by_role[role]
+        except KeyError:
+            raise KeyError(f"no role {role!r}; roles: {', '.join(self._by_role)}") from None
+
+    def base_url(self, role: str) -> str:
+        return self.episode(role).base_url
+
+    def key_for(self, role: str) -> str:
+        return self.episode(role).key_for(role)
+
+    def report(self, rewards: Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """End every part with its roles' rewards: all servers keep the episode, or none does.
+
+        Returns episode id → the server's answer. On an error before the primary's
+        commit every part is dropped and the error propagates.
+        """
+        missing = set(self._by_role) - set(rewards)
+        extra = set(rewards) - set(self._by_role)
+        if missing or extra:
+            raise ValueError(f"rewards must name exactly the roles {sorted(self._by_role)} "
+                             f"(missing {sorted(missing)}, unknown {sorted(extra)})")
+        if len(self.parts) == 1:  # one server: its report is already atomic
+            ep = self.primary
+            return {ep.episode_id: ep.report({r: float(rewards[r]) for r in ep.roles}, meta)}
+        primary = self.primary
+        try:
+            for _, ep in self.parts:
+                ep.prepare({r: float(rewards[r]) for r in ep.roles}, meta, primary=None if ep is primary else primary)
+            primary.commit()  # the decision
+            self.committed = True
+        except BaseException as exc:
+            self.abort(abort_reason(exc))
+            raise
+        for _, ep in self.parts[1:]:  # committed: the rest follow (or their server resolves them from the primary)
+            try:
+                ep.commit()
+            except SwarmError as exc:
+                log.warning("episode %s: commit failed (%s); its server commits it from the primary's outcome",
+                            ep.episode_id, exc)
+        return {ep.episode_id: ep.result or ep.prepared for _, ep in self.parts}
+
+    def abort(self, reason: str = "aborted by the client") -> None:
+        """Drop every part that has not ended (quietly: a server that is gone drops it at the deadline).
+
+        Does nothing once the primary committed (the episode is decided).
+        """
+        if self.committed:
+            return
+        for _, ep in self.parts:
+            if ep.ended:
+                continue
+            try:
+                ep.abort(reason)
+            except SwarmError:
+                pass
+
+
+@contextmanager
+def swarm_episode(routes: Mapping[str, SwarmClient], task_id: str, *, eval: bool = False,
+                  frozen: Collection[str] = (), timeout_s: float | None = None,
+                  meta: Mapping[str, Any] | None = None) -> Iterator[SwarmEpisode]:
+    """Register one episode per server for the ``with`` block (see the module text).
+
+    :param routes: role → the client of the server that trains that role.
+    :param eval: every part is an eval episode (nothing is trained).
+    :param frozen: roles that play but are not trained (their part is an eval episode).
+    An exception in the block, or a block that ends without :meth:`SwarmEpisode.report`,
+    drops every part.
+    """
+    parts: list[tuple[SwarmClient, Episode]] = []
+    try:
+        for client, roles, is_frozen in plan_parts(routes, frozen):
+            parts.append((client, client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles,
+                                                  meta=meta)))
+    except BaseException as exc:
+        SwarmEpisode(parts).abort(abort_reason(exc))
+        raise
+    ep = SwarmEpisode(parts)
+    try:
+        yield ep
+    except BaseException as exc:
+        ep.abort(abort_reason(exc))
+        raise
+    if not ep.ended:
+        ep.abort(abort_reason(None))

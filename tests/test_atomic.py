@@ -1,0 +1,192 @@
+"""Multi-server episodes end atomically: prepare on every server, commit the primary, then the rest;
+a server whose client vanished resolves its prepared part from the primary's outcome.
+
+Two real-socket servers in threads of this process (scripted backend: this tests the episode
+protocol, not a model); the resolver talks to the other server over HTTP like in production.
+The SIGKILLed-client version with real models and journals is in tests/test_multi_model.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from swarmkit.apps.serve import start_server_thread
+from swarmkit.client import SwarmAPIError, SwarmClient, swarm_episode
+from swarmkit.testing.scripted import ScriptedBackend
+
+TOKEN = "atomic-test-admin-token"
+
+
+@pytest.fixture(scope="module")
+def train_cfg():
+    from swarmkit.config.compose import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.plugins import get_registry
+
+    return validate_config(compose(["model=tiny"]), get_registry())
+
+
+def _server(train_cfg, tmp_path_factory):
+    from swarmkit.models import build_tiny_tokenizer
+
+    backend = ScriptedBackend(build_tiny_tokenizer(), replies=["ok"])
+    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                        "run_dir": str(tmp_path_factory.mktemp("run"))}},
+                            config=train_cfg, backend_factory=lambda cfg: backend, train=False)
+    with SwarmClient(h.url, token=TOKEN) as c:
+        c.start()
+        c.wait_for_state("ROLLING", timeout=20)
+    h.swarm.reaper_interval_s = 0.05
+    h.swarm.prepared_grace_s = 1.0  # (the boot set the config's 60 s)
+    return h
+
+
+@pytest.fixture(scope="module")
+def servers(train_cfg, tmp_path_factory):
+    hs = [_server(train_cfg, tmp_path_factory) for _ in range(2)]
+    yield sorted(hs, key=lambda h: h.url)  # the primary of a two-server episode is the first by URL
+    for h in hs:
+        h.stop()
+
+
+def _clients(servers):
+    return [SwarmClient(h.url, token=TOKEN, retry_for=10) for h in servers]
+
+
+def _chat(ep, role):
+    r = httpx.post(f"{ep.base_url(role)}/chat/completions", headers={"Authorization": f"Bearer {ep.key_for(role)}"},
+                   json={"model": "m", "messages": [{"role": "user", "content": f"hi {role}"}], "max_tokens": 4})
+    return r
+
+
+def _status(client, episode_id):
+    return client._call("GET", f"/api/v1/episodes/{episode_id}", admin=True)
+
+
+def _wait_ended(client, episode_id, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = _status(client, episode_id)
+        if st["status"] in ("finished", "aborted"):
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"episode {episode_id} still {st['status']}")
+
+
+def test_prepare_blocks_calls_and_commit_pools_it_once(servers):
+    a, _ = _clients(servers)
+    ep = a.register("t-1", roles=["x"])
+    ans = ep.prepare({"x": 0.5})
+    assert ans["status"] == "prepared" and ans["rewards"] == {"x": 0.5}
+    r = httpx.post(f"{ep.base_url}/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
+                   json={"model": "m", "messages": [{"role": "user", "content": "more?"}]})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "episode_prepared"
+    with pytest.raises(SwarmAPIError) as e:
+        ep.report({"x": 1.0})
+    assert e.value.code == "episode_prepared"
+    first = ep.commit()
+    assert first["status"] == "finished" and first["accepted"] is True and first["rewards"] == {"x": 0.5}
+    assert ep.commit() == first  # a retried commit answers the same
+    with pytest.raises(SwarmAPIError) as e:
+        ep.abort()
+    assert e.value.status == 409
+
+
+def test_commit_needs_a_prepared_episode_and_a_primary_must_be_well_formed(servers):
+    a, _ = _clients(servers)
+    ep = a.register("t-2")
+    with pytest.raises(SwarmAPIError) as e:
+        ep.commit()
+    assert e.value.code == "episode_not_prepared"
+    for bad in ({"url": "ftp://x", "episode_id": "e", "api_key": "k"}, {"url": "http://x"}, "http://x"):
+        with pytest.raises(SwarmAPIError) as e:
+            a._call("POST", f"/api/v1/episodes/{ep.episode_id}/prepare", json_body={"reward": 1.0, "primary": bad},
+                    key=ep.api_key)
+        assert e.value.status == 422 and "primary" in str(e.value)
+    ep.abort()
+
+
+def test_swarm_episode_ends_every_part_together(servers):
+    a, b = _clients(servers)
+    with swarm_episode({"civilian": a, "spy": b}, "game-1", meta={"task_family": "spy"}) as ep:
+        assert ep.primary.server_url == a.url
+        assert _chat(ep, "civilian").status_code == 200 and _chat(ep, "spy").status_code == 200
+        out = ep.report({"civilian": 1.0, "spy": 0.0})
+    assert [r["status"] for r in out.values()] == ["finished", "finished"]
+    assert _status(a, ep.episode("civilian").episode_id)["rewards"] == {"civilian": 1.0}
+    assert _status(b, ep.episode("spy").episode_id)["accepted"] is True
+
+
+def test_an_error_in_the_block_drops_every_part(servers):
+    a, b = _clients(servers)
+    with pytest.raises(RuntimeError), swarm_episode({"civilian": a, "spy": b}, "game-2") as ep:
+        _chat(ep, "spy")
+        raise RuntimeError("the game crashed")
+    for client, role in ((a, "civilian"), (b, "spy")):
+        st = _status(client, ep.episode(role).episode_id)
+        assert st["status"] == "aborted" and "the game crashed" in st["abort_reason"]
+
+
+def test_frozen_roles_play_in_eval_episodes_and_routes_to_one_server_share_an_episode(servers):
+    a, b = _clients(servers)
+    with swarm_episode({"civilian": a, "spy": b}, "game-3", frozen=["spy"]) as ep:
+        assert not ep.episode("civilian").eval and ep.episode("spy").eval
+        out = ep.report({"civilian": 0.0, "spy": 1.0})
+    assert sorted(r["accepted"] for r in out.values()) == [False, True]
+    with swarm_episode({"civilian": a, "spy": a}, "game-4") as ep:
+        assert len(ep.parts) == 1 and ep.episode("spy") is ep.episode("civilian")
+        ep.report({"civilian": 1.0, "spy": 0.0})
+    with pytest.raises(ValueError, match="freeze all of them or none"):
+        with swarm_episode({"civilian": a, "spy": a}, "game-5", frozen=["spy"]):
+            pass
+    with pytest.raises(ValueError, match="exactly the roles"):
+        with swarm_episode({"civilian": a, "spy": b}, "game-6") as ep:
+            ep.report({"civilian": 1.0})
+
+
+def _parts(servers, task):
+    """Two parts of one episode, registered with a 1 s deadline (primary on the first server)."""
+    a, b = _clients(servers)
+    pa = a.register(task, roles=["civilian"], timeout_s=1.0)
+    pb = b.register(task, roles=["spy"], timeout_s=1.0)
+    return a, b, pa, pb
+
+
+def test_a_client_gone_after_the_primary_commit_still_gets_both_kept(servers):
+    a, b, pa, pb = _parts(servers, "crash-after-commit")
+    pa.prepare({"civilian": 1.0})
+    pb.prepare({"spy": 0.0}, primary=pa)
+    pa.commit()  # ... and the client dies here: B resolves its part from A at the deadline
+    st = _wait_ended(b, pb.episode_id)
+    assert st["status"] == "finished" and st["accepted"] is True and st["rewards"] == {"spy": 0.0}
+
+
+@pytest.mark.parametrize("stage", ["both prepared", "only the primary prepared", "only the other prepared"])
+def test_a_client_gone_before_the_primary_commit_gets_both_dropped(servers, stage):
+    a, b, pa, pb = _parts(servers, f"crash-{stage.replace(' ', '-')}")
+    if stage != "only the other prepared":
+        pa.prepare({"civilian": 1.0})
+    if stage != "only the primary prepared":
+        pb.prepare({"spy": 0.0}, primary=pa)
+    # ... the client dies: nobody commits
+    for client, ep in ((a, pa), (b, pb)):
+        st = _wait_ended(client, ep.episode_id)
+        assert st["status"] == "aborted" and st["accepted"] is False, st
+    with pytest.raises(SwarmAPIError) as e:  # a late client cannot commit the primary any more
+        pa.commit()
+    assert e.value.status in (409, 410)
+
+
+def test_an_unreachable_primary_is_asked_until_the_grace_then_the_part_is_dropped(servers):
+    _, b = _clients(servers)
+    pb = b.register("no-primary", roles=["spy"], timeout_s=0.5)
+    gone = {"url": "http://127.0.0.1:9", "episode_id": "ep-gone", "api_key": "sk-gone"}
+    b._call("POST", f"/api/v1/episodes/{pb.episode_id}/prepare", json_body={"reward": {"spy": 1.0}, "primary": gone},
+            key=pb.api_key)
+    time.sleep(0.8)
+    assert _status(b, pb.episode_id)["status"] == "prepared"  # past its deadline, inside the 1 s grace
+    st = _wait_ended(b, pb.episode_id)
+    assert st["status"] == "aborted" and "unreachable" in st["abort_reason"]
