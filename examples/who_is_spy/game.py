@@ -12,7 +12,7 @@ or when ``max_rounds`` rounds pass with a spy still in.
 **The guard against copying.** The paper's spies learnt to repeat another
 player's description (a safe way to blend in). Here a description that
 repeats an earlier one of the same game (same words after normalising, or a
-word-set overlap of at least ``copy_threshold``), or that says the player's
+content-word overlap (Jaccard, stop words left out) of at least ``copy_threshold``), or that says the player's
 own word, is *withheld*: the others see ``(withheld: ...)``, the vote goes on,
 and the offender's side loses ``copy_penalty`` of its reward. Copying then
 neither hides a spy nor pays.
@@ -48,6 +48,8 @@ NAMES = ("Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jade"
          "Omar", "Pia", "Quin", "Rosa", "Sam", "Tess", "Uma", "Vik", "Wren", "Yara", "Zed")
 
 _WORD = re.compile(r"[a-z0-9]+")
+#: words ignored when descriptions are compared (a copy with an added "a" is still a copy)
+STOP_WORDS = frozenset("a an the it its is are was be of and or to in on at for with my your this that".split())
 
 
 @dataclass(frozen=True)
@@ -103,15 +105,16 @@ def words(text: str) -> list[str]:
 
 
 def jaccard(a: str, b: str) -> float:
-    sa, sb = set(words(a)), set(words(b))
+    """Overlap of two descriptions' content words (stop words left out): 1 = the same words."""
+    sa, sb = set(words(a)) - STOP_WORDS, set(words(b)) - STOP_WORDS
     return len(sa & sb) / len(sa | sb) if sa and sb else 0.0
 
 
 def parse_description(reply: str, limit: int = 80) -> str:
     """The first non-empty line of a reply, without quotes or a ``Name:`` prefix, cut to ``limit``."""
     for line in reply.strip().splitlines():
+        line = re.sub(r"^(description|my description|[A-Z][a-z]+)\s*:\s*", "", line.strip(), flags=re.IGNORECASE)
         line = line.strip().strip('"').strip()
-        line = re.sub(r"^(description|my description|[A-Z][a-z]+)\s*:\s*", "", line, flags=re.IGNORECASE)
         if line:
             return line[:limit]
     return ""
