@@ -114,9 +114,11 @@ class GameClient(EpisodeLoop):
     def __init__(self, routes: dict[str, SwarmClient], tasks: list[SpyTask], *, config: GameConfig,
                  rollouts_per_task: int, frozen: Sequence[str] = (), max_tokens: int = 24, temperature: float = 1.0,
                  concurrency: int = 4, seed: int = 0, max_episodes: int = 0, log_path: str | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, eval_every: int = 0):
         super().__init__(tasks, rollouts_per_task=rollouts_per_task, concurrency=concurrency,  # type: ignore[arg-type]
-                         seed=seed, max_episodes=max_episodes)
+                         seed=seed, max_episodes=max_episodes, eval_every=eval_every)
+        self._held_out = make_spy_tasks(64, "eval", seed)
+        self._evals = 0
         self.routes, self.config, self.frozen = routes, config, list(frozen)
         self.max_tokens, self.temperature, self.timeout_s = max_tokens, temperature, timeout_s
         self.log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
@@ -126,6 +128,14 @@ class GameClient(EpisodeLoop):
     def run_one(self, task: Any, http: httpx.Client) -> GameResult:
         return run_game(self.routes, task, config=self.config, frozen=self.frozen, max_tokens=self.max_tokens,
                         temperature=self.temperature, http=http, timeout_s=self.timeout_s)
+
+    def run_eval(self, http: httpx.Client) -> float:
+        """One held-out game, every part an eval episode; 1 if the civilians won."""
+        self._evals += 1
+        task = self._held_out[self._evals % len(self._held_out)]
+        result = run_game(self.routes, task, config=self.config, eval=True, max_tokens=self.max_tokens,
+                          temperature=self.temperature, http=http, timeout_s=self.timeout_s)
+        return float(result.winner == CIVILIAN)
 
     def handle(self, result: GameResult) -> None:
         with self._lock:
@@ -289,7 +299,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     client = GameClient(routes, make_spy_tasks(args.train_size, "train", args.seed), config=config,
                         rollouts_per_task=args.rollouts, frozen=args.frozen, max_tokens=args.max_tokens,
                         temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
-                        max_episodes=args.episodes, log_path=args.episode_log, timeout_s=args.timeout_s)
+                        max_episodes=args.episodes, log_path=args.episode_log, timeout_s=args.timeout_s,
+                        eval_every=args.eval_every)
     with contextlib.suppress(KeyboardInterrupt):
         client.run()
     wins = sum(g.winner == CIVILIAN for g in client.results)
@@ -341,6 +352,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout-s", type=float, default=None, help="episode deadline (default: the server's)")
     c.add_argument("--retry-for", type=float, default=600.0)
     c.add_argument("--client-id", default="spy-client")
+    c.add_argument("--eval-every", type=int, default=0,
+                   help="play one held-out eval game after every this many training games")
     return p
 
 

@@ -131,11 +131,15 @@ class EpisodeLoop:
     override :meth:`handle` (what to do with its result). Episodes whose server
     call fails are aborted by the SDK and counted in ``failures``; the loop keeps
     going (the server may be busy training). ``max_episodes`` > 0 stops the loop
-    after that many finished episodes.
+    after that many finished episodes. ``eval_every`` > 0 plays one eval episode
+    (:meth:`run_eval`, never trained) after every that many finished episodes,
+    so the server logs eval rewards per task family while it trains.
     """
 
     def __init__(self, tasks: list[Task], *, rollouts_per_task: int, concurrency: int = 8, seed: int = 0,
-                 max_episodes: int = 0):
+                 max_episodes: int = 0, eval_every: int = 0):
+        self.eval_every = eval_every
+        self.eval_rewards: list[float] = []
         self.tasks = tasks
         self.rollouts_per_task = rollouts_per_task
         self.concurrency = concurrency
@@ -152,6 +156,16 @@ class EpisodeLoop:
 
     def handle(self, result: Any) -> None:
         """Called in the loop's thread for every finished episode."""
+
+    def run_eval(self, http: httpx.Client) -> float:
+        """One eval episode (``eval_every``); returns its reward. Subclasses that evaluate override it."""
+        raise NotImplementedError(f"{type(self).__name__} has no eval episode")
+
+    def _eval_once(self, http: httpx.Client) -> None:
+        try:
+            self.eval_rewards.append(float(self.run_eval(http)))
+        except Exception as exc:  # noqa: BLE001 - an eval episode never stops training
+            log.warning("eval episode failed: %s: %s", type(exc).__name__, exc)
 
     def _jobs(self):
         for task in cycle(self.tasks, self.seed):
@@ -179,6 +193,8 @@ class EpisodeLoop:
                         continue
                     self.finished += 1
                     self.handle(result)
+                    if self.eval_every and self.finished % self.eval_every == 0:
+                        pool.submit(self._eval_once, http)
             for fut in running:
                 fut.cancel()
 
@@ -208,8 +224,12 @@ class TrainingClient(EpisodeLoop):
         seed: int = 0,
         on_result: Callable[[EpisodeResult], None] | None = None,
         ready_every: int = 0,
+        eval_tasks: list[Task] | None = None,
+        eval_every: int = 0,
     ):
-        super().__init__(tasks, rollouts_per_task=rollouts_per_task, concurrency=concurrency, seed=seed)
+        super().__init__(tasks, rollouts_per_task=rollouts_per_task, concurrency=concurrency, seed=seed,
+                         eval_every=eval_every if eval_tasks else 0)
+        self._eval_jobs = cycle(list(eval_tasks or []), seed + 1) if eval_tasks else None
         self.client = client
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -219,6 +239,11 @@ class TrainingClient(EpisodeLoop):
 
     def run_one(self, task: Task, http: httpx.Client) -> EpisodeResult:
         return run_episode(self.client, task, max_tokens=self.max_tokens, temperature=self.temperature, http=http)
+
+    def run_eval(self, http: httpx.Client) -> float:
+        assert self._eval_jobs is not None
+        return run_episode(self.client, next(self._eval_jobs), max_tokens=self.max_tokens, temperature=0.0,
+                           eval=True, http=http).reward
 
     def handle(self, result: EpisodeResult) -> None:
         if self.on_result:
@@ -243,15 +268,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="vote ready (batching c4/c5) after every this many episodes")
     p.add_argument("--client-id", default=None)
     p.add_argument("--eval", action="store_true", help="run one eval pass instead of training")
+    p.add_argument("--eval-size", type=int, default=48, help="held-out tasks (--eval, --eval-every)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="play one held-out eval episode after every this many training episodes")
+    p.add_argument("--demonstrations", type=int, default=0,
+                   help="send this many demonstration episodes first (supervised warm start; calc_agent)")
     args = p.parse_args(argv)
     client = SwarmClient(args.url, token=args.token, retry_for=900, client_id=args.client_id)
+    eval_tasks = make_tasks(args.task, args.eval_size, split="eval")
     if args.eval:
-        result = evaluate(client, make_tasks(args.task, args.train_size, split="eval"), max_tokens=args.max_tokens)
+        result = evaluate(client, eval_tasks, max_tokens=args.max_tokens)
         print(f"eval reward: {result}")
         return 0
+    if args.demonstrations:
+        sent = send_demonstrations(client, make_tasks(args.task, args.demonstrations, seed=1, split="demo"),
+                                   group_size=args.rollouts_per_task)
+        print(f"{sent} demonstrations accepted")
     tc = TrainingClient(client, make_tasks(args.task, args.train_size), rollouts_per_task=args.rollouts_per_task,
                         max_tokens=args.max_tokens, concurrency=args.concurrency, ready_every=args.ready_every,
-                        on_result=lambda r: print(f"{r.task_id}: reward {r.reward:.2f}"))
+                        on_result=lambda r: print(f"{r.task_id}: reward {r.reward:.2f}", flush=True),
+                        eval_tasks=eval_tasks, eval_every=args.eval_every)
     try:
         tc.run()
     except KeyboardInterrupt:

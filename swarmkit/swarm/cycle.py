@@ -34,6 +34,7 @@ from swarmkit.config.schema import TrainerConfig
 from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.episodes import Episode
+from swarmkit.swarm.families import step_family_metrics
 from swarmkit.swarm.metrics import MetricsWriter
 from swarmkit.swarm.state import ServerState
 
@@ -247,6 +248,8 @@ class TrainingCycle:
                 drained_aborted=float(aborted),
                 pool_left=float(self.pool.stats()["episodes"]),
             )
+            metrics.update(step_family_metrics(records))
+            metrics.update(srv.eval_tally.take())
             self.last_metrics = {"step": step, **metrics}
             self.last_error = None
             if self.metrics is not None:

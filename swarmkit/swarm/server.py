@@ -30,7 +30,16 @@ from swarmkit.errors import ApiError, busy
 from swarmkit.plugins import get_hooks, get_registry
 from swarmkit.swarm.atomic import resolve_prepared
 from swarmkit.swarm.auth import AdminAuth
-from swarmkit.swarm.episodes import ABORTED, COMMITTING, PREPARED, RUNNING, Episode, EpisodeRegistry
+from swarmkit.swarm.episodes import (
+    ABORTED,
+    COMMITTING,
+    FINISHED,
+    PREPARED,
+    RUNNING,
+    Episode,
+    EpisodeRegistry,
+)
+from swarmkit.swarm.families import EvalTally
 from swarmkit.swarm.presence import ClientTracker
 from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
 from swarmkit.timelines.render import ChatRenderer, TokenText
@@ -133,6 +142,8 @@ class SwarmServer:
         self.auth = AdminAuth(admin_token or scfg.admin_token, self.run_dir)
         self.state = StateMachine()
         self.episodes = EpisodeRegistry(default_timeout_s=self.episode_timeout_s, on_end=self._on_episode_end)
+        #: eval rewards per task family since the last training step (logged with the step)
+        self.eval_tally = EvalTally()
         self.clients = ClientTracker()
         self.config: Any = config
         self.backend_factory = backend_factory
@@ -423,6 +434,8 @@ class SwarmServer:
 
     # ------------------------------------------------------------------ episodes
     def _on_episode_end(self, ep: Episode) -> None:
+        if ep.eval and ep.status == FINISHED and ep.reward is not None:
+            self.eval_tally.add(ep.meta.get("task_family"), ep.rewards or ep.reward)
         try:
             get_hooks().episode_finished(ep.hook_payload())
         except Exception:  # noqa: BLE001
