@@ -115,3 +115,14 @@ def test_trainer_step_export_and_checkpoint(tmp_path):
                   {"name": "grpo"}, run_dir=tmp_path)
     assert tr2.load_checkpoint() == {"pool_step": 1} and tr2.global_step == 1
     assert tr2.step(recs)["loss"] == want and tr2.global_step == 2
+
+
+def test_the_auto_token_budget_is_per_device_and_cpu_steps_trim_the_heap():
+    from swarmkit.training.config import resolve_token_budget
+    from swarmkit.training.hostmem import release_freed_memory
+
+    assert resolve_token_budget(0, "cpu") == 2048 and resolve_token_budget(0, "cuda") == 8192
+    assert resolve_token_budget(512, "cpu") == 512
+    with pytest.raises(ValueError, match="token_budget"):
+        resolve_token_budget(-1, "cpu")
+    assert release_freed_memory() is True  # glibc here

@@ -9,6 +9,7 @@ runs it in threads next to a local server.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -34,6 +35,9 @@ class EpisodeResult:
     completion: str
     eval: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    episode_id: str = ""
+    #: the server acknowledged the episode as accepted into its sample pool
+    accepted: bool = False
 
 
 def run_episode(
@@ -51,8 +55,9 @@ def run_episode(
     try:
         with client.episode(task_id=task.task_id, eval=eval, meta={"task_family": task.family}) as ep:
             outcome = run_task(http, ep.base_url, ep.api_key, task, max_tokens=max_tokens, temperature=temperature)
-            ep.report(outcome.reward)
-        return EpisodeResult(task.task_id, outcome.reward, outcome.completion, eval, outcome.metrics)
+            answer = ep.report(outcome.reward)
+        return EpisodeResult(task.task_id, outcome.reward, outcome.completion, eval, outcome.metrics,
+                             ep.episode_id, bool(answer.get("accepted")))
     finally:
         if own:
             http.close()
@@ -255,6 +260,17 @@ class TrainingClient(EpisodeLoop):
                 self.last_error = f"ready vote failed: {exc}"
 
 
+def _option(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--task-option`` (the value as JSON when it parses, else the string)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--task-option takes KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run the built-in task client against a swarm server.")
     p.add_argument("--url", required=True)
@@ -273,20 +289,33 @@ def main(argv: list[str] | None = None) -> int:
                    help="play one held-out eval episode after every this many training episodes")
     p.add_argument("--demonstrations", type=int, default=0,
                    help="send this many demonstration episodes first (supervised warm start; calc_agent)")
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a task option (e.g. token_rule's target=a: the reward); repeat")
+    p.add_argument("--episode-log", default=None,
+                   help="append one JSON line per finished episode (id, task, reward, accepted)")
     args = p.parse_args(argv)
+    options = dict(_option(o) for o in args.task_option)
     client = SwarmClient(args.url, token=args.token, retry_for=900, client_id=args.client_id)
-    eval_tasks = make_tasks(args.task, args.eval_size, split="eval")
+    eval_tasks = make_tasks(args.task, args.eval_size, split="eval", options=options)
     if args.eval:
         result = evaluate(client, eval_tasks, max_tokens=args.max_tokens)
         print(f"eval reward: {result}")
         return 0
     if args.demonstrations:
-        sent = send_demonstrations(client, make_tasks(args.task, args.demonstrations, seed=1, split="demo"),
-                                   group_size=args.rollouts_per_task)
+        sent = send_demonstrations(client, make_tasks(args.task, args.demonstrations, seed=1, split="demo",
+                                                      options=options), group_size=args.rollouts_per_task)
         print(f"{sent} demonstrations accepted")
-    tc = TrainingClient(client, make_tasks(args.task, args.train_size), rollouts_per_task=args.rollouts_per_task,
-                        max_tokens=args.max_tokens, concurrency=args.concurrency, ready_every=args.ready_every,
-                        on_result=lambda r: print(f"{r.task_id}: reward {r.reward:.2f}", flush=True),
+    log_file = open(args.episode_log, "a", buffering=1) if args.episode_log else None  # noqa: SIM115
+
+    def on_result(r: EpisodeResult) -> None:
+        print(f"{r.task_id}: reward {r.reward:.2f}", flush=True)
+        if log_file is not None:  # written only once the server answered the report
+            log_file.write(json.dumps({"episode_id": r.episode_id, "task_id": r.task_id, "reward": r.reward,
+                                       "accepted": r.accepted}) + "\n")
+
+    tc = TrainingClient(client, make_tasks(args.task, args.train_size, options=options),
+                        rollouts_per_task=args.rollouts_per_task, max_tokens=args.max_tokens,
+                        concurrency=args.concurrency, ready_every=args.ready_every, on_result=on_result,
                         eval_tasks=eval_tasks, eval_every=args.eval_every)
     try:
         tc.run()

@@ -28,8 +28,9 @@ class EngineConfig:
     group_step_timeout_s: float = 3600.0
     #: with nprocs > 1: torch threads per rank
     threads_per_rank: int = 1
-    #: tokens per micro-batch (gradient accumulation over micro-batches)
-    token_budget: int = 8192
+    #: tokens per micro-batch (gradient accumulation over micro-batches); 0 = auto: 8192 on CUDA,
+    #: 2048 on CPU (activations of SmolLM2-135M take about 1 MB per token in float32)
+    token_budget: int = 0
     #: "auto" = bfloat16 on CUDA, float32 on CPU
     dtype: str = "auto"
     #: "auto" = cuda if available else cpu
@@ -48,3 +49,14 @@ class EngineConfig:
     compile_backend: str = "inductor"
     #: recompute activations in backward (less memory, one more forward)
     activation_checkpointing: bool = False
+
+
+#: ``optim.token_budget`` of 0 (auto), by device type
+AUTO_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
+
+
+def resolve_token_budget(value: int, device_type: str) -> int:
+    """The micro-batch token budget: ``value``, or the device's auto budget for 0."""
+    if int(value) < 0:
+        raise ValueError(f"optim.token_budget must be >= 0 (0 = auto), got {value}")
+    return int(value) or AUTO_TOKEN_BUDGET.get(device_type, AUTO_TOKEN_BUDGET["cuda"])

@@ -26,7 +26,8 @@ from torch import nn
 
 from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import Algorithm, LossInputs, OptimEngine, TrainSample, check_algorithm
-from swarmkit.training.config import EngineConfig
+from swarmkit.training.config import EngineConfig, resolve_token_budget
+from swarmkit.training.hostmem import release_freed_memory
 from swarmkit.training.lm import default_device, dist_info, load_lm, resolve_dtype
 from swarmkit.training.logprob import DEFAULT_LOGIT_CHUNK_ELEMENTS
 from swarmkit.training.lora import merge_lora_state
@@ -74,7 +75,7 @@ class TrainingEngine(OptimEngine):
             torch.cuda.set_device(self.device)
         self.compute_dtype = resolve_dtype(self.cfg.dtype, self.device)
         self.seed = int(self.cfg.seed or 0)
-        self.token_budget = int(self.cfg.token_budget)
+        self.token_budget = resolve_token_budget(self.cfg.token_budget, self.device.type)
         self.grad_clip = float(self.cfg.grad_clip or 0.0)
         self.lora = self.model.lora_rank > 0
         self._lr_scale = 1.0  # × lr of the coming optimizer steps (optim.sft_lr on a demonstration batch)
@@ -342,6 +343,8 @@ class TrainingEngine(OptimEngine):
             optimizer_steps=float(self.optimizer_steps),
             step_time_s=time.perf_counter() - t0,
         )
+        if self.device.type == "cpu":
+            release_freed_memory()
         return out
 
     def _lora_scalings(self) -> dict[str, float]:
