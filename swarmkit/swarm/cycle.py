@@ -215,7 +215,9 @@ class TrainingCycle:
         srv = self.server
         step = srv.global_step + 1
         srv.enter_rolling_post()
+        t_drain = time.perf_counter()
         aborted = await srv.drain()
+        drain_s = time.perf_counter() - t_drain
         srv.enter_weight_syncing()
         filtered = list(decision.detail.get("filtered") or [])
         records = self.pool.take(decision.selected)
@@ -246,6 +248,7 @@ class TrainingCycle:
                 weight_sync_s=sync_s,
                 cycle_time_s=time.perf_counter() - t0,
                 drained_aborted=float(aborted),
+                drain_s=drain_s,
                 pool_left=float(self.pool.stats()["episodes"]),
             )
             metrics.update(step_family_metrics(records))
