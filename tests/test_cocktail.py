@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cocktail" / "run.py"
@@ -15,6 +16,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cocktail" / "run.p
 def _load():
     spec = importlib.util.spec_from_file_location("cocktail_run", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 

@@ -139,6 +139,7 @@ def _journal(run_dir: Path) -> list[dict]:
 def _load_runner():
     spec = importlib.util.spec_from_file_location("who_is_spy_run", EXAMPLE / "run.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
