@@ -30,6 +30,13 @@ def test_normalize_overrides_appends_groups_and_defaults():
     assert sum(a.startswith("+backend=") for a in out) == 1
 
 
+def test_a_key_under_a_free_form_mapping_needs_no_plus():
+    cfg = validated(compose(["task=calc_agent", "task.options.agent=examples/frameworks/raw_httpx.py",
+                             "batching.cocktail.calc_agent=0.5", "+task.options.seed_note=x"]))
+    assert cfg.task.options.agent == "examples/frameworks/raw_httpx.py" and cfg.task.options.seed_note == "x"
+    assert cfg.batching.cocktail.calc_agent == 0.5
+
+
 def test_default_config_validates():
     cfg = validated(compose(["mode=plan"]))
     assert cfg.backend.name == "hf" and cfg.algo.name == "grpo" and cfg.batching.name == "c2"

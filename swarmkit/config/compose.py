@@ -36,14 +36,17 @@ DEFAULT_CHOICES: dict[str, str] = {
 #: the packaged primary config and its groups (the top-level ``conf/`` folder, installed as ``swarmkit.conf``)
 CONFIG_MODULE = "swarmkit.conf"
 _GROUP_RE = re.compile(r"^(~|\+\+|\+)?(" + "|".join(DEFAULT_CHOICES) + r")=(.*)$")
+#: free-form mappings: a key under them may be new, so ``k=v`` there is sent as ``++k=v`` (add or set)
+FREE_FORM_PREFIXES = ("task.options.", "batching.cocktail.")
 
 
 def normalize_overrides(args: Sequence[str]) -> list[str]:
     """Rewrite group selections to appends and add the defaults not chosen.
 
     ``backend=vllm`` and ``+backend=vllm`` both become ``+backend=vllm``;
-    every group not chosen gets ``+group=<default>``. Other arguments (Hydra
-    flags, ``key=value`` overrides) pass through unchanged.
+    every group not chosen gets ``+group=<default>``; a key under a free-form
+    mapping (``task.options.agent=...``) becomes ``++`` (Hydra would ask for
+    ``+``). Other arguments (Hydra flags, ``key=value`` overrides) pass through.
     """
     out: list[str] = []
     chosen: set[str] = set()
@@ -52,6 +55,8 @@ def normalize_overrides(args: Sequence[str]) -> list[str]:
         if m and m.group(1) != "~":
             out.append(f"+{m.group(2)}={m.group(3)}")
             chosen.add(m.group(2))
+        elif arg.startswith(FREE_FORM_PREFIXES) and "=" in arg:
+            out.append("++" + arg)
         else:
             out.append(arg)
     for group, default in DEFAULT_CHOICES.items():
