@@ -183,7 +183,7 @@ def test_a_client_without_the_heavy_packages_runs_episodes(server, light_env):
 
 
 # ---------------------------------------------------------------------- (c) the server side says which extra
-@pytest.mark.parametrize("argv", [["-m", "swarmkit"], ["-m", "swarmkit", "mode=plan"]])
+@pytest.mark.parametrize("argv", [["-m", "swarmkit"], ["-m", "swarmkit", "mode=plan"], ["-m", "swarmkit.plugins"]])
 def test_the_command_line_names_the_server_extra(light_env, argv):
     r = subprocess.run([sys.executable, *argv], env=light_env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
