@@ -137,7 +137,7 @@ def test_frozen_roles_play_in_eval_episodes_and_routes_to_one_server_share_an_ep
         out = ep.report({"civilian": 0.0, "spy": 1.0})
     assert sorted(r["accepted"] for r in out.values()) == [False, True]
     with swarm_episode({"civilian": a, "spy": a}, "game-4") as ep:
-        assert len(ep.parts) == 1 and ep.episode("spy") is ep.episode("civilian")
+        assert len(ep.episodes) == 1 and ep.episode("spy") is ep.episode("civilian")
         ep.report({"civilian": 1.0, "spy": 0.0})
     with pytest.raises(ValueError, match="freeze all of them or none"):
         with swarm_episode({"civilian": a, "spy": a}, "game-5", frozen=["spy"]):
@@ -190,3 +190,25 @@ def test_an_unreachable_primary_is_asked_until_the_grace_then_the_part_is_droppe
     assert _status(b, pb.episode_id)["status"] == "prepared"  # past its deadline, inside the 1 s grace
     st = _wait_ended(b, pb.episode_id)
     assert st["status"] == "aborted" and "unreachable" in st["abort_reason"]
+
+
+def test_async_swarm_episode_ends_every_part_together_or_drops_them(servers):
+    import asyncio
+
+    from swarmkit.client import AsyncSwarmClient, async_swarm_episode
+
+    async def main():
+        a, b = (AsyncSwarmClient(h.url, token=TOKEN, retry_for=10) for h in servers)
+        async with a, b:
+            routes = {"civilian": a, "spy": b}
+            async with async_swarm_episode(routes, "async-game", frozen=["spy"]) as ep:
+                assert ep.episode("spy").eval and not ep.episode("civilian").eval
+                out = await ep.report({"civilian": 1.0, "spy": 0.0})
+            with pytest.raises(RuntimeError):
+                async with async_swarm_episode(routes, "async-crash") as crashed:
+                    raise RuntimeError("boom")
+            return out, [await crashed.episode(r).status() for r in ("civilian", "spy")]
+
+    out, crashed = asyncio.run(main())
+    assert sorted(r["accepted"] for r in out.values()) == [False, True]
+    assert [c["status"] for c in crashed] == ["aborted", "aborted"]

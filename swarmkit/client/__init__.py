@@ -6,6 +6,7 @@
 from swarmkit.client.sdk import (
     AsyncEpisode,
     AsyncSwarmClient,
+    AsyncSwarmEpisode,
     Episode,
     RetryEvent,
     ServerUnavailable,
@@ -13,8 +14,9 @@ from swarmkit.client.sdk import (
     SwarmClient,
     SwarmEpisode,
     SwarmError,
+    async_swarm_episode,
     swarm_episode,
 )
 
-__all__ = ["AsyncEpisode", "AsyncSwarmClient", "Episode", "RetryEvent", "ServerUnavailable", "SwarmAPIError",
-           "SwarmClient", "SwarmEpisode", "SwarmError", "swarm_episode"]
+__all__ = ["AsyncEpisode", "AsyncSwarmClient", "AsyncSwarmEpisode", "Episode", "RetryEvent", "ServerUnavailable", "SwarmAPIError",
+           "SwarmClient", "SwarmEpisode", "SwarmError", "async_swarm_episode", "swarm_episode"]

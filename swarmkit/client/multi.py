@@ -27,27 +27,35 @@ episode (all roles of a part must agree).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager, suppress
+from typing import Any, Generic, Protocol, TypeVar
 
 from swarmkit.client._common import SwarmError, abort_reason
+from swarmkit.client.aio import AsyncEpisode, AsyncSwarmClient
 from swarmkit.client.sync import Episode, SwarmClient
+
+
+class _HasUrl(Protocol):
+    url: str
+
+
+C = TypeVar("C", bound=_HasUrl)
+E = TypeVar("E", Episode, AsyncEpisode)
 
 log = logging.getLogger("swarmkit.client")
 
-__all__ = ["SwarmEpisode", "plan_parts", "swarm_episode"]
+__all__ = ["AsyncSwarmEpisode", "SwarmEpisode", "async_swarm_episode", "plan_parts", "swarm_episode"]
 
 
-def plan_parts(routes: Mapping[str, SwarmClient], frozen: Collection[str] = ()
-               ) -> list[tuple[SwarmClient, list[str], bool]]:
+def plan_parts(routes: Mapping[str, C], frozen: Collection[str] = ()) -> list[tuple[C, list[str], bool]]:
     """(server, its roles, eval) per server, in the fixed order (by server URL; the first is the primary)."""
     if not routes:
         raise ValueError("swarm_episode needs at least one role -> server route")
     unknown = set(frozen) - set(routes)
     if unknown:
         raise ValueError(f"frozen role(s) {sorted(unknown)} have no route")
-    by_url: dict[str, tuple[SwarmClient, list[str]]] = {}
+    by_url: dict[str, tuple[C, list[str]]] = {}
     for role, client in routes.items():
         by_url.setdefault(client.url, (client, []))[1].append(role)
     parts = []
@@ -61,28 +69,28 @@ def plan_parts(routes: Mapping[str, SwarmClient], frozen: Collection[str] = ()
     return parts
 
 
-class SwarmEpisode:
-    """The parts of one multi-server episode (primary first) and how to end them together."""
+class _Parts(Generic[E]):
+    """The parts of one multi-server episode (primary first), by role."""
 
-    def __init__(self, parts: list[tuple[SwarmClient, Episode]]):
-        self.parts = parts
+    def __init__(self, episodes: list[E]):
+        self.episodes: list[E] = episodes
         #: the primary committed: the episode is decided (a part whose commit failed follows on its server)
         self.committed = False
-        self._by_role = {role: ep for _, ep in parts for role in ep.roles}
+        self._by_role: dict[str, E] = {role: ep for ep in episodes for role in ep.roles}
 
     @property
     def roles(self) -> list[str]:
         return list(self._by_role)
 
     @property
-    def primary(self) -> Episode:
-        return self.parts[0][1]
+    def primary(self) -> E:
+        return self.episodes[0]
 
     @property
     def ended(self) -> bool:
-        return self.committed or all(ep.ended for _, ep in self.parts)
+        return self.committed or all(ep.ended for ep in self.episodes)
 
-    def episode(self, role: str) -> Episode:
+    def episode(self, role: str) -> E:
         """The registered episode that holds ``role``."""
         try:
             return self._by_role[role]
@@ -95,36 +103,43 @@ class SwarmEpisode:
     def key_for(self, role: str) -> str:
         return self.episode(role).key_for(role)
 
+    def _split(self, rewards: Mapping[str, float]) -> dict[str, dict[str, float]]:
+        """Episode id → its roles' rewards; ValueError unless ``rewards`` names exactly the roles."""
+        missing = set(self._by_role) - set(rewards)
+        extra = set(rewards) - set(self._by_role)
+        if missing or extra:
+            raise ValueError(f"rewards must name exactly the roles {sorted(self._by_role)} "
+                             f"(missing {sorted(missing)}, unknown {sorted(extra)})")
+        return {ep.episode_id: {r: float(rewards[r]) for r in ep.roles} for ep in self.episodes}
+
+
+class SwarmEpisode(_Parts[Episode]):
+    """One multi-server episode of :func:`swarm_episode` and how to end its parts together."""
+
     def report(self, rewards: Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """End every part with its roles' rewards: all servers keep the episode, or none does.
 
         Returns episode id → the server's answer. On an error before the primary's
         commit every part is dropped and the error propagates.
         """
-        missing = set(self._by_role) - set(rewards)
-        extra = set(rewards) - set(self._by_role)
-        if missing or extra:
-            raise ValueError(f"rewards must name exactly the roles {sorted(self._by_role)} "
-                             f"(missing {sorted(missing)}, unknown {sorted(extra)})")
-        if len(self.parts) == 1:  # one server: its report is already atomic
-            ep = self.primary
-            return {ep.episode_id: ep.report({r: float(rewards[r]) for r in ep.roles}, meta)}
+        share = self._split(rewards)
         primary = self.primary
+        if len(self.episodes) == 1:  # one server: its report is already atomic
+            return {primary.episode_id: primary.report(share[primary.episode_id], meta)}
         try:
-            for _, ep in self.parts:
-                ep.prepare({r: float(rewards[r]) for r in ep.roles}, meta, primary=None if ep is primary else primary)
+            for ep in self.episodes:
+                ep.prepare(share[ep.episode_id], meta, primary=None if ep is primary else primary)
             primary.commit()  # the decision
             self.committed = True
         except BaseException as exc:
             self.abort(abort_reason(exc))
             raise
-        for _, ep in self.parts[1:]:  # committed: the rest follow (or their server resolves them from the primary)
+        for ep in self.episodes[1:]:  # committed: the rest follow (or their server resolves them from the primary)
             try:
                 ep.commit()
             except SwarmError as exc:
-                log.warning("episode %s: commit failed (%s); its server commits it from the primary's outcome",
-                            ep.episode_id, exc)
-        return {ep.episode_id: ep.result or ep.prepared for _, ep in self.parts}
+                _follow_later(ep, exc)
+        return {ep.episode_id: ep.result or ep.prepared for ep in self.episodes}
 
     def abort(self, reason: str = "aborted by the client") -> None:
         """Drop every part that has not ended (quietly: a server that is gone drops it at the deadline).
@@ -133,13 +148,49 @@ class SwarmEpisode:
         """
         if self.committed:
             return
-        for _, ep in self.parts:
-            if ep.ended:
-                continue
+        for ep in self.episodes:
+            if not ep.ended:
+                with suppress(SwarmError):
+                    ep.abort(reason)
+
+
+class AsyncSwarmEpisode(_Parts[AsyncEpisode]):
+    """:class:`SwarmEpisode` for :class:`AsyncSwarmClient` routes (``await ep.report(...)``)."""
+
+    async def report(self, rewards: Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """End every part with its roles' rewards: all servers keep the episode, or none does."""
+        share = self._split(rewards)
+        primary = self.primary
+        if len(self.episodes) == 1:
+            return {primary.episode_id: await primary.report(share[primary.episode_id], meta)}
+        try:
+            for ep in self.episodes:
+                await ep.prepare(share[ep.episode_id], meta, primary=None if ep is primary else primary)
+            await primary.commit()
+            self.committed = True
+        except BaseException as exc:
+            await self.abort(abort_reason(exc))
+            raise
+        for ep in self.episodes[1:]:
             try:
-                ep.abort(reason)
-            except SwarmError:
-                pass
+                await ep.commit()
+            except SwarmError as exc:
+                _follow_later(ep, exc)
+        return {ep.episode_id: ep.result or ep.prepared for ep in self.episodes}
+
+    async def abort(self, reason: str = "aborted by the client") -> None:
+        """Drop every part that has not ended (nothing once the primary committed)."""
+        if self.committed:
+            return
+        for ep in self.episodes:
+            if not ep.ended:
+                with suppress(SwarmError):
+                    await ep.abort(reason)
+
+
+def _follow_later(ep: Episode | AsyncEpisode, exc: SwarmError) -> None:
+    log.warning("episode %s: commit failed (%s); its server commits it from the primary's outcome",
+                ep.episode_id, exc)
 
 
 @contextmanager
@@ -154,11 +205,10 @@ def swarm_episode(routes: Mapping[str, SwarmClient], task_id: str, *, eval: bool
     An exception in the block, or a block that ends without :meth:`SwarmEpisode.report`,
     drops every part.
     """
-    parts: list[tuple[SwarmClient, Episode]] = []
+    parts: list[Episode] = []
     try:
         for client, roles, is_frozen in plan_parts(routes, frozen):
-            parts.append((client, client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles,
-                                                  meta=meta)))
+            parts.append(client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles, meta=meta))
     except BaseException as exc:
         SwarmEpisode(parts).abort(abort_reason(exc))
         raise
@@ -170,3 +220,26 @@ def swarm_episode(routes: Mapping[str, SwarmClient], task_id: str, *, eval: bool
         raise
     if not ep.ended:
         ep.abort(abort_reason(None))
+
+
+@asynccontextmanager
+async def async_swarm_episode(routes: Mapping[str, AsyncSwarmClient], task_id: str, *, eval: bool = False,
+                              frozen: Collection[str] = (), timeout_s: float | None = None,
+                              meta: Mapping[str, Any] | None = None) -> AsyncIterator[AsyncSwarmEpisode]:
+    """:func:`swarm_episode` for :class:`AsyncSwarmClient` routes (``async with``)."""
+    parts: list[AsyncEpisode] = []
+    try:
+        for client, roles, is_frozen in plan_parts(routes, frozen):
+            parts.append(await client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles,
+                                               meta=meta))
+    except BaseException as exc:
+        await AsyncSwarmEpisode(parts).abort(abort_reason(exc))
+        raise
+    ep = AsyncSwarmEpisode(parts)
+    try:
+        yield ep
+    except BaseException as exc:
+        await ep.abort(abort_reason(exc))
+        raise
+    if not ep.ended:
+        await ep.abort(abort_reason(None))

@@ -42,8 +42,13 @@ from swarmkit.client._common import (
            SwarmError,
 )
 from swarmkit.client.aio import AsyncEpisode, AsyncSwarmClient
-from swarmkit.client.multi import SwarmEpisode, swarm_episode
+from swarmkit.client.multi import (
+           AsyncSwarmEpisode,
+           SwarmEpisode,
+           async_swarm_episode,
+           swarm_episode,
+)
 from swarmkit.client.sync import Episode, SwarmClient
 
-__all__ = ["CLIENT_HEADER", "AsyncEpisode", "AsyncSwarmClient", "Episode", "RetryEvent", "ServerUnavailable",
-           "SwarmAPIError", "SwarmClient", "SwarmEpisode", "SwarmError", "swarm_episode"]
+__all__ = ["CLIENT_HEADER", "AsyncEpisode", "AsyncSwarmClient", "AsyncSwarmEpisode", "Episode", "RetryEvent", "ServerUnavailable",
+           "SwarmAPIError", "SwarmClient", "SwarmEpisode", "SwarmError", "async_swarm_episode", "swarm_episode"]
