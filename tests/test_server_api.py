@@ -226,6 +226,20 @@ def test_per_role_reward_needs_roles(make):
     assert_error(h.report(h.register(), {"a": 1.0}), 422, "invalid_reward")
 
 
+def test_rewards_too_large_to_train_on_are_refused(make):
+    """Two rewards of 1e308 overflow a GRPO group's sum (NaN weights): a bound, and huge integers are a 422."""
+    h = make()
+    ep = h.register(roles=["a", "b"])
+    for bad in (1e308, -1e7, {"a": 1.0, "b": 1e308}):
+        r = h.report(ep, bad)
+        assert_error(r, 422, "invalid_reward")
+        assert "max_abs_reward" in r.json()["error"]["message"]
+    r = h.tc.post(f"/api/v1/episodes/{ep['episode_id']}/report", content=b'{"reward": 1' + b"0" * 400 + b"}",
+                  headers={"Authorization": f"Bearer {ep['api_key']}", "Content-Type": "application/json"})
+    assert_error(r, 422, "invalid_reward")
+    assert h.report(ep, 1e6).status_code == 200
+
+
 def test_abandoned_episode_is_reaped_after_deadline(make):
     h = make()
     ep = h.register(timeout_s=0.15)

@@ -69,6 +69,8 @@ class ServerConfig:
     #: a prepared part of a multi-server episode whose primary cannot be reached is asked again for this
     #: many seconds after its deadline, then dropped (swarmkit/swarm/atomic.py)
     prepared_grace_s: float = 60.0
+    #: the largest reward magnitude a report may carry (larger: 422); keeps advantages finite
+    max_abs_reward: float = 1e6
     max_body_bytes: int = 8_000_000
 
 

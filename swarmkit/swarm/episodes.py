@@ -117,19 +117,27 @@ class Episode:
         }
 
 
-def check_reward(reward: Any, roles: Sequence[str]) -> tuple[float, dict[str, float]]:
+def check_reward(reward: Any, roles: Sequence[str], max_abs: float = math.inf) -> tuple[float, dict[str, float]]:
     """Validate a reported reward; returns (scalar, per-role) or raises 422.
 
     A float applies to every role; a mapping must name known roles only (all
-    of them) and its scalar is the mean.
+    of them) and its scalar is the mean. Every value must be finite and at most
+    ``max_abs`` in size (``server.max_abs_reward``: two rewards of 1e308 would
+    overflow a group's sum, and NaN advantages would poison the weights).
     """
 
     def finite(value: Any, where: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ApiError(422, f"{where} must be a number, got {type(value).__name__}", "invalid_reward", param="reward")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ApiError(422, f"{where} is too large", "invalid_reward", param="reward") from None
         if not math.isfinite(value):
             raise ApiError(422, f"{where} must be finite, got {value}", "invalid_reward", param="reward")
+        if abs(value) > max_abs:
+            raise ApiError(422, f"{where} = {value:g} is larger than this server allows (server.max_abs_reward = "
+                           f"{max_abs:g})", "invalid_reward", param="reward")
         return value
 
     if isinstance(reward, Mapping):

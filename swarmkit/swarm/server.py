@@ -137,6 +137,7 @@ class SwarmServer:
         self.episode_timeout_s = float(scfg.episode_timeout_s)
         self.drain_timeout_s = float(scfg.drain_timeout_s)
         self.prepared_grace_s = float(scfg.prepared_grace_s)
+        self.max_abs_reward = float(scfg.max_abs_reward)
         self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
         self.max_body_bytes = int(scfg.max_body_bytes)
         self.auth = AdminAuth(admin_token or scfg.admin_token, self.run_dir)
@@ -312,6 +313,7 @@ class SwarmServer:
                 self.episode_timeout_s = self.episodes.default_timeout_s = float(scfg.episode_timeout_s)
                 self.drain_timeout_s = float(scfg.drain_timeout_s)
                 self.prepared_grace_s = float(scfg.prepared_grace_s)
+                self.max_abs_reward = float(scfg.max_abs_reward)
             await self.cycle.after_boot()
             self.started_at = time.time()
             self.state.transition(ServerState.ROLLING)

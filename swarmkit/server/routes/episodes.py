@@ -142,7 +142,7 @@ async def _ended_by_client(request: Request, srv: SwarmServer) -> tuple[Any, flo
     meta = body.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
-    reward, rewards = check_reward(body["reward"], ep.roles)
+    reward, rewards = check_reward(body["reward"], ep.roles, srv.max_abs_reward)
     srv.episodes.check_open(ep)
     for _ in range(100):  # a call that is returning right now gets up to 5 s to be recorded
         if not ep.in_flight:
