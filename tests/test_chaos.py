@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from swarmkit.apps.processes import boot_servers, launch_server, server_env
+from swarmkit.client import SwarmAPIError
 
 TOKEN = "chaos-test-admin-token"
 EPISODE_TIMEOUT_S = 3.0
@@ -189,3 +190,41 @@ def test_chaos_sigkilled_clients_lose_nothing_and_never_stall_training(server):
     lost = acknowledged - set(journal)
     assert not lost, f"{len(lost)} acknowledged episodes are not in the journal"
     assert {journal[e][2] for e in acknowledged} == set(tasks)
+
+
+def test_a_server_that_reached_its_step_limit_says_so_and_refuses_training_episodes(tmp_path):
+    s = launch_server("limited", tmp_path / "server", token=TOKEN)
+    client = None
+    try:
+        boot_servers([s], {"limited": ["model=tiny", "batching=c2", "batching.batch_size=1",
+                                       "batching.rollouts_per_task=2", "trainer.total_steps=2",
+                                       "trainer.checkpoint_every=0"]}, timeout=120)
+        ctl = s.client(retry_for=30)
+        client = _client({"proc": s}, "token_rule", tmp_path / "limited.jsonl")
+        _wait_step(ctl, 2)
+        reason = ctl.status()["training_finished"]  # said as the last step ends
+        assert reason and "trainer.total_steps=2" in reason
+        with pytest.raises(SwarmAPIError) as e:
+            ctl.register("after-the-limit")
+        assert e.value.status == 409 and e.value.code == "training_finished"
+        with ctl.episode("eval-after-the-limit", eval=True) as ev:  # eval episodes still run
+            assert ev.report(1.0)["status"] == "finished"
+        time.sleep(1.0)
+        assert int(ctl.status()["global_step"]) == 2 and ctl.status()["state"] == "ROLLING"
+    finally:
+        if client is not None:
+            _stop(client)
+        s.stop()
+
+
+@pytest.mark.parametrize("request_body, steps", [
+    ({"overrides": ["model=tiny"]}, 0),
+    ({"overrides": ["model=tiny", "trainer.total_steps=7"]}, 7),
+    ({"config": {"model": "tiny"}}, 0),
+    ({"config": {"model": "tiny", "trainer": {"total_steps": 7}}}, 7),
+])
+def test_a_configured_server_trains_until_stopped_unless_a_limit_is_given(request_body, steps):
+    from swarmkit.config.compose import config_from_request
+
+    cfg = config_from_request(request_body, {"host": "127.0.0.1", "port": 8000})
+    assert cfg.trainer.total_steps == steps

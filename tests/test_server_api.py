@@ -524,3 +524,15 @@ def test_pool_record_carries_what_the_pool_needs(make, tmp_path):
     rec = pool.get(ep["episode_id"])
     assert (rec.task_id, rec.reward, rec.task_family, len(rec.timelines)) == ("math-7", 0.25, "math", 1)
     assert rec.timelines[0]["blocks"][-1]["author"] == "llm"
+
+
+def test_after_the_step_limit_training_episodes_are_refused_and_late_reports_are_not_pooled(make):
+    h = make()
+    open_before = h.register()
+    h.srv.training_finished = "training finished: trainer.total_steps=2 reached"
+    r = h.tc.post("/api/v1/episodes", json={"task_id": "t2"})
+    assert_error(r, 409, "training_finished")
+    assert h.tc.post("/api/v1/episodes", json={"task_id": "t2", "eval": True}).status_code == 201
+    answer = h.report(open_before, 1.0).json()
+    assert answer["accepted"] is False and "total_steps=2" in answer["not_accepted"] and not h.accepted
+    assert h.tc.get("/api/v1/status", headers=h.admin).json()["training_finished"].startswith("training finished")

@@ -245,6 +245,8 @@ def compose_checked(overrides: Sequence[str] = ()) -> DictConfig:
     return result
 
 
+_TOTAL_STEPS_RE = re.compile(r"^\+*trainer\.total_steps=")
+
 #: ``server`` keys that always stay those of the running process
 PROCESS_KEYS = ("host", "port", "run_dir", "admin_token")
 
@@ -273,13 +275,16 @@ def config_from_request(body: dict[str, Any], server_cfg: dict[str, Any]) -> Dic
     defaults; a group given by name selects that option first), ``overrides``
     (command-line style, checked like the command line) or ``yaml`` (text, like
     ``config``). ``server.host/port/run_dir/admin_token`` stay those of
-    ``server_cfg``.
+    ``server_cfg``. A request that does not set ``trainer.total_steps`` gets 0: a
+    server trains until it is stopped (the main job's 20 is a job length).
 
     :raises ConfigError: every problem of the config, or what is wrong with the request.
     """
     given = request_form(body)
     if given == "overrides":
         overrides = body["overrides"]
+        if not any(_TOTAL_STEPS_RE.match(o) for o in overrides):  # a server trains until stopped by default
+            overrides = [*overrides, "trainer.total_steps=0"]
         overrides = [*overrides, "mode=server",
                      *(f"server.{k}={_override_value(server_cfg[k])}" for k in PROCESS_KEYS if k in server_cfg)]
         return compose_checked(overrides)
@@ -301,8 +306,11 @@ def config_from_request(body: dict[str, Any], server_cfg: dict[str, Any]) -> Dic
             selects.append(f"{kind}={node['name']}")
     base = OmegaConf.create(OmegaConf.to_container(compose(selects), resolve=False))
     base.pop("hydra", None)
+    explicit_steps = isinstance(user.get("trainer"), dict) and "total_steps" in user["trainer"]
     cfg = OmegaConf.merge(base, OmegaConf.create(user))
     cfg.mode = "server"
+    if not explicit_steps:  # a server trains until stopped unless the request sets a limit
+        cfg.trainer.total_steps = 0
     if "server" in cfg:
         for key in PROCESS_KEYS:
             if key in server_cfg:

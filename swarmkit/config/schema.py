@@ -76,7 +76,8 @@ class ServerConfig:
 
 @dataclass
 class TrainerConfig:
-    #: optimizer steps of the main job; 0 = run until stopped
+    #: optimizer steps to train; 0 = until stopped (a server configured without it trains until stopped;
+    #: one that reaches its limit refuses training episodes with 409 training_finished)
     total_steps: int = 20
     #: save a checkpoint every this many steps (0 = only at the end)
     checkpoint_every: int = 10

@@ -137,6 +137,7 @@ class TrainingCycle:
         server.clients.active_window_s = float(self.policy.active_window_s)
         trainer_cfg = TrainerConfig(**as_dict(cfg.get("trainer")))
         self.total_steps = int(trainer_cfg.total_steps)
+        server.training_finished = None
         self.checkpoint_every = int(trainer_cfg.checkpoint_every)
         if self.metrics is None:
             self.metrics = MetricsWriter(self.run_dir)
@@ -197,7 +198,7 @@ class TrainingCycle:
             srv = self.server
             if srv.state.state is not ServerState.ROLLING or self.policy is None:
                 continue
-            if self.total_steps and srv.global_step >= self.total_steps:
+            if self._limit_reached():
                 continue
             decision = self.pool.decide(self.policy, srv.clients.all(), time.time())
             if decision.fire and decision.selected:
@@ -209,6 +210,18 @@ class TrainingCycle:
                     log.exception("training step failed")
                     # back off so a persistent failure does not spin; samples stay in the pool
                     await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.steps_failed, 6)))
+
+    def _limit_reached(self) -> bool:
+        """Whether ``trainer.total_steps`` is reached; the first time, the server says so and refuses
+        training episodes from then on."""
+        srv = self.server
+        if not (self.total_steps and srv.global_step >= self.total_steps):
+            return False
+        if srv.training_finished is None:
+            srv.training_finished = (f"training finished: trainer.total_steps={self.total_steps} reached; "
+                                     "training episodes are refused (eval episodes still run)")
+            log.warning("%s", srv.training_finished)
+        return True
 
     async def train_once(self, decision: Any) -> dict[str, float]:
         """One ROLLING → ROLLING_POST → WEIGHT_SYNCING → ROLLING cycle for ``decision``."""
@@ -270,6 +283,7 @@ class TrainingCycle:
                 self.pool.release(ids)
                 step = srv.global_step
             srv.resume_rolling(step)
+            self._limit_reached()
 
     def _notify(self, step: int, metrics: dict[str, float], sync_s: float) -> None:
         try:

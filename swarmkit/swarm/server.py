@@ -138,6 +138,8 @@ class SwarmServer:
         self.drain_timeout_s = float(scfg.drain_timeout_s)
         self.prepared_grace_s = float(scfg.prepared_grace_s)
         self.max_abs_reward = float(scfg.max_abs_reward)
+        #: why this server trains no more (its step limit was reached); training episodes are then refused
+        self.training_finished: str | None = None
         self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
         self.max_body_bytes = int(scfg.max_body_bytes)
         self.auth = AdminAuth(admin_token or scfg.admin_token, self.run_dir)
@@ -460,7 +462,9 @@ class SwarmServer:
         """
         ep.status = COMMITTING
         accepted = False
-        if not ep.eval:
+        if not ep.eval and self.training_finished:
+            ep.meta["not_accepted"] = self.training_finished  # registered before the limit: never trained
+        elif not ep.eval:
             try:
                 await self.accept(ep)
             except Exception as exc:  # noqa: BLE001 - the sample was not stored: let the client retry
@@ -491,6 +495,7 @@ class SwarmServer:
             "policy_version": self.policy_version,
             "configured": self.config is not None,
             "model": self.model_name if self.backend is not None else None,
+            "training_finished": self.training_finished,
             "episodes": {
                 "running": len(running),
                 "running_train": sum(1 for e in running if not e.eval),

@@ -103,6 +103,8 @@ async def register(request: Request) -> Response:
         if state is ServerState.BOOTING:
             raise busy("server busy (BOOTING: loading the model); retry later", 2.0, "server_booting")
         raise busy("the server is OFFLINE (not configured or stopped); retry later", 2.0, "server_offline")
+    if srv.training_finished and not is_eval:
+        raise ApiError(409, srv.training_finished, "training_finished", param="eval")
     ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=timeout, roles=roles, client_id=client_id,
                                meta=meta, policy_version=srv.policy_version)
     keys = {r: k for r, k in ep.keys.items() if r is not None}
@@ -158,8 +160,11 @@ async def _ended_by_client(request: Request, srv: SwarmServer) -> tuple[Any, flo
 
 
 def _result(ep: Any) -> JSONResponse:
-    return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": ep.reward,
-                         "rewards": ep.rewards or None, "accepted": ep.accepted, "n_timelines": len(ep.timelines)})
+    out = {"episode_id": ep.id, "status": ep.status, "reward": ep.reward, "rewards": ep.rewards or None,
+           "accepted": ep.accepted, "n_timelines": len(ep.timelines)}
+    if "not_accepted" in ep.meta:
+        out["not_accepted"] = ep.meta["not_accepted"]
+    return JSONResponse(out)
 
 
 async def report(request: Request) -> Response:
