@@ -536,3 +536,21 @@ def test_after_the_step_limit_training_episodes_are_refused_and_late_reports_are
     answer = h.report(open_before, 1.0).json()
     assert answer["accepted"] is False and "total_steps=2" in answer["not_accepted"] and not h.accepted
     assert h.tc.get("/api/v1/status", headers=h.admin).json()["training_finished"].startswith("training finished")
+
+
+def test_a_drain_aborts_an_idle_episode_at_once_and_waits_for_a_busy_one(make):
+    h = make()
+    t_reg = time.time()
+    idle, busy_ep = h.register(task_id="idle"), h.register(task_id="busy")
+    h.srv.drain_idle_s = 0.3
+    busy = h.srv.episodes.get(busy_ep["episode_id"])
+    busy.in_flight = 1  # a call being generated: never idle
+    t0 = time.monotonic()
+    aborted = h.call(h.srv.drain, 1.5)
+    took = time.monotonic() - t0
+    st = h.tc.get(f"/api/v1/episodes/{idle['episode_id']}", headers=h.admin).json()
+    assert st["status"] == "aborted" and st["abort_reason"] == "idle at drain"
+    assert st["ended"] - t_reg < 1.2  # at once, not at the end of the 1.5 s drain
+    assert busy.status == "aborted" and busy.abort_reason == "drain deadline"  # waited for the whole drain
+    assert aborted == 2 and 1.4 < took < 5
+    busy.in_flight = 0

@@ -60,6 +60,8 @@ class Episode:
     n_calls: int = 0
     #: calls now being generated (the reaper waits for none, it aborts anyway)
     in_flight: int = 0
+    #: when the client last did something with this episode (registered, a call began or ended)
+    last_active: float = 0.0
     accepted: bool = False
     #: the assistant turns generated for this episode, replayed token-exact when sent back
     turns: TurnMemory = field(default_factory=TurnMemory)
@@ -76,6 +78,12 @@ class Episode:
     def open(self) -> bool:
         """Not ended yet (running, prepared or being committed)."""
         return self.status in (RUNNING, PREPARED, COMMITTING)
+
+    def idle_for(self, now: float | None = None) -> float:
+        """Seconds since the client last did something with it (0 while a call is in flight)."""
+        if self.in_flight:
+            return 0.0
+        return (now if now is not None else time.time()) - max(self.last_active, self.created)
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.deadline

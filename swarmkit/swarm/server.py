@@ -136,6 +136,7 @@ class SwarmServer:
         self.run_dir: Path | None = Path(scfg.run_dir) if scfg.run_dir and scfg.run_dir != "auto" else None
         self.episode_timeout_s = float(scfg.episode_timeout_s)
         self.drain_timeout_s = float(scfg.drain_timeout_s)
+        self.drain_idle_s = float(scfg.drain_idle_s)
         self.prepared_grace_s = float(scfg.prepared_grace_s)
         self.max_abs_reward = float(scfg.max_abs_reward)
         #: why this server trains no more (its step limit was reached); training episodes are then refused
@@ -248,9 +249,11 @@ class SwarmServer:
 
     def begin_call(self, ep: Episode) -> None:
         ep.in_flight += 1
+        ep.last_active = time.time()
 
     def end_call(self, ep: Episode) -> None:
         ep.in_flight -= 1
+        ep.last_active = time.time()
 
     async def generate(self, ep: Episode, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:
         """Generate for an episode's call; 410/409 if it ended meanwhile."""
@@ -314,6 +317,7 @@ class SwarmServer:
                 scfg = ServerConfig(**as_dict(full["server"]))
                 self.episode_timeout_s = self.episodes.default_timeout_s = float(scfg.episode_timeout_s)
                 self.drain_timeout_s = float(scfg.drain_timeout_s)
+                self.drain_idle_s = float(scfg.drain_idle_s)
                 self.prepared_grace_s = float(scfg.prepared_grace_s)
                 self.max_abs_reward = float(scfg.max_abs_reward)
             await self.cycle.after_boot()
@@ -383,18 +387,28 @@ class SwarmServer:
         self.clients.reset_ready()
 
     async def drain(self, timeout_s: float | None = None, *, include_eval: bool = True) -> int:
-        """Wait for running episodes to end, then abort the rest; returns how many were aborted."""
+        """Wait for running episodes to end, then abort the rest; returns how many were aborted.
+
+        An episode with no call in flight and none for ``server.drain_idle_s`` is aborted at once
+        ("idle at drain"): a dead client's episode does not hold the step for the whole drain.
+        """
         deadline = time.time() + (self.drain_timeout_s if timeout_s is None else timeout_s)
+        idle_aborted = 0
         while time.time() < deadline:
             left = [e for e in self.episodes.running() if include_eval or not e.eval]
             if not left:
-                return 0
+                return idle_aborted
+            now = time.time()
+            for ep in left:  # a client that went quiet (dead, or stuck) does not hold the step
+                if ep.running and ep.idle_for(now) > self.drain_idle_s:
+                    self.episodes.abort(ep, "idle at drain")
+                    idle_aborted += 1
             await asyncio.sleep(0.05)
         left = [e for e in self.episodes.running() if include_eval or not e.eval]
         await self.resolve_prepared([e for e in left if e.status == PREPARED], final=True)
         for ep in left:
             self.episodes.abort(ep, "drain deadline")  # running ones (a resolved one has ended: no-op)
-        return sum(e.status == ABORTED for e in left)
+        return idle_aborted + sum(e.status == ABORTED for e in left)
 
     async def resolve_prepared(self, eps: list[Episode], *, final: bool) -> None:
         """Commit or drop prepared episodes whose client never committed (:mod:`swarmkit.swarm.atomic`).

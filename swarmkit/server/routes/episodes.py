@@ -241,6 +241,7 @@ async def demonstration(request: Request) -> Response:
     meta = {"episode_id": ep.id, "task_id": ep.task_id, "call": ep.n_calls, "endpoint": "demonstration",
             "demonstration": True, "policy_version": srv.policy_version, "time": time.time()}
     ep.n_calls += 1
+    ep.last_active = time.time()
     ep.timelines.append(Timeline(blocks=blocks, role=role, meta=meta))
     ep.meta["demonstration"] = True
     trained = sum(sum(b.loss_mask) for b in blocks)
