@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"model={args.model}", "batching=c2", f"batching.batch_size={args.batch_size}",
             f"batching.rollouts_per_task={args.rollouts}", f"batching.cocktail={cocktail}",
             f"optim.lr={args.lr}", f"optim.sft_lr={args.sft_lr}", f"trainer.total_steps={args.steps}",
-            "trainer.checkpoint_every=0", "server.drain_timeout_s=120"]}, timeout=args.timeout)
+            "trainer.checkpoint_every=0", "server.drain_timeout_s=120", "server.drain_idle_s=120"]}, timeout=args.timeout)
         print(f"server {server.url}  model {args.model}  caps {caps}  run dir {server.run_dir}", flush=True)
         env = server_env(args.token)
         logs = {name: open(work / f"{name}.log", "ab") for name in FAMILIES}  # noqa: SIM115

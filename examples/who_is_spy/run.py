@@ -213,7 +213,7 @@ def server_overrides(model: str, name: str, args: argparse.Namespace) -> list[st
     out = [*model_overrides(model), f"model.name={name}", "batching=c2", f"batching.batch_size={args.batch_size}",
            f"batching.rollouts_per_task={args.rollouts}", f"trainer.total_steps={args.steps}",
            "trainer.checkpoint_every=0", f"server.episode_timeout_s={args.episode_timeout_s}",
-           "server.drain_timeout_s=120"]
+           "server.drain_timeout_s=120", "server.drain_idle_s=120"]
     if args.lr is not None:
         out.append(f"optim.lr={args.lr}")
     return out + list(args.override)

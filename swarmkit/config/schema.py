@@ -68,7 +68,7 @@ class ServerConfig:
     drain_timeout_s: float = 60.0
     #: during that drain, an episode with no call in flight and none for this many seconds is aborted at
     #: once (a dead client's episode does not hold the step for the whole drain)
-    drain_idle_s: float = 10.0
+    drain_idle_s: float = 30.0
     #: a prepared part of a multi-server episode whose primary cannot be reached is asked again for this
     #: many seconds after its deadline, then dropped (swarmkit/swarm/atomic.py)
     prepared_grace_s: float = 60.0
