@@ -19,6 +19,7 @@ counters in ``client_state``), ``path/rng_rank{r}.pt``.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -119,7 +120,9 @@ class DeepSpeedEngine(TrainingEngine):
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         self.ds.zero_grad()
-        return float(norm) if norm is not None else float("nan")
+        if norm is not None and not math.isfinite(float(norm)):  # DeepSpeed stepped already: fail loudly
+            raise FloatingPointError(f"a non-finite gradient norm ({float(norm)}) was applied by DeepSpeed")
+        return float(norm) if norm is not None else 0.0
 
     def current_lr(self) -> float:
         return float(self.ds.get_lr()[0])

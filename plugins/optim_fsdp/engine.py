@@ -136,6 +136,9 @@ class FSDPEngine(TrainingEngine):
         norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
         full = getattr(norm, "full_tensor", None)
         norm = full() if callable(full) else norm
+        if not torch.isfinite(norm):  # NaN / inf gradient: never applied
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -35,7 +35,7 @@ from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.families import step_family_metrics
-from swarmkit.swarm.metrics import MetricsWriter
+from swarmkit.swarm.metrics import MetricsWriter, finite_or_none
 from swarmkit.swarm.state import ServerState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -247,6 +247,15 @@ class TrainingCycle:
                 sync_s = 0.0
             else:
                 metrics = await asyncio.to_thread(self.trainer.step, records)
+                if self.trainer.global_step == srv.global_step and metrics.get("nonfinite_skipped"):
+                    # nothing was applied (a non-finite loss or gradient): drop the batch, keep the weights
+                    step = srv.global_step
+                    self.pool.mark_filtered(ids, step)
+                    self.last_error = (f"a step on {len(ids)} episodes was skipped: non-finite loss or gradient "
+                                       "(the episodes were dropped, the weights are unchanged)")
+                    log.warning("%s", self.last_error)
+                    ok = True
+                    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
                 step = self.trainer.global_step
                 t_sync = time.perf_counter()
                 weights = await asyncio.to_thread(lambda: list(self.trainer.export_weights()))
@@ -266,7 +275,7 @@ class TrainingCycle:
             )
             metrics.update(step_family_metrics(records))
             metrics.update(srv.eval_tally.take())
-            self.last_metrics = {"step": step, **metrics}
+            self.last_metrics = finite_or_none({"step": step, **metrics})
             self.last_error = None
             if self.metrics is not None:
                 self.metrics.write(step, metrics)

@@ -31,7 +31,7 @@ class MetricsWriter:
             self._tb = None
 
     def write(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
-        row = {"time": time.time(), "kind": kind, "step": step, **metrics}
+        row = finite_or_none({"time": time.time(), "kind": kind, "step": step, **metrics})
         with self._lock:
             self._file.write(json.dumps(row, default=float) + "\n")
             self._file.flush()
@@ -46,6 +46,11 @@ class MetricsWriter:
             self._file.close()
             if self._tb is not None:
                 self._tb.close()
+
+
+def finite_or_none(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics with NaN / inf numbers as None (JSON has no NaN: a status with one would not serialise)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ gets the same list); the engine deals packed micro-batches to ranks itself.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -143,7 +144,11 @@ class TrainingEngine(OptimEngine):
         raise NotImplementedError
 
     def _optimizer_step(self) -> float:
-        """Clip, step optimizer and scheduler, zero grads; returns the grad norm before clipping."""
+        """Clip, step optimizer and scheduler, zero grads; returns the grad norm before clipping.
+
+        A non-finite norm means the update was not applied (the grads are zeroed, nothing steps);
+        an engine that cannot check before stepping raises instead.
+        """
         raise NotImplementedError
 
     def _zero_grad(self) -> None:
@@ -297,6 +302,7 @@ class TrainingEngine(OptimEngine):
         sums: dict[str, float] = {}
         losses: list[float] = []
         grad_norm = 0.0
+        skipped = 0  # updates not applied: non-finite loss or gradient norm
         micro = 0
         for epoch in range(epochs):
             split_seed = self.seed * 1_000_003 + self.optimizer_steps * 31 + epoch
@@ -323,11 +329,24 @@ class TrainingEngine(OptimEngine):
                 for part in self._all_gather_objects(local):
                     for key, v in part.items():
                         merged[key] = merged.get(key, 0.0) + v
-                grad_norm = self._optimizer_step()
+                mini_loss = merged.pop("loss")
+                if not math.isfinite(mini_loss):  # NaN / inf loss (same on every rank): never applied
+                    self._zero_grad()
+                    skipped += 1
+                    continue
+                norm = self._optimizer_step()
+                if not math.isfinite(norm):  # the engine did not step (see _optimizer_step)
+                    skipped += 1
+                    continue
+                grad_norm = norm
                 self.optimizer_steps += 1
-                losses.append(merged.pop("loss"))
+                losses.append(mini_loss)
                 for key, v in merged.items():
                     sums[key] = sums.get(key, 0.0) + v
+        if not losses:  # every update of the batch was non-finite: the weights are untouched
+            return {"skipped": 1.0, "nonfinite_skipped": float(skipped), "samples": float(len(prepared)),
+                    "trained_tokens": 0.0, "optimizer_steps": float(self.optimizer_steps),
+                    "step_time_s": time.perf_counter() - t0}
         self.train_steps += 1
         n_opt = len(losses)
         out = {key: v / n_opt for key, v in sums.items()}
@@ -341,6 +360,7 @@ class TrainingEngine(OptimEngine):
             grad_norm=float(grad_norm),
             lr=self.current_lr(),
             optimizer_steps=float(self.optimizer_steps),
+            nonfinite_skipped=float(skipped),
             step_time_s=time.perf_counter() - t0,
         )
         if self.device.type == "cpu":
