@@ -212,3 +212,26 @@ def test_async_swarm_episode_ends_every_part_together_or_drops_them(servers):
     out, crashed = asyncio.run(main())
     assert sorted(r["accepted"] for r in out.values()) == [False, True]
     assert [c["status"] for c in crashed] == ["aborted", "aborted"]
+
+
+def test_a_lost_answer_to_the_primary_commit_leaves_the_parts_to_their_servers(servers, monkeypatch):
+    """The primary committed but its answer was lost: the client must not abort the other part
+    (that would split the episode); the other server commits it from the primary at the deadline."""
+    from swarmkit.client import ServerUnavailable
+    from swarmkit.client.sync import Episode
+
+    a, b = _clients(servers)
+    real_commit = Episode.commit
+
+    def commit_then_lose_the_answer(self):
+        real_commit(self)
+        raise ServerUnavailable("connection reset (the answer was lost)")
+
+    with pytest.raises(ServerUnavailable), swarm_episode({"civilian": a, "spy": b}, "lost-ack", timeout_s=1.0) as ep:
+        monkeypatch.setattr(Episode, "commit", commit_then_lose_the_answer)
+        ep.report({"civilian": 1.0, "spy": 0.0})
+    monkeypatch.setattr(Episode, "commit", real_commit)
+    assert ep.in_doubt and not ep.committed
+    assert _status(a, ep.primary.episode_id)["status"] == "finished"
+    st = _wait_ended(b, ep.episode("spy").episode_id)
+    assert st["status"] == "finished" and st["accepted"] is True  # resolved from the primary, not aborted

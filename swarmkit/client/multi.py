@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, Generic, Protocol, TypeVar
 
-from swarmkit.client._common import SwarmError, abort_reason
+from swarmkit.client._common import SwarmAPIError, SwarmError, abort_reason
 from swarmkit.client.aio import AsyncEpisode, AsyncSwarmClient
 from swarmkit.client.sync import Episode, SwarmClient
 
@@ -76,6 +76,9 @@ class _Parts(Generic[E]):
         self.episodes: list[E] = episodes
         #: the primary committed: the episode is decided (a part whose commit failed follows on its server)
         self.committed = False
+        #: the primary's commit got no answer: its outcome is unknown, so the parts are left to their servers
+        #: (each resolves its prepared part from the primary at the deadline) instead of being aborted here
+        self.in_doubt = False
         self._by_role: dict[str, E] = {role: ep for ep in episodes for role in ep.roles}
 
     @property
@@ -88,7 +91,17 @@ class _Parts(Generic[E]):
 
     @property
     def ended(self) -> bool:
-        return self.committed or all(ep.ended for ep in self.episodes)
+        return self.committed or self.in_doubt or all(ep.ended for ep in self.episodes)
+
+    def _commit_failed(self, exc: BaseException) -> bool:
+        """Whether a failed commit of the primary is definitive (its server answered 4xx: not committed);
+        otherwise the outcome is unknown and the episode is marked in doubt."""
+        if isinstance(exc, SwarmAPIError) and exc.status < 500:
+            return True
+        self.in_doubt = True
+        log.warning("episode %s: the primary's commit got no answer (%s); every server resolves its part from "
+                    "the primary's outcome at the deadline", self.primary.episode_id, exc)
+        return False
 
     def episode(self, role: str) -> E:
         """The registered episode that holds ``role``."""
@@ -119,8 +132,10 @@ class SwarmEpisode(_Parts[Episode]):
     def report(self, rewards: Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """End every part with its roles' rewards: all servers keep the episode, or none does.
 
-        Returns episode id → the server's answer. On an error before the primary's
-        commit every part is dropped and the error propagates.
+        Returns episode id → the server's answer. When a prepare fails, or the primary's
+        server refuses its commit, every part is dropped and the error propagates; when the
+        primary's commit gets no answer, the episode is in doubt (``in_doubt``): the parts
+        are left prepared and every server resolves its own from the primary's outcome.
         """
         share = self._split(rewards)
         primary = self.primary
@@ -129,11 +144,16 @@ class SwarmEpisode(_Parts[Episode]):
         try:
             for ep in self.episodes:
                 ep.prepare(share[ep.episode_id], meta, primary=None if ep is primary else primary)
-            primary.commit()  # the decision
-            self.committed = True
         except BaseException as exc:
             self.abort(abort_reason(exc))
             raise
+        try:
+            primary.commit()  # the decision
+        except BaseException as exc:
+            if self._commit_failed(exc):
+                self.abort(abort_reason(exc))
+            raise
+        self.committed = True
         for ep in self.episodes[1:]:  # committed: the rest follow (or their server resolves them from the primary)
             try:
                 ep.commit()
@@ -144,9 +164,10 @@ class SwarmEpisode(_Parts[Episode]):
     def abort(self, reason: str = "aborted by the client") -> None:
         """Drop every part that has not ended (quietly: a server that is gone drops it at the deadline).
 
-        Does nothing once the primary committed (the episode is decided).
+        Does nothing once the primary committed (the episode is decided) or while its outcome is
+        unknown (the servers resolve their parts from it).
         """
-        if self.committed:
+        if self.committed or self.in_doubt:
             return
         for ep in self.episodes:
             if not ep.ended:
@@ -166,11 +187,16 @@ class AsyncSwarmEpisode(_Parts[AsyncEpisode]):
         try:
             for ep in self.episodes:
                 await ep.prepare(share[ep.episode_id], meta, primary=None if ep is primary else primary)
-            await primary.commit()
-            self.committed = True
         except BaseException as exc:
             await self.abort(abort_reason(exc))
             raise
+        try:
+            await primary.commit()
+        except BaseException as exc:
+            if self._commit_failed(exc):
+                await self.abort(abort_reason(exc))
+            raise
+        self.committed = True
         for ep in self.episodes[1:]:
             try:
                 await ep.commit()
@@ -179,8 +205,8 @@ class AsyncSwarmEpisode(_Parts[AsyncEpisode]):
         return {ep.episode_id: ep.result or ep.prepared for ep in self.episodes}
 
     async def abort(self, reason: str = "aborted by the client") -> None:
-        """Drop every part that has not ended (nothing once the primary committed)."""
-        if self.committed:
+        """Drop every part that has not ended (nothing once the primary committed or while in doubt)."""
+        if self.committed or self.in_doubt:
             return
         for ep in self.episodes:
             if not ep.ended:
