@@ -6,10 +6,9 @@ which extra to install instead of showing an ImportError.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
-from swarmkit.errors import missing_server_extra
+from swarmkit.errors import exit_for_missing_server_extra
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -19,11 +18,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         cli_main(argv)
     except ModuleNotFoundError as exc:
-        message = missing_server_extra(exc, "python -m swarmkit (the server, training and the main job)")
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        exit_for_missing_server_extra(exc, "python -m swarmkit (the server, training and the main job)")
 
 
 if __name__ == "__main__":

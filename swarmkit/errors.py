@@ -5,6 +5,9 @@ Every error a user can trigger says what went wrong and what to do instead.
 
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 
 class SwarmkitError(Exception):
     """Base class of swarmkit's own errors."""
@@ -87,3 +90,13 @@ def missing_server_extra(exc: BaseException, what: str = "this") -> str | None:
         return None
     return (f"{what} needs the server extra of swarmkit (module {name!r} is not installed; the base install "
             f"is only the client SDK, swarmkit.client): {SERVER_EXTRA_INSTALL}")
+
+
+def exit_for_missing_server_extra(exc: ModuleNotFoundError, what: str) -> NoReturn:
+    """A command line's answer to an ImportError: the install hint and exit 2 for a missing
+    ``server`` extra (a light install), else the error itself."""
+    message = missing_server_extra(exc, what)
+    if message is None:
+        raise exc
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)

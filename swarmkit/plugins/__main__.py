@@ -2,15 +2,11 @@
 
 import sys
 
-from swarmkit.errors import missing_server_extra
+from swarmkit.errors import exit_for_missing_server_extra
 
 try:
     from swarmkit.plugins.table import main
 except ModuleNotFoundError as exc:
-    message = missing_server_extra(exc, "python -m swarmkit.plugins (the component registry)")
-    if message is None:
-        raise
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    exit_for_missing_server_extra(exc, "python -m swarmkit.plugins (the component registry)")
 
 sys.exit(main())

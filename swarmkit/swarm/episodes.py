@@ -74,11 +74,6 @@ class Episode:
         """Open for model calls (not yet reported, prepared or ended)."""
         return self.status == RUNNING
 
-    @property
-    def open(self) -> bool:
-        """Not ended yet (running, prepared or being committed)."""
-        return self.status in (RUNNING, PREPARED, COMMITTING)
-
     def idle_for(self, now: float | None = None) -> float:
         """Seconds since the client last did something with it (0 while a call is in flight)."""
         if self.in_flight:

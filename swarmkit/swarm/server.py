@@ -134,11 +134,7 @@ class SwarmServer:
         self.host: str = scfg.host
         self.port: int = int(scfg.port)
         self.run_dir: Path | None = Path(scfg.run_dir) if scfg.run_dir and scfg.run_dir != "auto" else None
-        self.episode_timeout_s = float(scfg.episode_timeout_s)
-        self.drain_timeout_s = float(scfg.drain_timeout_s)
-        self.drain_idle_s = float(scfg.drain_idle_s)
-        self.prepared_grace_s = float(scfg.prepared_grace_s)
-        self.max_abs_reward = float(scfg.max_abs_reward)
+        self._apply_limits(scfg)
         #: why this server trains no more (its step limit was reached); training episodes are then refused
         self.training_finished: str | None = None
         self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
@@ -198,6 +194,14 @@ class SwarmServer:
     def check_admin(self, token: str | None) -> None:
         """401 without a token, 403 with a wrong one."""
         self.auth.check(token)
+
+    def _apply_limits(self, scfg: ServerConfig) -> None:
+        """The ``server`` settings a training config may change at boot: timeouts, drain, reward bound."""
+        self.episode_timeout_s = float(scfg.episode_timeout_s)
+        self.drain_timeout_s = float(scfg.drain_timeout_s)
+        self.drain_idle_s = float(scfg.drain_idle_s)
+        self.prepared_grace_s = float(scfg.prepared_grace_s)
+        self.max_abs_reward = float(scfg.max_abs_reward)
 
     def is_admin(self, token: str | None) -> bool:
         return self.auth.is_admin(token)
@@ -314,12 +318,8 @@ class SwarmServer:
             self.model_name = model.name or "swarmkit"
             self.max_context = backend.max_context or model.max_context
             if "server" in full:  # the training config's timeouts apply from this boot on
-                scfg = ServerConfig(**as_dict(full["server"]))
-                self.episode_timeout_s = self.episodes.default_timeout_s = float(scfg.episode_timeout_s)
-                self.drain_timeout_s = float(scfg.drain_timeout_s)
-                self.drain_idle_s = float(scfg.drain_idle_s)
-                self.prepared_grace_s = float(scfg.prepared_grace_s)
-                self.max_abs_reward = float(scfg.max_abs_reward)
+                self._apply_limits(ServerConfig(**as_dict(full["server"])))
+                self.episodes.default_timeout_s = self.episode_timeout_s
             await self.cycle.after_boot()
             self.started_at = time.time()
             self.state.transition(ServerState.ROLLING)
