@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -207,6 +208,33 @@ def test_wait_for_state_reports_a_failed_boot(train_cfg, tmp_path):
             assert "weights missing" in c.wait_for_state("OFFLINE", timeout=1)["last_error"]
     finally:
         h.stop()
+
+
+class _SlowToClose(ScriptedBackend):
+    async def close(self) -> None:
+        await asyncio.sleep(1.5)
+
+
+def test_a_slow_stop_waits_for_the_server_and_logs_where_it_hangs(train_cfg, tmp_path, monkeypatch, caplog):
+    """stop/restart/checkpoint outlive the client's per-call timeout (an engine can take minutes to
+    free), and a stop slower than SLOW_STOP_S logs every thread's stack."""
+    from swarmkit.models import build_tiny_tokenizer
+    from swarmkit.swarm import server as server_mod
+
+    monkeypatch.setattr(server_mod, "SLOW_STOP_S", 0.3)
+    monkeypatch.setattr("swarmkit.client.sync.LIFECYCLE_TIMEOUT_S", 10.0)
+    backend = _SlowToClose(build_tiny_tokenizer(), replies=["ok"])
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "run_dir": str(tmp_path)}},
+                            config=train_cfg, backend_factory=lambda cfg: backend, train=False)
+    try:
+        with SwarmClient(h.url, token=TOKEN, timeout=0.5) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=20)
+            assert c.stop()["state"] == "OFFLINE"  # 1.5 s > the 0.5 s per-call timeout
+    finally:
+        h.stop()
+    slow = [r.getMessage() for r in caplog.records if "stopping the server takes over" in r.getMessage()]
+    assert slow and "the threads are at" in slow[0] and "--- thread" in slow[0]
 
 
 def test_wait_for_state_times_out_with_the_state_it_saw(client):

@@ -21,6 +21,10 @@ import httpx
 
 __all__ = ["CLIENT_HEADER", "RetryEvent", "ServerUnavailable", "SwarmAPIError", "SwarmError"]
 
+LIFECYCLE_TIMEOUT_S = 300.0
+"""Read timeout of stop, restart and checkpoint (they free or save an engine, which can take
+minutes: a training group gets 60 s to exit before it is killed); other calls use the client's."""
+
 CLIENT_HEADER = "X-Swarm-Client"
 
 #: the logger of every retry and wait (INFO), e.g. ``logging.basicConfig(level=logging.INFO)`` shows them

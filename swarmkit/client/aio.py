@@ -25,6 +25,7 @@ import httpx
 
 from swarmkit.client._common import (
     CLIENT_HEADER,
+    LIFECYCLE_TIMEOUT_S,
     TRANSIENT_ERRORS,
     EpisodeInfo,
     Retry,
@@ -123,6 +124,7 @@ class AsyncSwarmClient:
         self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
         self.retry_for = float(retry_for)
         self.on_retry = on_retry
+        self._timeout = float(timeout)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport,
                                        headers={CLIENT_HEADER: self.client_id})
 
@@ -139,12 +141,14 @@ class AsyncSwarmClient:
         await self.close()
 
     async def _request(self, method: str, path: str, *, json_body: Any = None, key: str | None = None,
-                       admin: bool = False, retry_for: float | None = None) -> httpx.Response:
+                       admin: bool = False, retry_for: float | None = None,
+                       timeout: float | None = None) -> httpx.Response:
         headers = auth_headers(self.token if admin else key)
         retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry)
         while True:
             try:
-                resp = await self._http.request(method, path, json=json_body, headers=headers)
+                resp = await self._http.request(method, path, json=json_body, headers=headers,
+                                         timeout=self._timeout if timeout is None else max(timeout, self._timeout))
             except TRANSIENT_ERRORS as exc:
                 await asyncio.sleep(retry.after_error(exc))
                 continue
@@ -167,14 +171,14 @@ class AsyncSwarmClient:
 
     async def stop(self) -> dict[str, Any]:
         """Abort running episodes and unload the model (OFFLINE)."""
-        return await self._call("POST", "/api/v1/admin/stop", admin=True)
+        return await self._call("POST", "/api/v1/admin/stop", admin=True, timeout=LIFECYCLE_TIMEOUT_S)
 
     async def restart(self) -> dict[str, Any]:
         """Stop, then start with the latest configuration."""
-        return await self._call("POST", "/api/v1/admin/restart", admin=True)
+        return await self._call("POST", "/api/v1/admin/restart", admin=True, timeout=LIFECYCLE_TIMEOUT_S)
 
     async def checkpoint(self) -> dict[str, Any]:
-        return await self._call("POST", "/api/v1/admin/checkpoint", admin=True)
+        return await self._call("POST", "/api/v1/admin/checkpoint", admin=True, timeout=LIFECYCLE_TIMEOUT_S)
 
     async def status(self) -> dict[str, Any]:
         """``state``, ``global_step``, ``episodes``, ``pool``, ``clients``... (admin token needed)."""

@@ -17,6 +17,7 @@ import httpx
 
 from swarmkit.client._common import (
     CLIENT_HEADER,
+    LIFECYCLE_TIMEOUT_S,
     TRANSIENT_ERRORS,
     EpisodeInfo,
     Retry,
@@ -106,7 +107,8 @@ class SwarmClient:
         start, stop, status...); default ``$SWARMKIT_ADMIN_TOKEN``.
     :param client_id: stable id sent with every request so the server can
         count this client as active (batching C4/C5); default: random.
-    :param timeout: seconds per HTTP request.
+    :param timeout: seconds per HTTP request (stop, restart and checkpoint wait at least
+        ``LIFECYCLE_TIMEOUT_S``).
     :param retry_for: seconds to keep retrying connection errors and 503s.
     :param on_retry: called with a :class:`~swarmkit.client.RetryEvent` before
         each retry's sleep (every retry is also logged at INFO on the
@@ -129,6 +131,7 @@ class SwarmClient:
         self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
         self.retry_for = float(retry_for)
         self.on_retry = on_retry
+        self._timeout = float(timeout)
         self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
                                   headers={CLIENT_HEADER: self.client_id})
 
@@ -143,12 +146,14 @@ class SwarmClient:
         self.close()
 
     def _request(self, method: str, path: str, *, json_body: Any = None, key: str | None = None,
-                 admin: bool = False, retry_for: float | None = None) -> httpx.Response:
+                 admin: bool = False, retry_for: float | None = None,
+                 timeout: float | None = None) -> httpx.Response:
         headers = auth_headers(self.token if admin else key)
         retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry)
         while True:
             try:
-                resp = self._http.request(method, path, json=json_body, headers=headers)
+                resp = self._http.request(method, path, json=json_body, headers=headers,
+                                         timeout=self._timeout if timeout is None else max(timeout, self._timeout))
             except TRANSIENT_ERRORS as exc:
                 time.sleep(retry.after_error(exc))
                 continue
@@ -170,14 +175,14 @@ class SwarmClient:
 
     def stop(self) -> dict[str, Any]:
         """Abort running episodes and unload the model (OFFLINE)."""
-        return self._call("POST", "/api/v1/admin/stop", admin=True)
+        return self._call("POST", "/api/v1/admin/stop", admin=True, timeout=LIFECYCLE_TIMEOUT_S)
 
     def restart(self) -> dict[str, Any]:
         """Stop, then start with the latest configuration."""
-        return self._call("POST", "/api/v1/admin/restart", admin=True)
+        return self._call("POST", "/api/v1/admin/restart", admin=True, timeout=LIFECYCLE_TIMEOUT_S)
 
     def checkpoint(self) -> dict[str, Any]:
-        return self._call("POST", "/api/v1/admin/checkpoint", admin=True)
+        return self._call("POST", "/api/v1/admin/checkpoint", admin=True, timeout=LIFECYCLE_TIMEOUT_S)
 
     def status(self) -> dict[str, Any]:
         """``state``, ``global_step``, ``episodes``, ``pool``, ``clients``... (admin token needed)."""

@@ -15,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,7 +50,19 @@ from swarmkit.timelines.track import ContextTracker
 
 log = logging.getLogger("swarmkit.server")
 
+SLOW_STOP_S = 20.0
+"""A stop that takes longer logs every thread's stack (a hung engine shows where it hangs)."""
+
 BackendFactory = Callable[[Any], InferenceBackend]
+
+
+def log_thread_stacks(why: str) -> None:
+    """Log the stack of every thread of this process at WARNING (a diagnosis of a hang)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = [f"{why}; the threads are at:"]
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)))
+    log.warning("%s", "\n".join(parts))
 
 
 class Cycle(Protocol):
@@ -356,7 +371,20 @@ class SwarmServer:
             log.exception("closing the backend failed")
 
     async def stop(self, reason: str = "server stopped") -> None:
-        """Any state → OFFLINE: abort running episodes, free the engine."""
+        """Any state → OFFLINE: abort running episodes, free the engine.
+
+        A stop slower than :data:`SLOW_STOP_S` logs every thread's stack once (what it waits on).
+        """
+        t0 = time.perf_counter()
+        watchdog = asyncio.get_running_loop().call_later(SLOW_STOP_S, log_thread_stacks,
+                                                         f"stopping the server takes over {SLOW_STOP_S:g} s")
+        try:
+            await self._stop(reason)
+        finally:
+            watchdog.cancel()
+        log.info("server stopped in %.1f s (%s)", time.perf_counter() - t0, reason)
+
+    async def _stop(self, reason: str) -> None:
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()
             try:
@@ -366,12 +394,16 @@ class SwarmServer:
         self._boot_task = None
         self.episodes.abort_all(reason)
         if self.state.state is not ServerState.OFFLINE:
+            t = time.perf_counter()
             try:
                 await self.cycle.before_stop()
             except Exception:  # noqa: BLE001 - stopping must always succeed
                 log.exception("the cycle failed to stop")
+            log.debug("stop: the cycle stopped in %.1f s", time.perf_counter() - t)
         backend, self.backend = self.backend, None
+        t = time.perf_counter()
         await self._close_backend(backend)
+        log.debug("stop: the backend closed in %.1f s", time.perf_counter() - t)
         if self.state.state is not ServerState.OFFLINE:
             self.state.transition(ServerState.OFFLINE)
             try:
