@@ -14,13 +14,13 @@ from swarmkit.contract import GenerationOutput, SamplingParams
 from swarmkit.errors import ApiError
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
-    choice_streams,
     completion_logprobs,
     sampling_params,
     served_model,
     server_of,
     sse,
 )
+from swarmkit.server.turn import choice_streams
 from swarmkit.timelines.render import TokenText
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from swarmkit.contract import SamplingParams, StreamChunk
+from swarmkit.contract import SamplingParams
 from swarmkit.errors import ApiError
 from swarmkit.server.requests import bearer
 from swarmkit.timelines.render import TokenText
@@ -168,52 +167,6 @@ def served_model(srv: SwarmServer) -> str:
 
 def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def choice_streams(
-    srv: SwarmServer, prompt_ids: list[int], params: SamplingParams
-) -> AsyncIterator[tuple[int, StreamChunk]]:
-    """(choice index, chunk) from ``params.n`` concurrent backend streams."""
-    one = SamplingParams(**{**params.__dict__, "n": 1})
-    if params.n == 1:
-        agen = srv.backend.stream(prompt_ids, one)
-        try:
-            async for chunk in agen:
-                yield 0, chunk
-        finally:
-            aclose = getattr(agen, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
-        return
-    send, receive = anyio.create_memory_object_stream[tuple[int, StreamChunk | None]](64)
-
-    async def pump(i: int) -> None:
-        params_i = SamplingParams(**{**one.__dict__, "seed": None if one.seed is None else one.seed + i})
-        agen = srv.backend.stream(prompt_ids, params_i)
-        try:
-            async for chunk in agen:
-                await send.send((i, chunk))
-        finally:
-            aclose = getattr(agen, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
-            with anyio.CancelScope(shield=True):
-                await send.send((i, None))
-
-    async with anyio.create_task_group() as tg:
-        for i in range(params.n):
-            tg.start_soon(pump, i)
-        done = 0
-        async with receive:
-            while done < params.n:
-                i, chunk = await receive.receive()
-                if chunk is None:
-                    done += 1
-                    continue
-                yield i, chunk
-
 
 
 async def list_models(request: Request) -> Response:

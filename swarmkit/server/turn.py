@@ -1,0 +1,304 @@
+"""One generated assistant turn: the capture path every chat-shaped protocol shares.
+
+Chat Completions, Anthropic Messages and OpenAI Responses translate their
+request into OpenAI-chat messages, function tools and a :class:`ToolChoice`
+(:mod:`swarmkit.server.protocols`); from there the path is one and the same:
+
+normalise the messages → replay turns this server generated with their own
+tokens → render the chat template → generate from token ids → record the
+timeline → parse tool calls → remember the turn for its replay.
+
+So one conversation gives the same token ids and loss masks whichever protocol
+carried it, and prefix merging works across turns of any protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from swarmkit.contract import GenerationOutput, SamplingParams, StreamChunk
+from swarmkit.server.chat_input import (
+    ToolChoice,
+    check_tools_rendered,
+    normalize_messages,
+    template_error,
+)
+from swarmkit.timelines.render import TemplateError
+from swarmkit.timelines.toolcalls import CLOSE, OPEN, ToolCallStreamParser, parse_tool_calls
+
+if TYPE_CHECKING:  # pragma: no cover
+    from swarmkit.swarm.episodes import Episode
+    from swarmkit.swarm.server import SwarmServer
+    from swarmkit.timelines.block import Block
+
+__all__ = ["Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_turn", "stream_turn",
+           "with_internal_stop"]
+
+
+@dataclass
+class Turn:
+    """A checked request, ready to generate.
+
+    :ivar endpoint: the protocol's name in the recorded timelines (``chat``, ``messages``, ``responses``).
+    :ivar forced_text: a tool-call opening the server prefills (``tool_choice`` required or named).
+    :ivar internal_stop: generation stops at the first ``</tool_call>`` (no parallel calls).
+    """
+
+    endpoint: str
+    blocks: list[Any]
+    prompt_ids: list[int]
+    choice: ToolChoice
+    forced_text: str
+    forced_ids: list[int]
+    internal_stop: bool
+    stops: list[str] = field(default_factory=list)  # the client's stop strings
+
+
+def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
+                 choice: ToolChoice, *, endpoint: str) -> Turn:
+    """Normalise, replay and render a conversation (400 naming the message on a bad one)."""
+    renderer = srv.renderer
+    messages = normalize_messages(messages, developer_role=renderer.has_developer_role)
+    check_tools_rendered(renderer, tools)
+    messages, generated = ep.turns.substitute(messages)
+    try:
+        blocks = renderer.render_prompt(messages, tools=tools, generated=generated)
+    except TemplateError as exc:
+        raise template_error(exc) from None
+    forced_text = renderer.tool_call_prefix(choice.name) if choice.forced else ""
+    forced_ids = renderer.encode(forced_text) if forced_text else []
+    prompt_ids = [t for b in blocks for t in b.token_ids] + forced_ids
+    return Turn(endpoint, blocks, prompt_ids, choice, forced_text, forced_ids, choice.parse and not choice.parallel)
+
+
+def with_internal_stop(turn: Turn, params: SamplingParams) -> SamplingParams:
+    """``params`` with the turn's internal ``</tool_call>`` stop added (kept on ``turn``)."""
+    turn.stops = list(params.stop)
+    if turn.internal_stop and CLOSE not in params.stop:
+        params.stop = [*params.stop, CLOSE]
+    else:
+        turn.internal_stop = False
+    return params
+
+
+def _reply_text(turn: Turn, text: str, finish_reason: str | None) -> str:
+    """What tool calls are parsed from: the forced opening, the text, and the ``</tool_call>``
+    that the internal stop (``parallel_tool_calls: false``) cut off."""
+    full = turn.forced_text + text
+    if turn.internal_stop and finish_reason == "stop" and full.rfind(OPEN) > full.rfind(CLOSE):
+        full += CLOSE
+    return full
+
+
+def _remember(srv: SwarmServer, ep: Episode, completion: Block, content: str | None,
+              calls: list[dict[str, Any]]) -> None:
+    """Keep the turn (its recorded completion block: forced + generated tokens, decoded) for
+    token-exact replay when the client sends it back."""
+    rendered = completion.text
+    eos = srv.renderer.eos_text
+    text = rendered[: -len(eos)] if eos and rendered.endswith(eos) else rendered
+    ep.turns.remember(text, completion.token_ids, rendered, content, calls)
+
+
+def matched_stop(srv: SwarmServer, turn: Turn, token_ids: list[int], text: str, finish_reason: str) -> str | None:
+    """The client stop string that ended a choice (None: EOS, length, or no stop strings)."""
+    if finish_reason != "stop" or not turn.stops:
+        return None
+    tail = srv.renderer.decode(token_ids)[len(text):]
+    found = [(tail.find(s), s) for s in turn.stops if s and s in tail]
+    return min(found)[1] if found else None
+
+
+async def choice_streams(
+    srv: SwarmServer, prompt_ids: list[int], params: SamplingParams
+) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(choice index, chunk) from ``params.n`` concurrent backend streams."""
+    one = SamplingParams(**{**params.__dict__, "n": 1})
+    if params.n == 1:
+        agen = srv.backend.stream(prompt_ids, one)
+        try:
+            async for chunk in agen:
+                yield 0, chunk
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+        return
+    send, receive = anyio.create_memory_object_stream[tuple[int, StreamChunk | None]](64)
+
+    async def pump(i: int) -> None:
+        params_i = SamplingParams(**{**one.__dict__, "seed": None if one.seed is None else one.seed + i})
+        agen = srv.backend.stream(prompt_ids, params_i)
+        try:
+            async for chunk in agen:
+                await send.send((i, chunk))
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+            with anyio.CancelScope(shield=True):
+                await send.send((i, None))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(params.n):
+            tg.start_soon(pump, i)
+        done = 0
+        async with receive:
+            while done < params.n:
+                i, chunk = await receive.receive()
+                if chunk is None:
+                    done += 1
+                    continue
+                yield i, chunk
+
+
+@dataclass
+class Reply:
+    """One finished choice.
+
+    :ivar content: the text around the tool calls (None when only calls were generated and
+        tools were offered; the text as generated otherwise).
+    :ivar finish_reason: ``stop``, ``length`` or ``tool_calls``.
+    :ivar stop_sequence: the client stop string that ended it, if one did.
+    """
+
+    index: int
+    content: str | None
+    calls: list[dict[str, Any]]
+    finish_reason: str
+    output: GenerationOutput
+    stop_sequence: str | None = None
+
+
+async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
+                        params: SamplingParams) -> list[Reply]:
+    """Generate every choice, record the call, parse and remember each turn."""
+    outputs = await srv.generate(ep, turn.prompt_ids, params)
+    recorded = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids)
+    replies = []
+    for i, out in enumerate(outputs):
+        if turn.choice.parse:
+            content, calls = parse_tool_calls(_reply_text(turn, out.text, out.finish_reason))
+        else:
+            content, calls = out.text, []
+        _remember(srv, ep, recorded[i].blocks[-1], content, calls)
+        replies.append(Reply(i, content, calls, "tool_calls" if calls else out.finish_reason, out,
+                             matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason)))
+    return replies
+
+
+@dataclass
+class Opened:
+    """The server serves the episode: the protocol's opening events may go out."""
+
+
+@dataclass
+class Piece:
+    """Streamed content of choice ``index``: ``text`` is safe to send (never part of a tool
+    call); ``chunk`` is the engine's chunk it came from (token ids, logprobs)."""
+
+    index: int
+    text: str
+    chunk: StreamChunk
+
+
+@dataclass
+class Finished:
+    """The end of choice ``index``: held-back text, the parsed calls, the reason."""
+
+    index: int
+    rest: str
+    calls: list[dict[str, Any]]
+    finish_reason: str
+    stop_sequence: str | None = None
+    completion_tokens: int = 0
+
+
+async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
+                      params: SamplingParams) -> AsyncIterator[Opened | Piece | Finished]:
+    """:class:`Opened` once the server serves the episode, the turn's pieces as the engine makes
+    them, then one :class:`Finished` per choice.
+
+    The call is recorded after the last :class:`Finished` (before the caller sends its closing
+    event: a client that saw the end finds the call recorded), and also when the stream is cut
+    (the tokens generated so far).
+    """
+    n = params.n
+    ids: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    parsers = [ToolCallStreamParser() if turn.choice.parse else None for _ in range(n)]
+    contents: list[list[str]] = [[] for _ in range(n)]
+    calls_of: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    version = srv.policy_version
+    completed = False
+    recorded = False
+
+    def record() -> None:
+        nonlocal recorded
+        if recorded:
+            return
+        recorded = True
+        srv.end_call(ep)
+        outputs = [
+            GenerationOutput(token_ids=ids[i], logprobs=lps[i], text="", finish_reason=finish[i] or "abort",
+                             top_logprobs=tops[i] or None, policy_version=version)
+            for i in range(n)
+        ]
+        if ep.running and any(ids):
+            made = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint,
+                                      forced=turn.forced_ids, meta={"stream": True, "complete": completed})
+            if completed:
+                for i in range(n):
+                    _remember(srv, ep, made[i].blocks[-1], "".join(contents[i]) or None, calls_of[i])
+
+    srv.begin_call(ep)
+    try:
+        await srv.wait_serving(ep)
+        yield Opened()
+        for i in range(n):
+            parser = parsers[i]
+            if parser is not None and turn.forced_text:
+                parser.feed(turn.forced_text)  # an open tool call: held until it closes
+        async for i, ch in choice_streams(srv, turn.prompt_ids, params):
+            ids[i].extend(ch.token_ids)
+            lps[i].extend(ch.logprobs)
+            texts[i].append(ch.text)
+            if ch.top_logprobs:
+                tops[i].extend(ch.top_logprobs)
+            text = ch.text
+            parser = parsers[i]
+            if parser is not None:
+                text = parser.feed(text)
+            if ch.finish_reason:
+                finish[i] = ch.finish_reason
+            if text:
+                contents[i].append(text)
+            yield Piece(i, text, ch)
+        for i in range(n):
+            reason = finish[i] or "stop"
+            rest = ""
+            parser = parsers[i]
+            if parser is not None:
+                if turn.internal_stop and finish[i] == "stop" and parser.in_call:
+                    parser.feed(CLOSE)
+                rest, calls = parser.finish()
+                calls_of[i] = calls
+                if rest:
+                    contents[i].append(rest)
+                if calls:
+                    reason = "tool_calls"
+            stop = matched_stop(srv, turn, ids[i], "".join(texts[i]), reason)
+            yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]))
+        completed = True
+        record()
+    finally:
+        record()
