@@ -46,8 +46,13 @@ FRAMEWORKS: dict[str, list[str]] = {
     "agentscope_agent": ["agentscope"],
     "openai_agents": ["agents"],
     "pydantic_ai_agent": ["pydantic_ai"],
+    "anthropic_sdk": ["anthropic"],
+    "openai_responses": ["openai"],
+    "openai_agents_responses": ["agents"],
 }
 NAMES = list(FRAMEWORKS)
+#: the agents that speak Chat Completions (the others: Anthropic Messages, OpenAI Responses)
+CHAT_NAMES = [n for n in NAMES if n not in ("anthropic_sdk", "openai_responses", "openai_agents_responses")]
 
 #: what each framework puts on the wire beyond the reference (asserted, and listed in the README)
 WIRE: dict[str, dict[str, Any]] = {
@@ -123,7 +128,7 @@ class Recorder:
         self.bodies: list[tuple[str, dict]] = []
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].endswith("/chat/completions"):
+        if scope["type"] != "http" or not scope["path"].endswith(("/chat/completions", "/messages", "/responses")):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -131,8 +136,9 @@ class Recorder:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        auth = dict(scope["headers"]).get(b"authorization", b"").decode()
-        self.bodies.append((auth.removeprefix("Bearer "), json.loads(body)))
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"").decode().removeprefix("Bearer ") or headers.get(b"x-api-key", b"").decode()
+        self.bodies.append((auth, json.loads(body)))
         replayed = False
 
         async def replay():
@@ -243,7 +249,7 @@ def test_the_tool_turns_merge_into_one_sample(runs, name):
 
 
 # --------------------------------------------------------------------------- (c) what is sent
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CHAT_NAMES)
 def test_the_requests_carry_the_task_prompt_tool_and_result(runs, name):
     first, second = runs(name).bodies
     wire = WIRE[name]
@@ -269,6 +275,40 @@ def test_the_requests_carry_the_task_prompt_tool_and_result(runs, name):
         wire.get("compact_arguments", False)
     assert result["role"] == "tool" and result["content"] == TASK.answer
     assert result["tool_call_id"] == call["tool_calls"][0]["id"]
+
+
+def test_the_anthropic_sdk_sends_messages_blocks(runs):
+    first, second = runs("anthropic_sdk").bodies
+    question = TASK.messages[1]["content"]
+    for body in (first, second):
+        assert body["system"] == SYSTEM_PROMPT and body["max_tokens"] == 64
+        assert body["tools"] == [load("anthropic_sdk").TOOL]
+        assert body["messages"][0] == {"role": "user", "content": question}
+    use, result = second["messages"][1:]
+    (block,) = use["content"]
+    assert block["type"] == "tool_use" and block["input"] == {"expression": TASK.meta["expression"]}
+    assert result == {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block["id"],
+                                                   "content": TASK.answer}]}
+
+
+@pytest.mark.parametrize("name", ["openai_responses", "openai_agents_responses"])
+def test_the_responses_agents_send_items(runs, name):
+    first, second = runs(name).bodies
+    question = TASK.messages[1]["content"]
+    for body in (first, second):
+        assert body["instructions"] == SYSTEM_PROMPT and body["max_output_tokens"] == 64
+        (tool,) = body["tools"]
+        assert tool["type"] == "function" and tool["name"] == "calculator" and tool.get("strict", False) is False
+    assert first["input"] == [{"role": "user", "content": question}]
+    if name == "openai_responses":  # continues the stored response
+        assert second["previous_response_id"].startswith("resp_")
+        (output,) = second["input"]
+    else:  # the Agents SDK sends the whole history back, its function_call item included
+        assert "previous_response_id" not in second
+        user, call, output = second["input"]
+        assert user == first["input"][0] and call["type"] == "function_call"
+        assert json.loads(call["arguments"]) == {"expression": TASK.meta["expression"]}
+    assert output["type"] == "function_call_output" and output["output"] == TASK.answer
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -363,3 +403,4 @@ def test_a_malformed_tool_call_is_answered_with_an_error_not_a_crash(runs, name)
     final, valid, calls, turns = runs(name, BAD_ARGS).result
     assert (valid, calls) == (0, 1) and turns == 2
     assert final.startswith("<answer>") and ("error" in final or "validation failed" in final), final
+

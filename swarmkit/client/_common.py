@@ -284,6 +284,10 @@ def prepare_body(reward: float | Mapping[str, float], meta: Mapping[str, Any] | 
 class EpisodeInfo:
     """A registered episode's data: where to send the agent (``base_url``, ``api_key``).
 
+    ``base_url`` (ending in ``/v1``) is what the ``openai`` SDK and most frameworks take;
+    ``anthropic_base_url`` (the server's root: the SDK adds ``/v1/messages``) is the
+    ``anthropic`` SDK's.
+
     With roles, ``keys[role]`` is the key of each role (``key_for(role)``);
     ``api_key`` is the first role's.
     """
@@ -306,6 +310,11 @@ class EpisodeInfo:
     def server_url(self) -> str:
         """The swarm server's own address (``base_url`` without its ``/v1``)."""
         return self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The ``base_url`` of the ``anthropic`` SDK (the server's root; the SDK adds ``/v1/messages``)."""
+        return str(self.info.get("anthropic_base_url") or self.server_url)
 
     def __repr__(self) -> str:
         state = "open" if self.result is None else self.result.get("status")

@@ -75,6 +75,9 @@ class ServerConfig:
     #: the largest reward magnitude a report may carry (larger: 422); keeps advantages finite
     max_abs_reward: float = 1e6
     max_body_bytes: int = 8_000_000
+    #: an inference request with a field the endpoint does not know gets 400 (default: the call goes
+    #: through, the server logs the names and answers with the X-Swarm-Ignored-Fields header)
+    strict_fields: bool = False
 
 
 @dataclass

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from swarmkit.server.errors import EXCEPTION_HANDLERS
 from swarmkit.server.middleware import BodySizeLimit
-from swarmkit.server.routes import admin, chat, completions, episodes, openai
+from swarmkit.server.routes import admin, chat, completions, episodes, messages, openai, responses
 from swarmkit.swarm.server import SwarmServer
 
 
@@ -41,7 +41,14 @@ def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
         Route("/", admin.root, methods=["GET"]),
         Route("/v1/models", openai.list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route("/v1/models/{model_id:path}", openai.get_model, methods=["GET"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
+        Route("/v1/messages", messages.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+        Route("/tokenize", openai.tokenize, methods=["POST"]),
+        Route("/detokenize", openai.detokenize, methods=["POST"]),
         Route("/api/v1/health", admin.health, methods=["GET"]),
         Route("/api/v1/status", admin.status, methods=["GET"]),
         Route("/api/v1/admin/configure", admin.configure, methods=["POST"]),

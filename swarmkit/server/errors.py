@@ -1,8 +1,10 @@
-"""OpenAI-style JSON errors: ``{"error": {"message", "type", "code", "param"}}``.
+"""JSON errors in the shape of the protocol that was called.
 
-Every 4xx/5xx the server sends has this shape, so the official ``openai`` SDK
-raises its usual typed exceptions with a readable message. The layers below
-raise :class:`swarmkit.errors.ApiError`; the handlers here answer it.
+Every 4xx/5xx has OpenAI's shape ``{"error": {"message", "type", "code", "param"}}``,
+so the ``openai`` SDK raises its usual typed exceptions with a readable message;
+under ``/v1/messages`` it has Anthropic's ``{"type": "error", "error": {"type",
+"message"}}``, so the ``anthropic`` SDK does too. The layers below raise
+:class:`swarmkit.errors.ApiError`; the handlers here answer it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,29 @@ _TYPES = {
 }
 
 
+#: HTTP status -> Anthropic error ``type``
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """The JSON payload of an error answer under ``/v1/messages``."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
     """The JSON payload of an error answer."""
     return {
@@ -53,26 +78,38 @@ def error_response(
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+def protocol_error(request: Request, status: int, message: str, code: str, *, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error answer in the shape of the protocol ``request`` speaks."""
+    if _is_anthropic(request):
+        if param and param not in message:
+            message = f"{param}: {message}"
+        return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+    return error_response(status, message, code, param=param, headers=headers)
+
+
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message, exc.code, param=exc.param, headers=exc.headers)
+    return protocol_error(request, exc.status, exc.message, exc.code, param=exc.param, headers=exc.headers)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    path = request.url.path
+    hint = ("; the SDK added /v1 to a base_url that already ends in /v1: give the Anthropic SDK the server's "
+            "root (registration answers it as anthropic_base_url)") if path.startswith("/v1/v1/") else ""
     messages = {
-        404: f"no route {request.method} {request.url.path}; see docs/server_api.md",
+        404: f"no route {request.method} {path}{hint}; see docs/server_api.md",
         405: f"method {request.method} is not allowed on {request.url.path}",
     }
     code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(
-        exc.status_code, messages.get(exc.status_code, str(exc.detail)), code, headers=dict(exc.headers or {})
-    )
+    return protocol_error(request, exc.status_code, messages.get(exc.status_code, str(exc.detail)), code,
+                          headers=dict(exc.headers or {}))
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
     logging.getLogger("swarmkit.server").exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
+    return protocol_error(request, 500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
 
 
 EXCEPTION_HANDLERS = {

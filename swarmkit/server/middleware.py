@@ -6,7 +6,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from swarmkit.server.errors import error_body
+from swarmkit.server.errors import anthropic_error_body, error_body
 
 
 class BodySizeLimit:
@@ -30,12 +30,12 @@ class BodySizeLimit:
                 try:
                     declared = int(value)
                 except ValueError:
-                    await self._refuse(send, 400, "invalid Content-Length header", "invalid_header")
+                    await self._refuse(send, 400, "invalid Content-Length header", "invalid_header", scope.get("path", ""))
                     return
                 break
         if declared is not None:
             if declared > self.max_bytes:
-                await self._refuse(send, 413, self._message(declared), "body_too_large")
+                await self._refuse(send, 413, self._message(declared), "body_too_large", scope.get("path", ""))
                 return
             await self.app(scope, receive, send)
             return
@@ -51,7 +51,7 @@ class BodySizeLimit:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_bytes:
-                await self._refuse(send, 413, self._message(size), "body_too_large")
+                await self._refuse(send, 413, self._message(size), "body_too_large", scope.get("path", ""))
                 return
             chunks.append(body)
             more = message.get("more_body", False)
@@ -62,8 +62,10 @@ class BodySizeLimit:
         return f"request body of {size} bytes is over this server's limit of {self.max_bytes} bytes " \
                "(server.max_body_bytes)"
 
-    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
-        payload = json.dumps(error_body(status, message, code)).encode()
+    async def _refuse(self, send: Send, status: int, message: str, code: str, path: str = "") -> None:
+        body = anthropic_error_body(status, message) if path.startswith("/v1/messages") else \
+            error_body(status, message, code)
+        payload = json.dumps(body).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})

@@ -25,11 +25,12 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 
 def bearer(request: Request) -> str | None:
-    """The token of ``Authorization: Bearer <token>`` (or ``api-key``), if any."""
+    """The token of ``Authorization: Bearer <token>`` (or ``x-api-key``, Anthropic's header, or
+    ``api-key``, Azure's), if any."""
     auth = request.headers.get("authorization")
     if auth:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
             return token.strip()
         return None
-    return request.headers.get("api-key") or None
+    return request.headers.get("x-api-key") or request.headers.get("api-key") or None

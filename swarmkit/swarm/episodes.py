@@ -65,6 +65,9 @@ class Episode:
     accepted: bool = False
     #: the assistant turns generated for this episode, replayed token-exact when sent back
     turns: TurnMemory = field(default_factory=TurnMemory)
+    #: Responses API state kept for the episode's life: response id -> (stored conversation, its items);
+    #: ``previous_response_id`` and ``item_reference`` read it (bounded: the newest 256 responses)
+    responses: dict[str, Any] = field(default_factory=dict)
     #: a prepared episode of a multi-server episode: the primary episode whose commit decides
     #: this one (``url``, ``episode_id``, ``api_key``); None for the primary itself
     primary: dict[str, str] | None = None

@@ -217,6 +217,7 @@ class SwarmServer:
         self.drain_idle_s = float(scfg.drain_idle_s)
         self.prepared_grace_s = float(scfg.prepared_grace_s)
         self.max_abs_reward = float(scfg.max_abs_reward)
+        self.strict_fields = bool(scfg.strict_fields)
 
     def is_admin(self, token: str | None) -> bool:
         return self.auth.is_admin(token)

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarmkit.contract import SamplingParams
+from swarmkit.server import fields
 from swarmkit.server.chat_input import parse_tool_choice, parse_tools
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
@@ -41,6 +42,8 @@ async def chat_completions(request: Request) -> Response:
     srv = server_of(request)
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
+    unknown = fields.unknown_fields(body, fields.CHAT, strict=srv.strict_fields)
+    headers = fields.ignored_header(unknown)
     tools = parse_tools(body)
     turn = prepare_turn(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools), endpoint="chat")
     params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)))
@@ -54,7 +57,7 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         gen = _chat_stream(srv, ep, role, turn, params, want_lp, want_top, cid, created, model, include_usage)
         return StreamingResponse(gen, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     replies = await generate_turn(srv, ep, role, turn, params)
     tt = srv.token_text if want_lp else None
     choices = []
@@ -87,7 +90,8 @@ async def chat_completions(request: Request) -> Response:
                 "completion_tokens": completion_tokens,
                 "total_tokens": len(turn.prompt_ids) + completion_tokens,
             },
-        }
+        },
+        headers=headers,
     )
 
 

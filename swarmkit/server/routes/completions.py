@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarmkit.contract import GenerationOutput, SamplingParams
 from swarmkit.errors import ApiError
+from swarmkit.server import fields
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
     completion_logprobs,
@@ -62,6 +63,7 @@ async def completions(request: Request) -> Response:
     srv = server_of(request)
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
+    headers = fields.ignored_header(fields.unknown_fields(body, fields.COMPLETIONS, strict=srv.strict_fields))
     if body.get("echo"):
         raise ApiError(400, "'echo' is not supported by this server", "unsupported_value", param="echo")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
@@ -79,7 +81,7 @@ async def completions(request: Request) -> Response:
         text, ids = prompts[0]
         block = srv.tracker.prompt_block(text, ids)
         return StreamingResponse(_completion_stream(srv, ep, role, block, ids, params, tt, cid, created, model),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     choices = []
     usage_prompt = usage_gen = 0
     for p_index, (text, ids) in enumerate(prompts):
@@ -108,7 +110,8 @@ async def completions(request: Request) -> Response:
             "choices": choices,
             "usage": {"prompt_tokens": usage_prompt, "completion_tokens": usage_gen,
                       "total_tokens": usage_prompt + usage_gen},
-        }
+        },
+        headers=headers,
     )
 
 

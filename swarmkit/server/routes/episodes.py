@@ -112,6 +112,7 @@ async def register(request: Request) -> Response:
         {
             "episode_id": ep.id,
             "base_url": _base_url(request),
+            "anthropic_base_url": _base_url(request)[: -len("/v1")],
             "api_key": next(iter(ep.keys.values())),
             "keys": keys or None,
             "roles": ep.roles,

@@ -19,8 +19,9 @@ from starlette.responses import JSONResponse, Response
 
 from swarmkit.contract import SamplingParams
 from swarmkit.errors import ApiError
-from swarmkit.server.requests import bearer
-from swarmkit.timelines.render import TokenText
+from swarmkit.server.chat_input import normalize_messages, parse_tools, template_error
+from swarmkit.server.requests import bearer, read_json
+from swarmkit.timelines.render import TemplateError, TokenText
 
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
@@ -70,6 +71,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "best_of is not supported (only 1); use n"),
     "echo": ((False,), "echo is not supported"),
     "suffix": (("",), "suffix (insertion) is not supported"),
+    "reasoning_effort": ((), "this model has no reasoning-effort setting"),
+    "web_search_options": ((), "web search is not supported"),
 }
 
 
@@ -187,3 +190,56 @@ async def list_models(request: Request) -> Response:
             ],
         }
     )
+
+
+async def get_model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: the served model under its name (404 for any other name)."""
+    srv = server_of(request)
+    srv.authorize_any(bearer(request))
+    model_id = request.path_params["model_id"]
+    if model_id != served_model(srv):
+        raise ApiError(404, f"model {model_id!r} is not served here; this server serves {served_model(srv)!r}",
+                       "model_not_found", param="model")
+    return JSONResponse({"id": model_id, "object": "model", "created": int(srv.started_at or time.time()),
+                         "owned_by": "swarmkit", "policy_version": srv.policy_version})
+
+
+def _renderer(srv: SwarmServer) -> Any:
+    if srv.renderer is None:
+        raise ApiError(503, f"the server is {srv.state.state}: no model is loaded", "not_serving")
+    return srv.renderer
+
+
+async def tokenize(request: Request) -> Response:
+    """``POST /tokenize`` (vLLM's shape): ``{"prompt": str}`` or ``{"messages": [...], "tools": [...]}``
+    (rendered with the chat template and the generation prompt) → ``{"count", "tokens", "max_model_len"}``."""
+    srv = server_of(request)
+    srv.authorize_any(bearer(request))
+    body = await read_json(request)
+    renderer = _renderer(srv)
+    if isinstance(body.get("prompt"), str):
+        ids = renderer.encode(body["prompt"])
+    elif "messages" in body:
+        messages = normalize_messages(body["messages"], developer_role=renderer.has_developer_role)
+        try:
+            blocks = renderer.render_prompt(messages, tools=parse_tools(body))
+        except TemplateError as exc:
+            raise template_error(exc) from None
+        ids = [t for b in blocks for t in b.token_ids]
+    else:
+        raise ApiError(400, "send 'prompt' (a string) or 'messages' (a chat)", "missing_field", param="prompt")
+    return JSONResponse({"count": len(ids), "tokens": ids, "max_model_len": srv.max_context})
+
+
+async def detokenize(request: Request) -> Response:
+    """``POST /detokenize``: ``{"tokens": [ids]}`` → ``{"prompt": text}``."""
+    srv = server_of(request)
+    srv.authorize_any(bearer(request))
+    body = await read_json(request)
+    tokens = body.get("tokens")
+    vocab = len(srv.tokenizer)
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                               for t in tokens):
+        raise ApiError(400, f"'tokens' must be a list of token ids (0 <= id < {vocab})", "invalid_value",
+                       param="tokens")
+    return JSONResponse({"prompt": _renderer(srv).decode(tokens)})

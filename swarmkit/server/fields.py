@@ -1,0 +1,111 @@
+"""Which request fields each inference endpoint reads: nothing is accepted silently.
+
+Every field of a request is one of
+
+- **honoured**: it changes the generation as the protocol says;
+- **refused**: it would change the generation in a way this server cannot honour,
+  so a value other than its no-op gets a 400 naming it (checked by the endpoint);
+- **ignored**: harmless metadata (``user``, ``metadata``, ``store``...), listed
+  in docs/server_api.md;
+- **unknown**: anything else. By default the call goes through, the server logs
+  the names once and answers with the header ``X-Swarm-Ignored-Fields``; with
+  ``server.strict_fields: true`` it is a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from swarmkit.errors import ApiError
+
+log = logging.getLogger("swarmkit.server")
+
+IGNORED_HEADER = "X-Swarm-Ignored-Fields"
+
+
+@dataclass(frozen=True)
+class FieldTable:
+    """The fields one endpoint reads (``known``: honoured or refused) and those it ignores."""
+
+    endpoint: str
+    known: frozenset[str]
+    ignored: frozenset[str]
+
+    @classmethod
+    def of(cls, endpoint: str, known: Iterable[str], ignored: Iterable[str]) -> FieldTable:
+        return cls(endpoint, frozenset(known), frozenset(ignored))
+
+
+_OPENAI_METADATA = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                    "prompt_cache_retention")
+
+CHAT = FieldTable.of(
+    "/v1/chat/completions",
+    known=("messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_tokens",
+           "max_completion_tokens", "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options",
+           "response_format", "logit_bias", "frequency_penalty", "presence_penalty", "functions", "function_call",
+           "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"),
+    ignored=_OPENAI_METADATA,
+)
+COMPLETIONS = FieldTable.of(
+    "/v1/completions",
+    known=("prompt", "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream",
+           "stream_options", "echo", "best_of", "suffix", "logit_bias", "frequency_penalty", "presence_penalty"),
+    ignored=("user",),
+)
+MESSAGES = FieldTable.of(
+    "/v1/messages",
+    known=("model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+           "tools", "tool_choice", "thinking", "output_config", "container", "mcp_servers", "context_management"),
+    ignored=("metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id",
+             "workspace_id"),
+)
+COUNT_TOKENS = FieldTable.of(
+    "/v1/messages/count_tokens",
+    known=("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "mcp_servers",
+           "context_management"),
+    ignored=("cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id"),
+)
+RESPONSES = FieldTable.of(
+    "/v1/responses",
+    known=("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+           "temperature", "top_p", "stream", "previous_response_id", "include", "truncation", "text", "reasoning",
+           "top_logprobs", "conversation", "prompt", "background", "max_tool_calls", "context_management",
+           "stream_options"),
+    ignored=(*_OPENAI_METADATA, "prompt_cache_options"),
+)
+
+
+def unknown_fields(body: dict[str, object], table: FieldTable, *, strict: bool) -> list[str]:
+    """The names in ``body`` that ``table`` does not know (sorted); a 400 in strict mode.
+
+    A name starting with ``x_`` or ``x-`` is never unknown (private client metadata).
+    """
+    unknown = sorted(k for k in body if k not in table.known and k not in table.ignored
+                     and not k.startswith(("x_", "x-")))
+    if not unknown:
+        return []
+    if strict:
+        raise ApiError(400, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                       f"for {table.endpoint} (server.strict_fields is on; docs/server_api.md lists the fields)",
+                       "unknown_field", param=unknown[0])
+    _log_once(table.endpoint, unknown)
+    return unknown
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_once(endpoint: str, names: list[str]) -> None:
+    new = [n for n in names if (endpoint, n) not in _logged]
+    if new:
+        _logged.update((endpoint, n) for n in new)
+        log.warning("%s: ignoring unknown request field(s) %s (answered in the %s header; server.strict_fields: "
+                    "true refuses them)", endpoint, ", ".join(new), IGNORED_HEADER)
+
+
+def ignored_header(unknown: list[str]) -> dict[str, str]:
+    """The response header naming the unknown fields (empty when there are none)."""
+    return {IGNORED_HEADER: ",".join(unknown)} if unknown else {}

@@ -1,0 +1,117 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API over the shared turn.
+
+The Anthropic SDK takes the server's root as its ``base_url`` (it appends
+``/v1/messages``): registration answers it as ``anthropic_base_url``. The
+episode key comes as ``x-api-key`` (or a bearer token). Errors have
+Anthropic's shape (:mod:`swarmkit.server.errors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from swarmkit.contract import SamplingParams
+from swarmkit.errors import ApiError
+from swarmkit.server import fields
+from swarmkit.server.protocols import anthropic
+from swarmkit.server.requests import bearer, read_json
+from swarmkit.server.routes.openai import sampling_params, served_model, server_of
+from swarmkit.server.turn import (
+    Finished,
+    Opened,
+    Piece,
+    Turn,
+    generate_turn,
+    prepare_turn,
+    stream_turn,
+    with_internal_stop,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from swarmkit.swarm.episodes import Episode
+    from swarmkit.swarm.server import SwarmServer
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def messages(request: Request) -> Response:
+    """``POST /v1/messages``."""
+    srv = server_of(request)
+    body = await read_json(request)
+    ep, role = await srv.authorize_call(bearer(request))
+    unknown = fields.unknown_fields(body, fields.MESSAGES, strict=srv.strict_fields)
+    chat_messages, tools, choice = anthropic.to_chat(body)
+    turn = prepare_turn(srv, ep, chat_messages, tools, choice, endpoint="messages")
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
+    params, _ = sampling_params(anthropic.sampling_body(body), chat=True, max_new=srv.room_for(len(turn.prompt_ids)))
+    params = with_internal_stop(turn, params)
+    mid = anthropic.new_message_id()
+    model = served_model(srv)
+    headers = fields.ignored_header(unknown)
+    if stream:
+        return StreamingResponse(_stream(srv, ep, role, turn, params, mid, model), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **headers})
+    (reply,) = await generate_turn(srv, ep, role, turn, params)
+    return JSONResponse(anthropic.message_object(mid, model, reply.content, reply.calls, reply.finish_reason,
+                                                 reply.stop_sequence, len(turn.prompt_ids),
+                                                 len(reply.output.token_ids)), headers=headers)
+
+
+async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, params: SamplingParams,
+                  mid: str, model: str) -> AsyncIterator[bytes]:
+    """Anthropic's event sequence: message_start, content blocks (text deltas; each tool call as one
+    ``input_json_delta``), message_delta (stop reason, usage), message_stop."""
+    ev = anthropic.event
+    index = -1  # the content block being written
+    text_open = False
+    async for item in stream_turn(srv, ep, role, turn, params):
+        if isinstance(item, Opened):
+            start = anthropic.message_object(mid, model, None, [], "stop", None, len(turn.prompt_ids), 0)
+            start.update(stop_reason=None, content=[])
+            yield ev("message_start", {"message": start})
+            yield ev("ping", {})
+        elif isinstance(item, Piece) and item.text:
+            if not text_open:
+                index += 1
+                text_open = True
+                yield ev("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+            yield ev("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": item.text}})
+        elif isinstance(item, Finished):
+            if item.rest:
+                if not text_open:
+                    index += 1
+                    text_open = True
+                    yield ev("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+                yield ev("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": item.rest}})
+            if text_open:
+                yield ev("content_block_stop", {"index": index})
+            for call in item.calls:
+                index += 1
+                block = anthropic.tool_use_block(call)
+                yield ev("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+                yield ev("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]}})
+                yield ev("content_block_stop", {"index": index})
+            reason = "stop_sequence" if item.stop_sequence else anthropic.STOP_REASONS.get(item.finish_reason,
+                                                                                              "end_turn")
+            yield ev("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": item.stop_sequence},
+                                       "usage": {"output_tokens": item.completion_tokens}})
+    yield ev("message_stop", {})  # the turn recorded the call before this
+
+
+async def count_tokens(request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: the prompt's length as this server renders it."""
+    srv = server_of(request)
+    body = await read_json(request)
+    ep, _ = await srv.authorize_call(bearer(request))
+    unknown = fields.unknown_fields(body, fields.COUNT_TOKENS, strict=srv.strict_fields)
+    chat_messages, tools, choice = anthropic.to_chat(body)
+    turn = prepare_turn(srv, ep, chat_messages, tools, choice, endpoint="messages")
+    return JSONResponse({"input_tokens": len(turn.prompt_ids)}, headers=fields.ignored_header(unknown))
+

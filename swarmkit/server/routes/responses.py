@@ -1,0 +1,201 @@
+"""``POST /v1/responses`` and ``GET /v1/responses/{id}``: OpenAI's Responses API over the shared turn.
+
+Responses are stored per episode (unless ``store: false``), so
+``previous_response_id`` and ``item_reference`` work within the episode that
+made them, and never across episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from swarmkit.contract import SamplingParams
+from swarmkit.errors import ApiError
+from swarmkit.server import fields
+from swarmkit.server.protocols import responses as proto
+from swarmkit.server.requests import bearer, read_json
+from swarmkit.server.routes.openai import chat_logprobs, sampling_params, served_model, server_of
+from swarmkit.server.turn import (
+    Finished,
+    Opened,
+    Piece,
+    Turn,
+    generate_turn,
+    prepare_turn,
+    stream_turn,
+    with_internal_stop,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from swarmkit.swarm.episodes import Episode
+    from swarmkit.swarm.server import SwarmServer
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: responses an episode keeps for ``previous_response_id`` (oldest dropped first)
+STORED_PER_EPISODE = 256
+
+
+def _stored_items(ep: Episode) -> dict[str, dict[str, Any]]:
+    return {iid: item for entry in ep.responses.values() for iid, item in entry["items"].items()}
+
+
+def _history(ep: Episode, body: dict[str, Any]) -> list[dict[str, Any]]:
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return []
+    entry = ep.responses.get(prev) if isinstance(prev, str) else None
+    if entry is None:
+        raise ApiError(400, f"previous response {prev!r} not found: this episode has not stored it "
+                       "(responses live within their episode; store: false keeps none)", "invalid_value",
+                       param="previous_response_id")
+    return list(entry["conversation"])
+
+
+def _store(ep: Episode, body: dict[str, Any], response: dict[str, Any], conversation: list[dict[str, Any]],
+           content: str | None, calls: list[dict[str, Any]]) -> None:
+    if body.get("store") is False:
+        return
+    items = {it["id"]: it for it in response["output"]}
+    for it in body.get("input") if isinstance(body.get("input"), list) else []:
+        if isinstance(it, dict) and isinstance(it.get("id"), str):
+            items[it["id"]] = it
+    ep.responses[response["id"]] = {"conversation": [*conversation, proto.assistant_message(content, calls)],
+                                    "items": items, "response": response}
+    while len(ep.responses) > STORED_PER_EPISODE:
+        ep.responses.pop(next(iter(ep.responses)))
+
+
+async def create_response(request: Request) -> Response:
+    """``POST /v1/responses``."""
+    srv = server_of(request)
+    body = await read_json(request)
+    ep, role = await srv.authorize_call(bearer(request))
+    unknown = fields.unknown_fields(body, fields.RESPONSES, strict=srv.strict_fields)
+    messages, conversation, tools, choice = proto.to_chat(body, _history(ep, body), _stored_items(ep))
+    turn = prepare_turn(srv, ep, messages, tools, choice, endpoint="responses")
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
+    params, want_lp = sampling_params(proto.sampling_body(body), chat=True, max_new=srv.room_for(len(turn.prompt_ids)))
+    params = with_internal_stop(turn, params)
+    rid = proto.new_id("resp")
+    headers = fields.ignored_header(unknown)
+    if stream:
+        gen = _stream(srv, ep, role, turn, params, want_lp, rid, body, conversation)
+        return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    (reply,) = await generate_turn(srv, ep, role, turn, params)
+    out = reply.output
+    lps = chat_logprobs(srv.token_text, out.token_ids, out.logprobs,
+                        out.top_logprobs if params.top_logprobs else None) if want_lp else None
+    response = proto.response_object(
+        rid, body, served_model(srv), status="incomplete" if reply.finish_reason == "length" else "completed",
+        output=proto.output_items(reply.content, reply.calls, lps), input_tokens=len(turn.prompt_ids),
+        output_tokens=len(out.token_ids), finish_reason=reply.finish_reason)
+    _store(ep, body, response, conversation, reply.content, reply.calls)
+    return JSONResponse(response, headers=headers)
+
+
+def _event(name: str, seq: int, data: dict[str, Any]) -> bytes:
+    payload = json.dumps({"type": name, "sequence_number": seq, **data}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {payload}\n\n".encode()
+
+
+async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, params: SamplingParams,
+                  want_lp: bool, rid: str, body: dict[str, Any], conversation: list[dict[str, Any]]
+                  ) -> AsyncIterator[bytes]:
+    """The Responses event sequence: created, in_progress, a message item streamed as text deltas,
+    one function_call item per tool call (arguments in one delta), completed (or incomplete)."""
+    model = served_model(srv)
+    created = time.time()
+    seq = 0
+    text_parts: list[str] = []
+    lps: list[dict[str, Any]] = []
+    msg_id = proto.new_id("msg")
+    text_open = False
+    output: list[dict[str, Any]] = []
+    final: dict[str, Any] | None = None
+
+    def ev(name: str, **data: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        return _event(name, seq - 1, data)
+
+    def open_text() -> list[bytes]:
+        nonlocal text_open
+        text_open = True
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = {**proto.message_item("", item_id=msg_id, status="in_progress"), "content": []}
+        return [ev("response.output_item.added", output_index=0, item=item),
+                ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)]
+
+    def text_delta(text: str, delta_lps: list[dict[str, Any]]) -> bytes:
+        text_parts.append(text)
+        return ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=text,
+                  logprobs=delta_lps)
+
+    async for item in stream_turn(srv, ep, role, turn, params):
+        if isinstance(item, Opened):
+            start = proto.response_object(rid, body, model, status="in_progress", output=[], input_tokens=0,
+                                          output_tokens=0, created_at=created)
+            yield ev("response.created", response=start)
+            yield ev("response.in_progress", response=start)
+        elif isinstance(item, Piece):
+            ch = item.chunk
+            delta_lps = chat_logprobs(srv.token_text, ch.token_ids, ch.logprobs,
+                                      ch.top_logprobs if params.top_logprobs else None) if want_lp else []
+            lps.extend(delta_lps)
+            if item.text:
+                if not text_open:
+                    for b in open_text():
+                        yield b
+                yield text_delta(item.text, delta_lps)
+        elif isinstance(item, Finished):
+            if item.rest:
+                if not text_open:
+                    for b in open_text():
+                        yield b
+                yield text_delta(item.rest, [])
+            if text_open:
+                text = "".join(text_parts)
+                done = proto.message_item(text, item_id=msg_id, logprobs=lps if want_lp else None)
+                yield ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text,
+                         logprobs=lps if want_lp else [])
+                yield ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
+                         part=done["content"][0])
+                yield ev("response.output_item.done", output_index=0, item=done)
+                output.append(done)
+            for call in item.calls:
+                k = len(output)
+                fc = proto.call_item(call, item_id=proto.new_id("fc"))
+                yield ev("response.output_item.added", output_index=k, item={**fc, "arguments": "",
+                                                                             "status": "in_progress"})
+                yield ev("response.function_call_arguments.delta", item_id=fc["id"], output_index=k,
+                         delta=fc["arguments"])
+                yield ev("response.function_call_arguments.done", item_id=fc["id"], output_index=k,
+                         arguments=fc["arguments"], name=fc["name"])
+                yield ev("response.output_item.done", output_index=k, item=fc)
+                output.append(fc)
+            status = "incomplete" if item.finish_reason == "length" else "completed"
+            final = proto.response_object(rid, body, model, status=status, output=output,
+                                          input_tokens=len(turn.prompt_ids), output_tokens=item.completion_tokens,
+                                          created_at=created, finish_reason=item.finish_reason)
+            _store(ep, body, final, conversation, "".join(text_parts) or None, item.calls)
+    if final is not None:  # the turn recorded the call before the closing event
+        yield ev(f"response.{final['status']}", response=final)
+
+
+async def get_response(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}``: a response this episode stored."""
+    srv = server_of(request)
+    ep, _ = await srv.authorize_call(bearer(request))
+    entry = ep.responses.get(request.path_params["response_id"])
+    if entry is None:
+        raise ApiError(404, f"response {request.path_params['response_id']!r} not found in this episode",
+                       "not_found", param="response_id")
+    return JSONResponse(entry["response"])
