@@ -27,7 +27,6 @@ from swarmkit.tasks import Task
 from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, run_tool_call
 
 
-
 async def _calculator(ctx, arguments: str) -> str:
     return run_tool_call("calculator", arguments)[0]
 
