@@ -121,10 +121,10 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
     output: list[dict[str, Any]] = []
     final: dict[str, Any] | None = None
 
-    def ev(name: str, **data: Any) -> bytes:
+    def ev(kind: str, **data: Any) -> bytes:
         nonlocal seq
         seq += 1
-        return _event(name, seq - 1, data)
+        return _event(kind, seq - 1, data)
 
     def open_text() -> list[bytes]:
         nonlocal text_open
