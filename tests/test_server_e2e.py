@@ -201,6 +201,45 @@ def test_multi_turn_agent_with_tools_is_recorded_token_by_token(server, referenc
     assert status["state"] == "ROLLING" and status["pool"]["episodes"] >= 1 and status["global_step"] == 0
 
 
+def test_messages_and_responses_record_the_engines_tokens(server, reference):
+    """The Anthropic SDK and the openai SDK's Responses API, two turns each (plain, then streamed):
+    every prompt is the chat template's render, every completion the engine's tokens with the
+    logprobs of a separate forward pass."""
+    anthropic = pytest.importorskip("anthropic")
+    client, _, _ = server
+    system = "You are a helpful assistant."
+    with client.episode(task_id="protocols-1") as ep:
+        llm = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key=ep.api_key, max_retries=0)
+        history = [{"role": "user", "content": "Name a colour."}]
+        r1 = llm.messages.create(model="tiny", system=system, messages=history, max_tokens=8)
+        text1 = "".join(b.text for b in r1.content if b.type == "text")
+        history += [{"role": "assistant", "content": text1}, {"role": "user", "content": "Another one?"}]
+        with llm.messages.stream(model="tiny", system=system, messages=history, max_tokens=8) as stream:
+            text2 = "".join(stream.text_stream)
+            r2 = stream.get_final_message()
+        assert r2.usage.output_tokens >= 1 and isinstance(text2, str)
+        ep.report(0.0)
+        anthropic_tls = ep.timelines()
+    with client.episode(task_id="protocols-2") as ep:
+        llm = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        first = llm.responses.create(model="tiny", instructions=system, input="Name a colour.", max_output_tokens=8)
+        events = list(llm.responses.create(model="tiny", instructions=system, input="Another one?",
+                                           previous_response_id=first.id, max_output_tokens=8, stream=True))
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        ep.report(0.0)
+        responses_tls = ep.timelines()
+    turns = [
+        [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}],
+        [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."},
+         {"role": "assistant", "content": None}, {"role": "user", "content": "Another one?"}],
+    ]
+    for tls, first_text in ((anthropic_tls, text1), (responses_tls, first.output_text)):
+        assert [tl["meta"]["endpoint"] for tl in tls] in (["messages"] * 2, ["responses"] * 2)
+        turns[1][2]["content"] = first_text
+        for k, (tl, msgs) in enumerate(zip(tls, turns, strict=True)):
+            check_timeline(tl, msgs, None, reference, [t["blocks"][-1]["token_ids"] for t in tls[:k]])
+
+
 def test_concurrent_episodes_keep_separate_timelines(server, reference):
     client, _, _ = server
     _, tok = reference
