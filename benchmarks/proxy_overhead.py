@@ -1,4 +1,4 @@
-"""Latency the swarm proxy adds per chat call, and its throughput.
+"""Latency the swarm proxy adds per call of each protocol (Chat, Messages, Responses), and its throughput.
 
 A zero-compute backend (:class:`swarmkit.testing.scripted.ScriptedBackend`, fixed
 reply) serves a 10-turn conversation (the full history is resent every
@@ -6,13 +6,16 @@ turn, as agents do). For each call we time
 
 - **direct**: ``await backend.generate(prompt_ids)`` in this process, with
   the prompt already tokenized (what an engine call costs by itself);
-- **proxy**: the same turn as an HTTP ``POST /v1/chat/completions`` to a real
-  uvicorn server running in this process (thread), through keep-alive
-  ``http.client``: JSON parsing, auth, chat template + tokenization (only new
-  blocks), generation, context tracking, tool-call parsing, the JSON answer.
+- **proxy**: the same turn as an HTTP request to a real uvicorn server running
+  in this process (thread), through keep-alive ``http.client``, once per
+  protocol: ``POST /v1/chat/completions``, ``POST /v1/messages`` (Anthropic:
+  ``system`` + messages) and ``POST /v1/responses`` (``instructions`` + the
+  whole history as input items): JSON parsing, auth, the protocol's
+  translation, chat template + tokenization (only new blocks), generation,
+  context tracking, tool-call parsing, the JSON answer.
 
 ``added = proxy - direct`` per call; p50/p99 over all calls. Throughput: a
-few client processes run conversations against the server for a fixed time.
+few client processes run chat conversations against the server for a fixed time.
 
     python benchmarks/proxy_overhead.py [--conversations 50] [--seconds 5] [--json out.json]
 """
@@ -44,6 +47,20 @@ def conversation_turns(conv: int):
         msgs.append({"role": "user", "content": f"Question {t} of conversation {conv}: what is {t} + {conv}?"})
         yield list(msgs)
         msgs.append({"role": "assistant", "content": REPLY})
+
+
+def request_for(endpoint: str, msgs: list[dict]) -> tuple[str, dict]:
+    """(path, body) of one turn in ``endpoint``'s protocol (the same conversation in each)."""
+    system, rest = msgs[0]["content"], msgs[1:]
+    if endpoint == "chat":
+        return "/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 64}
+    if endpoint == "messages":
+        return "/v1/messages", {"model": "m", "system": system, "messages": rest, "max_tokens": 64}
+    return "/v1/responses", {"model": "m", "instructions": system, "input": rest, "max_output_tokens": 64,
+                             "store": False}
+
+
+ENDPOINTS = ("chat", "messages", "responses")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -138,20 +155,21 @@ def main(argv: list[str] | None = None) -> int:
 
     direct = loop.run_until_complete(direct_all())
 
-    # ---- proxy: the same calls through HTTP + tracking
+    # ---- proxy: the same calls through HTTP + tracking, once per protocol
     conn = Conn(handle.url)
-    proxy: list[float] = []
-    for warm in (True, False):
-        for c in range(3 if warm else args.conversations):
-            ep = conn.post("/api/v1/episodes", {"task_id": f"lat-{c}-{warm}"})
-            for msgs in conversation_turns(c + (10_000 if warm else 0)):
-                body = {"model": "m", "messages": msgs, "max_tokens": 64}
-                t0 = time.perf_counter()
-                conn.post("/v1/chat/completions", body, ep["api_key"])
-                if not warm:
-                    proxy.append(time.perf_counter() - t0)
-            conn.post(f"/api/v1/episodes/{ep['episode_id']}/report", {"reward": 1.0}, ep["api_key"])
-    added = [p - d for p, d in zip(proxy, direct, strict=True)]
+    proxy: dict[str, list[float]] = {e: [] for e in ENDPOINTS}
+    for endpoint in ENDPOINTS:
+        for warm in (True, False):
+            for c in range(3 if warm else args.conversations):
+                ep = conn.post("/api/v1/episodes", {"task_id": f"lat-{endpoint}-{c}-{warm}"})
+                for msgs in conversation_turns(c + (10_000 if warm else 0)):
+                    path, body = request_for(endpoint, msgs)
+                    t0 = time.perf_counter()
+                    conn.post(path, body, ep["api_key"])
+                    if not warm:
+                        proxy[endpoint].append(time.perf_counter() - t0)
+                conn.post(f"/api/v1/episodes/{ep['episode_id']}/report", {"reward": 1.0}, ep["api_key"])
+    added = {e: [p - d for p, d in zip(proxy[e], direct, strict=True)] for e in ENDPOINTS}
 
     # ---- throughput: client processes, fixed time
     ctx = mp.get_context("spawn")
@@ -170,12 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     handle.stop()
 
     ms = 1000.0
+
+    def summary(xs: list[float]) -> dict[str, float]:
+        return {"p50": pct(xs, 50) * ms, "p99": pct(xs, 99) * ms, "mean": statistics.mean(xs) * ms}
+
     results = {
         "turns_per_conversation": TURNS,
-        "calls_timed": len(added),
-        "direct_ms": {"p50": pct(direct, 50) * ms, "p99": pct(direct, 99) * ms},
-        "proxy_ms": {"p50": pct(proxy, 50) * ms, "p99": pct(proxy, 99) * ms},
-        "added_ms": {"p50": pct(added, 50) * ms, "p99": pct(added, 99) * ms, "mean": statistics.mean(added) * ms},
+        "calls_timed": len(added["chat"]),
+        "direct_ms": summary(direct),
+        # the chat endpoint's numbers at the top level (as before); every protocol under "endpoints"
+        "proxy_ms": summary(proxy["chat"]),
+        "added_ms": summary(added["chat"]),
+        "endpoints": {e: {"proxy_ms": summary(proxy[e]), "added_ms": summary(added[e])} for e in ENDPOINTS},
         "throughput_rps": rps,
         "throughput_clients": args.clients,
         "throughput_requests": total,
@@ -184,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
     }
     print(f"{'':24}{'p50 ms':>10}{'p99 ms':>10}")
-    for name in ("direct_ms", "proxy_ms", "added_ms"):
-        print(f"{name[:-3]:24}{results[name]['p50']:>10.3f}{results[name]['p99']:>10.3f}")
+    print(f"{'direct (engine)':24}{results['direct_ms']['p50']:>10.3f}{results['direct_ms']['p99']:>10.3f}")
+    for e in ENDPOINTS:
+        for kind in ("proxy_ms", "added_ms"):
+            row = results["endpoints"][e][kind]
+            print(f"{e + ' ' + kind[:-3]:24}{row['p50']:>10.3f}{row['p99']:>10.3f}")
     print(f"throughput: {rps:.0f} chat calls/s ({args.clients} client processes, {total} calls in "
           f"{args.seconds:g} s; {os.cpu_count()} CPUs)")
     out = Path(args.json)
