@@ -101,6 +101,28 @@ def test_token_keeps_drifted_history_separate():
     assert r.timelines[1][2].author == "history"
 
 
+def test_drifted_blocks_count_what_the_text_match_traded():
+    from swarmkit.timelines.merging import drifted_blocks
+
+    ts = episode()
+    assert drifted_blocks(ts, merge(ts, "text")) == 1  # a1: the same text, re-tokenized as [12]
+    assert drifted_blocks(ts, merge(ts, "token")) == 0  # the token match keeps it apart instead
+
+
+def test_build_samples_reports_the_merge_rate():
+    from swarmkit.pool.records import EpisodeRecord
+    from swarmkit.training.samples import build_samples
+    from swarmkit.training.trainer import build_algo
+
+    algo = build_algo({"name": "grpo"})
+    recs = [EpisodeRecord(episode_id=f"e{i}", task_id="t", reward=float(i), timelines=[Timeline(b) for b in episode()],
+                          policy_version=0, meta={}, client_id="c") for i in range(2)]
+    for match, absorbed, drifted in (("text", 2, 1), ("token", 1, 0)):
+        stats: dict[str, int] = {}
+        build_samples(recs, algo, match, stats=stats)
+        assert stats == {"timelines": 6, "groups": 2, "absorbed": 2 * absorbed, "drifted_blocks": 2 * drifted}
+
+
 def test_order_and_which_absorbs_which():
     a = [U("x", [1]), L("g", [5], -1.0)]
     b = [U("x", [1]), L("g", [6], -2.0)]  # same text, other tokens

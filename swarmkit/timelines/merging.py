@@ -20,7 +20,7 @@ from swarmkit.contract import check_implementation
 from swarmkit.contract.match import MatchStrategy
 from swarmkit.timelines.block import Block, Timeline, TimelineLike
 
-__all__ = ["MergeResult", "merge", "merge_timelines", "merge_timelines_reference", "resolve_match"]
+__all__ = ["MergeResult", "drifted_blocks", "merge", "merge_timelines", "merge_timelines_reference", "resolve_match"]
 
 
 
@@ -104,6 +104,28 @@ def merge(timelines: Sequence[TimelineLike], match: str | MatchStrategy = "text"
     if method == "reference":
         return _merge_reference(timelines, strategy)
     raise ValueError(f"unknown merge method {method!r}; expected 'fast' or 'reference'")
+
+
+def drifted_blocks(timelines: Sequence[TimelineLike], result: MergeResult) -> int:
+    """How many generated blocks were absorbed over a block of equal key but other tokens.
+
+    Under the ``text`` match, a later call whose history re-tokenized an earlier
+    generation (same text, other token ids: a turn the server could not replay)
+    still absorbs it; the sample then trains on the generated tokens in a context
+    that held other ones. This counts those blocks: what the ``text`` match traded
+    away (0 under ``token``, which never absorbs them).
+    """
+    lists = [_blocks_of(t) for t in timelines]
+    drifted = 0
+    for j, s in enumerate(result.absorbed_into):
+        if s is None:
+            continue
+        target = lists[s]
+        for k, bj in enumerate(lists[j]):
+            bs = target[k]
+            if bj is not bs and bj.author == "llm" and bs.author != "llm" and bs.token_ids != bj.token_ids:
+                drifted += 1
+    return drifted
 
 
 def merge_timelines(timelines: Sequence[TimelineLike], match: str | MatchStrategy = "text") -> list[TimelineLike]:

@@ -32,13 +32,18 @@ from collections.abc import Mapping, Sequence
 from swarmkit.contract import Algorithm, MatchStrategy, TrainSample, scalar_reward
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.timelines import Timeline, merge_timelines
+from swarmkit.timelines.merging import drifted_blocks, merge
 
 log = logging.getLogger(__name__)
 
 
 def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
-                  match: str | MatchStrategy = "text") -> list[TrainSample]:
+                  match: str | MatchStrategy = "text", stats: dict[str, int] | None = None) -> list[TrainSample]:
     """Merged, advantage-labelled samples of ``records`` (see the module docstring).
+
+    :param stats: filled with the merge of the sampled (not demonstrated) timelines:
+        ``timelines``, ``groups`` (episode x role), ``absorbed`` (timelines merged into a
+        longer one) and ``drifted_blocks`` (:func:`~swarmkit.timelines.merging.drifted_blocks`).
 
     :param records: the pool's records (``reward`` a float or role → float,
         ``timelines`` as ``Timeline.to_dict()`` dicts or Timelines, each with ``role``).
@@ -91,7 +96,13 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
             key = (r, role) if isinstance(reward, Mapping) and role in reward else (r, None)
             u = units[key]
             adv, value = float(advantages[u]), rewards[u]
-            for merged in merge_timelines(timelines, match):
+            result = merge(timelines, match)
+            if stats is not None:
+                stats["timelines"] = stats.get("timelines", 0) + len(timelines)
+                stats["groups"] = stats.get("groups", 0) + 1
+                stats["absorbed"] = stats.get("absorbed", 0) + sum(a is not None for a in result.absorbed_into)
+                stats["drifted_blocks"] = stats.get("drifted_blocks", 0) + drifted_blocks(timelines, result)
+            for merged in result.timelines:
                 assert isinstance(merged, Timeline)  # the merge answers in the form it was given
                 ids, mask, lps = merged.token_ids(), merged.loss_mask(), merged.logprobs()
                 if not any(mask):

@@ -121,13 +121,18 @@ class Trainer:
 
         Metrics: the engine's (``loss``, ``trained_tokens``, ``tokens``,
         ``grad_norm``, ``lr``, …) plus ``reward_mean``, ``episodes``,
-        ``timelines``, ``samples``, ``merge_ratio`` (timelines per sample),
+        ``timelines``, ``samples``, ``merge_ratio`` (timelines per sample), ``merge_rate``
+        (of the sampled timelines that could merge into a longer call of their episode and role,
+        the share that did: 1.0 = one sample per episode and role), ``drifted_blocks`` (generated
+        blocks merged over history of equal text but other tokens: what the ``text`` match traded),
         ``demonstrations`` / ``demo_samples`` (supervised; not in ``reward_mean``),
         ``build_time_s``, ``step_time_s`` (whole call) and ``global_step``.
         """
         t0 = time.perf_counter()
-        samples = build_samples(records, self.algo, self.match)
+        merge_stats: dict[str, int] = {}
+        samples = build_samples(records, self.algo, self.match, stats=merge_stats)
         t1 = time.perf_counter()
+        mergeable = merge_stats.get("timelines", 0) - merge_stats.get("groups", 0)
         metrics = dict(self.engine.train_step(samples))
         n_timelines = sum(len(r.timelines) for r in records)
         sampled = [r for r in records if not r.meta.get("demonstration")]
@@ -139,6 +144,8 @@ class Trainer:
             timelines=float(n_timelines),
             samples=float(len(samples)),
             merge_ratio=(n_timelines / len(samples)) if samples else 0.0,
+            merge_rate=(merge_stats.get("absorbed", 0) / mergeable) if mergeable > 0 else 1.0,
+            drifted_blocks=float(merge_stats.get("drifted_blocks", 0)),
             build_time_s=t1 - t0,
             train_time_s=float(metrics.get("step_time_s", 0.0)),
             step_time_s=time.perf_counter() - t0,
