@@ -15,6 +15,7 @@ from agents import (
     Agent,
     FunctionTool,
     MaxTurnsExceeded,
+    ModelBehaviorError,
     ModelSettings,
     OpenAIResponsesModel,
     Runner,
@@ -49,8 +50,10 @@ def run_episode(base_url: str, api_key: str, task: Task, *, temperature: float, 
     try:
         result = Runner.run_sync(agent, question, max_turns=max_turns)
         final, items, turns = str(result.final_output or ""), result.new_items, len(result.raw_responses)
-    except MaxTurnsExceeded as exc:  # still calling tools after max_turns
-        data = exc.run_data
+    except (MaxTurnsExceeded, ModelBehaviorError) as exc:
+        # still calling tools after max_turns, or a reply cut at max_tokens (Responses: status
+        # "incomplete", which the SDK raises on): an episode without an answer
+        data = getattr(exc, "run_data", None)
         final, items, turns = "", data.new_items if data else [], len(data.raw_responses) if data else max_turns
     calls = [run_tool_call(i.raw_item.name, i.raw_item.arguments)[1] for i in items if isinstance(i, ToolCallItem)]
     return final, sum(calls), len(calls), turns

@@ -27,6 +27,7 @@ from swarmkit.server.chat_input import (
     normalize_messages,
     template_error,
 )
+from swarmkit.timelines.reasoning import ReasoningStreamSplitter, opens_reasoning, split_reasoning
 from swarmkit.timelines.render import TemplateError
 from swarmkit.timelines.toolcalls import CLOSE, OPEN, ToolCallStreamParser, parse_tool_calls
 
@@ -46,6 +47,7 @@ class Turn:
     :ivar endpoint: the protocol's name in the recorded timelines (``chat``, ``messages``, ``responses``).
     :ivar forced_text: a tool-call opening the server prefills (``tool_choice`` required or named).
     :ivar internal_stop: generation stops at the first ``</tool_call>`` (no parallel calls).
+    :ivar think_started: the generation prompt opened ``<think>``: the reply starts as reasoning.
     """
 
     endpoint: str
@@ -56,6 +58,7 @@ class Turn:
     forced_ids: list[int]
     internal_stop: bool
     stops: list[str] = field(default_factory=list)  # the client's stop strings
+    think_started: bool = False
 
 
 def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
@@ -72,7 +75,9 @@ def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[
     forced_text = renderer.tool_call_prefix(choice.name) if choice.forced else ""
     forced_ids = renderer.encode(forced_text) if forced_text else []
     prompt_ids = [t for b in blocks for t in b.token_ids] + forced_ids
-    return Turn(endpoint, blocks, prompt_ids, choice, forced_text, forced_ids, choice.parse and not choice.parallel)
+    started = not forced_text and bool(blocks) and opens_reasoning(blocks[-1].text)
+    return Turn(endpoint, blocks, prompt_ids, choice, forced_text, forced_ids, choice.parse and not choice.parallel,
+                think_started=started)
 
 
 def with_internal_stop(turn: Turn, params: SamplingParams) -> SamplingParams:
@@ -166,6 +171,7 @@ class Reply:
         tools were offered; the text as generated otherwise).
     :ivar finish_reason: ``stop``, ``length`` or ``tool_calls``.
     :ivar stop_sequence: the client stop string that ended it, if one did.
+    :ivar reasoning: a thinking model's ``<think>`` text (None when it did not reason).
     """
 
     index: int
@@ -174,6 +180,7 @@ class Reply:
     finish_reason: str
     output: GenerationOutput
     stop_sequence: str | None = None
+    reasoning: str | None = None
 
 
 async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
@@ -183,13 +190,14 @@ async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: T
     recorded = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids)
     replies = []
     for i, out in enumerate(outputs):
-        if turn.choice.parse:
-            content, calls = parse_tool_calls(_reply_text(turn, out.text, out.finish_reason))
+        reasoning, answer = split_reasoning(out.text, started=turn.think_started)
+        if turn.choice.parse:  # tool calls are read from the answer, never from the reasoning
+            content, calls = parse_tool_calls(_reply_text(turn, answer, out.finish_reason))
         else:
-            content, calls = out.text, []
+            content, calls = answer, []
         _remember(srv, ep, recorded[i].blocks[-1], content, calls)
         replies.append(Reply(i, content, calls, "tool_calls" if calls else out.finish_reason, out,
-                             matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason)))
+                             matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason), reasoning))
     return replies
 
 
@@ -200,12 +208,14 @@ class Opened:
 
 @dataclass
 class Piece:
-    """Streamed content of choice ``index``: ``text`` is safe to send (never part of a tool
-    call); ``chunk`` is the engine's chunk it came from (token ids, logprobs)."""
+    """Streamed content of choice ``index``: ``text`` is answer text safe to send (never part of a
+    tool call), ``reasoning`` the thinking text; ``chunk`` is the engine's chunk they came from
+    (token ids, logprobs)."""
 
     index: int
     text: str
     chunk: StreamChunk
+    reasoning: str = ""
 
 
 @dataclass
@@ -218,6 +228,7 @@ class Finished:
     finish_reason: str
     stop_sequence: str | None = None
     completion_tokens: int = 0
+    reasoning: str | None = None  # the whole reasoning (None: the choice did not reason)
 
 
 async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
@@ -236,6 +247,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
     texts: list[list[str]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     parsers = [ToolCallStreamParser() if turn.choice.parse else None for _ in range(n)]
+    thinkers = [ReasoningStreamSplitter(started=turn.think_started) for _ in range(n)]
+    reasonings: list[list[str]] = [[] for _ in range(n)]
     contents: list[list[str]] = [[] for _ in range(n)]
     calls_of: list[list[dict[str, Any]]] = [[] for _ in range(n)]
     version = srv.policy_version
@@ -274,7 +287,9 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
             texts[i].append(ch.text)
             if ch.top_logprobs:
                 tops[i].extend(ch.top_logprobs)
-            text = ch.text
+            thought, text = thinkers[i].feed(ch.text)
+            if thought:
+                reasonings[i].append(thought)
             parser = parsers[i]
             if parser is not None:
                 text = parser.feed(text)
@@ -282,22 +297,27 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
                 finish[i] = ch.finish_reason
             if text:
                 contents[i].append(text)
-            yield Piece(i, text, ch)
+            yield Piece(i, text, ch, thought)
         for i in range(n):
             reason = finish[i] or "stop"
-            rest = ""
+            thought, rest = thinkers[i].finish()
+            if thought:
+                reasonings[i].append(thought)
             parser = parsers[i]
             if parser is not None:
+                rest = parser.feed(rest) if rest else ""
                 if turn.internal_stop and finish[i] == "stop" and parser.in_call:
                     parser.feed(CLOSE)
-                rest, calls = parser.finish()
+                tail, calls = parser.finish()
+                rest += tail
                 calls_of[i] = calls
-                if rest:
-                    contents[i].append(rest)
                 if calls:
                     reason = "tool_calls"
+            if rest:
+                contents[i].append(rest)
             stop = matched_stop(srv, turn, ids[i], "".join(texts[i]), reason)
-            yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]))
+            reasoning = "".join(reasonings[i]) if thinkers[i].reasoned else None
+            yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]), reasoning)
         completed = True
         record()
     finally:
