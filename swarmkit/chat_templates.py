@@ -11,6 +11,14 @@
   as a ``user`` turn of ``<tool_response>`` blocks. SmolLM2's own template drops
   ``tools`` silently and fails on ``content: null``.
 
+- ``QWEN3_THINK_TEMPLATE``: a thinking model's template in the way of Qwen3's:
+  ChatML, Qwen-style tools, and ``<think>`` reasoning kept only for the
+  assistant turns after the last user query (a tool loop); earlier turns are
+  rendered without it (their ``reasoning_content``, or the ``<think>`` part of
+  their content, is dropped). ``enable_thinking=False`` (a template kwarg)
+  prefills an empty think block. Built here so the thinking path runs on the
+  tiny model; it is not Qwen3's file.
+
 ``model.chat_template`` takes ``auto`` (the shipped tool-aware template for
 ``builtin:smollm2``, the model's own otherwise), ``model`` (always the model's
 own), ``builtin:<name>`` (a template of this module), a path to a ``.jinja``
@@ -21,7 +29,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["BUILTIN_TEMPLATES", "SMOLLM2_TOOLS_TEMPLATE", "TINY_CHAT_TEMPLATE", "resolve_chat_template"]
+__all__ = ["BUILTIN_TEMPLATES", "QWEN3_THINK_TEMPLATE", "SMOLLM2_TOOLS_TEMPLATE", "TINY_CHAT_TEMPLATE",
+           "resolve_chat_template"]
 
 TINY_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n"
@@ -83,8 +92,63 @@ SMOLLM2_TOOLS_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+QWEN3_THINK_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}"
+    "{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = message.content if message.content is string else '' %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' "
+    "+ content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{%- for tc in message.tool_calls or [] %}"
+    "{%- set f = tc.function if tc.function else tc %}"
+    "{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
 #: ``model.chat_template=builtin:<name>``
-BUILTIN_TEMPLATES = {"tiny": TINY_CHAT_TEMPLATE, "smollm2_tools": SMOLLM2_TOOLS_TEMPLATE}
+BUILTIN_TEMPLATES = {"tiny": TINY_CHAT_TEMPLATE, "smollm2_tools": SMOLLM2_TOOLS_TEMPLATE,
+                     "qwen3_think": QWEN3_THINK_TEMPLATE}
 
 
 def resolve_chat_template(value: str | None, model_path: str = "") -> str | None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmkit.timelines.block import Block
+from swarmkit.timelines.reasoning import THINK_CLOSE
 
 __all__ = ["ChatRenderer", "TemplateError"]
 
@@ -478,18 +479,49 @@ class ChatRenderer:
         return ok
 
     def _replayed(self, p: _Piece, generated: Sequence[tuple[str, Sequence[int]]]) -> list[int] | None:
-        """The generated token ids a history piece replays (see ``render_prompt``), or None."""
+        """The generated token ids a history piece replays (see ``render_prompt``), or None.
+
+        A thinking model's turn that the template renders without its ``<think>`` part
+        (Qwen3 drops reasoning before the last user query) replays the tokens generated
+        after ``</think>``, when they decode to exactly what the template kept.
+        """
         if p.author != "history" or not generated:
             return None
         for text, ids in generated:
-            if not text or not p.rendered.startswith(text):
+            if not text:
                 continue
+            if not p.rendered.startswith(text):
+                tail = self._answer_tail(text, ids)
+                if tail is None or not p.rendered.startswith(tail[0]):
+                    continue
+                text, ids = tail
             rest = p.rendered[len(text):]
             if not rest:
                 return list(ids)
             if self._safe_split(text, rest):
                 return list(ids) + self._encode(rest)
         return None
+
+    def _answer_tail(self, text: str, ids: Sequence[int]) -> tuple[str, list[int]] | None:
+        """``(answer text, its token ids)`` of a generation ``<think>…</think>answer``: the shortest
+        token suffix that decodes to the answer (leading newlines dropped), or None."""
+        end = text.find(THINK_CLOSE)
+        if end < 0:
+            return None
+        answer = text[end + len(THINK_CLOSE):].lstrip("\n")
+        if not answer:
+            return None
+        # decoded suffix lengths grow as the suffix does: binary search the start
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self.decode(ids[mid:])) >= len(answer):
+                lo = mid
+            else:
+                hi = mid - 1
+        if self.decode(ids[lo:]) != answer:
+            return None
+        return answer, list(ids[lo:])
 
     def _fix_splits(self, pieces: list[_Piece], replay: dict[int, list[int]]) -> list[_Piece]:
         """Join neighbours whose separate tokenization differs from the joint one.

@@ -59,6 +59,7 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, b in enumerate(blocks):
         at = f"{where}[{j}]"
@@ -71,11 +72,15 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
                 raise _bad(f"{at} must be a tool_use block with a string id, a string name and an input object", at)
             calls.append({"id": tid, "type": "function",
                           "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
-        elif kind in ("thinking", "redacted_thinking"):
-            raise _bad(f"{at} is a {kind!r} block; thinking is not supported by this server's model", at)
+        elif kind == "thinking" and isinstance(b.get("thinking"), str):
+            thoughts.append(b["thinking"])  # the template decides whether history shows it
+        elif kind == "redacted_thinking":
+            raise _bad(f"{at} is a 'redacted_thinking' block; this server never writes one", at)
         else:
             raise _bad(f"{at} is a {kind!r} block; an assistant turn holds text and tool_use blocks", at)
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        msg["reasoning_content"] = "".join(thoughts)
     if calls:
         msg["tool_calls"] = calls
     return msg
@@ -180,9 +185,10 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> To
 def to_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolChoice]:
     """(chat messages, function tools, tool choice) of a Messages request (400 on what it cannot read)."""
     thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        raise ApiError(400, "'thinking' is not supported by this server's model (only {'type': 'disabled'})",
-                       "unsupported_field", param="thinking")
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") in ("disabled", "adaptive")):
+        raise ApiError(400, "'thinking' with a token budget is not supported: a thinking model reasons as its chat "
+                       "template lets it (send {'type': 'adaptive'} or leave it out; the reasoning comes back as "
+                       "thinking blocks)", "unsupported_field", param="thinking")
     output = body.get("output_config")
     if output is not None and (not isinstance(output, dict) or any(v is not None for v in output.values())):
         raise ApiError(400, "'output_config' (structured output format, effort) is not supported by this server's "
@@ -223,10 +229,18 @@ def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
     return {"type": "tool_use", "id": call["id"], "name": f["name"], "input": args if isinstance(args, dict) else {}}
 
 
+def thinking_block(reasoning: str) -> dict[str, Any]:
+    """A thinking model's reasoning as a ``thinking`` block (no signature: nothing to verify here)."""
+    return {"type": "thinking", "thinking": reasoning, "signature": ""}
+
+
 def message_object(mid: str, model: str, content: str | None, calls: list[dict[str, Any]], finish_reason: str,
-                   stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """The ``message`` answer of a finished turn."""
+                   stop_sequence: str | None, input_tokens: int, output_tokens: int,
+                   reasoning: str | None = None) -> dict[str, Any]:
+    """The ``message`` answer of a finished turn (a ``thinking`` block first when it reasoned)."""
     blocks: list[dict[str, Any]] = []
+    if reasoning is not None:
+        blocks.append(thinking_block(reasoning))
     if content:
         blocks.append({"type": "text", "text": content})
     blocks.extend(tool_use_block(c) for c in calls)

@@ -56,6 +56,15 @@ def _items(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list):
         raise _bad("'input' must be a string or a list of input items", "input")
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn that follows it
+
+    def assistant(text: str) -> dict[str, Any]:
+        nonlocal thought
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if thought is not None:
+            msg["reasoning_content"], thought = thought, None
+        return msg
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -66,27 +75,32 @@ def _items(items: Any) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role must be user, system, developer or assistant", f"{where}.role")
             text = _text(item.get("content", ""), f"{where}.content")
-            if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
+            if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls") \
+                    and thought is None:
                 out[-1]["content"] += text  # several output_text messages of one turn
             else:
-                out.append({"role": role, "content": text})
+                out.append(assistant(text) if role == "assistant" else {"role": role, "content": text})
         elif kind == "function_call":
             name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments", "")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, str):
                 raise _bad(f"{where} must have a string name, call_id and arguments", where)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and thought is None:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append({**assistant(""), "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise _bad(f"{where}.call_id must be the call_id of the function_call it answers", f"{where}.call_id")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output", ""),
                                                                                  f"{where}.output")})
-        elif kind == "reasoning":
-            raise _bad(f"{where} is a reasoning item; this server's model does not reason in separate items", where)
+        elif kind == "reasoning":  # a thinking model's reasoning, sent back: kept for the next assistant turn
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):
+                raise _bad(f"{where}.content must be a list of reasoning_text parts", f"{where}.content")
+            thought = (thought or "") + "".join(p["text"] for p in parts)
         else:
             raise _bad(f"{where} is a {kind!r} item; supported: message, function_call, function_call_output, "
                        "item_reference", f"{where}.type")
@@ -215,19 +229,30 @@ def call_item(call: dict[str, Any], *, item_id: str, status: str = "completed") 
             "arguments": f["arguments"], "status": status}
 
 
+def reasoning_item(text: str, *, item_id: str, status: str = "completed") -> dict[str, Any]:
+    """A thinking model's reasoning as a ``reasoning`` output item."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def output_items(content: str | None, calls: list[dict[str, Any]],
-                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The output items of a finished turn: its text (if any), then one item per tool call."""
+                 logprobs: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> list[dict[str, Any]]:
+    """The output items of a finished turn: its reasoning and its text (if any), then one item per tool call."""
     items = []
+    if reasoning is not None:
+        items.append(reasoning_item(reasoning, item_id=new_id("rs")))
     if content:
         items.append(message_item(content, item_id=new_id("msg"), logprobs=logprobs))
     items.extend(call_item(c, item_id=new_id("fc")) for c in calls)
     return items
 
 
-def assistant_message(content: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
+def assistant_message(content: str | None, calls: list[dict[str, Any]],
+                      reasoning: str | None = None) -> dict[str, Any]:
     """The turn as a chat message (what the stored conversation keeps)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
     if calls:
         msg["tool_calls"] = calls
     return msg

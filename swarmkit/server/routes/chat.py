@@ -63,6 +63,8 @@ async def chat_completions(request: Request) -> Response:
     choices = []
     for r in replies:
         message: dict[str, Any] = {"role": "assistant", "content": r.content}
+        if r.reasoning is not None:
+            message["reasoning_content"] = r.reasoning
         if r.calls:
             message["tool_calls"] = r.calls
         out = r.output
@@ -127,6 +129,8 @@ async def _chat_stream(
             if tt is not None and ch.token_ids:
                 lp = {"content": chat_logprobs(tt, ch.token_ids, ch.logprobs, ch.top_logprobs if want_top else None),
                       "refusal": None}
+            if ev.reasoning:
+                yield chunk(ev.index, {"reasoning_content": ev.reasoning})
             if ev.text or lp is not None:
                 yield chunk(ev.index, {"content": ev.text} if ev.text else {}, None, lp)
         elif isinstance(ev, Finished):

@@ -60,7 +60,7 @@ async def messages(request: Request) -> Response:
     (reply,) = await generate_turn(srv, ep, role, turn, params)
     return JSONResponse(anthropic.message_object(mid, model, reply.content, reply.calls, reply.finish_reason,
                                                  reply.stop_sequence, len(turn.prompt_ids),
-                                                 len(reply.output.token_ids)), headers=headers)
+                                                 len(reply.output.token_ids), reply.reasoning), headers=headers)
 
 
 async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, params: SamplingParams,
@@ -69,39 +69,59 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
     ``input_json_delta``), message_delta (stop reason, usage), message_stop."""
     ev = anthropic.event
     index = -1  # the content block being written
-    text_open = False
+    open_kind: str | None = None  # "thinking" or "text": the open block
+
+    def switch(kind: str) -> list[bytes]:
+        """Close the open block and open one of ``kind`` (nothing when it is open already)."""
+        nonlocal index, open_kind
+        if open_kind == kind:
+            return []
+        out = [ev("content_block_stop", {"index": index})] if open_kind else []
+        index += 1
+        open_kind = kind
+        block = anthropic.thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+        return [*out, ev("content_block_start", {"index": index, "content_block": block})]
+
+    def thinking(text: str) -> list[bytes]:
+        return [*switch("thinking"), ev("content_block_delta", {"index": index, "delta": {
+            "type": "thinking_delta", "thinking": text}})]
+
+    def text(piece: str) -> list[bytes]:
+        return [*switch("text"), ev("content_block_delta", {"index": index, "delta": {
+            "type": "text_delta", "text": piece}})]
+
     async for item in stream_turn(srv, ep, role, turn, params):
+        out: list[bytes] = []
         if isinstance(item, Opened):
             start = anthropic.message_object(mid, model, None, [], "stop", None, len(turn.prompt_ids), 0)
             start.update(stop_reason=None, content=[])
-            yield ev("message_start", {"message": start})
-            yield ev("ping", {})
-        elif isinstance(item, Piece) and item.text:
-            if not text_open:
-                index += 1
-                text_open = True
-                yield ev("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-            yield ev("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": item.text}})
+            out = [ev("message_start", {"message": start}), ev("ping", {})]
+        elif isinstance(item, Piece):
+            if item.reasoning:
+                out += thinking(item.reasoning)
+            if item.text:
+                out += text(item.text)
         elif isinstance(item, Finished):
+            if item.reasoning is not None and open_kind is None and not item.reasoning:
+                out += thinking("")  # an empty thinking block still says the model reasoned
             if item.rest:
-                if not text_open:
-                    index += 1
-                    text_open = True
-                    yield ev("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-                yield ev("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": item.rest}})
-            if text_open:
-                yield ev("content_block_stop", {"index": index})
+                out += text(item.rest)
+            if open_kind:
+                out.append(ev("content_block_stop", {"index": index}))
+                open_kind = None
             for call in item.calls:
                 index += 1
                 block = anthropic.tool_use_block(call)
-                yield ev("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-                yield ev("content_block_delta", {"index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]}})
-                yield ev("content_block_stop", {"index": index})
+                out += [ev("content_block_start", {"index": index, "content_block": {**block, "input": {}}}),
+                        ev("content_block_delta", {"index": index, "delta": {
+                            "type": "input_json_delta", "partial_json": call["function"]["arguments"]}}),
+                        ev("content_block_stop", {"index": index})]
             reason = "stop_sequence" if item.stop_sequence else anthropic.STOP_REASONS.get(item.finish_reason,
                                                                                               "end_turn")
-            yield ev("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": item.stop_sequence},
-                                       "usage": {"output_tokens": item.completion_tokens}})
+            out.append(ev("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": item.stop_sequence},
+                                            "usage": {"output_tokens": item.completion_tokens}}))
+        for b in out:
+            yield b
     yield ev("message_stop", {})  # the turn recorded the call before this
 
 

@@ -58,14 +58,14 @@ def _history(ep: Episode, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _store(ep: Episode, body: dict[str, Any], response: dict[str, Any], conversation: list[dict[str, Any]],
-           content: str | None, calls: list[dict[str, Any]]) -> None:
+           content: str | None, calls: list[dict[str, Any]], reasoning: str | None = None) -> None:
     if body.get("store") is False:
         return
     items = {it["id"]: it for it in response["output"]}
     for it in body.get("input") if isinstance(body.get("input"), list) else []:
         if isinstance(it, dict) and isinstance(it.get("id"), str):
             items[it["id"]] = it
-    ep.responses[response["id"]] = {"conversation": [*conversation, proto.assistant_message(content, calls)],
+    ep.responses[response["id"]] = {"conversation": [*conversation, proto.assistant_message(content, calls, reasoning)],
                                     "items": items, "response": response}
     while len(ep.responses) > STORED_PER_EPISODE:
         ep.responses.pop(next(iter(ep.responses)))
@@ -95,9 +95,9 @@ async def create_response(request: Request) -> Response:
                         out.top_logprobs if params.top_logprobs else None) if want_lp else None
     response = proto.response_object(
         rid, body, served_model(srv), status="incomplete" if reply.finish_reason == "length" else "completed",
-        output=proto.output_items(reply.content, reply.calls, lps), input_tokens=len(turn.prompt_ids),
+        output=proto.output_items(reply.content, reply.calls, lps, reply.reasoning), input_tokens=len(turn.prompt_ids),
         output_tokens=len(out.token_ids), finish_reason=reply.finish_reason)
-    _store(ep, body, response, conversation, reply.content, reply.calls)
+    _store(ep, body, response, conversation, reply.content, reply.calls, reply.reasoning)
     return JSONResponse(response, headers=headers)
 
 
@@ -109,16 +109,16 @@ def _event(name: str, seq: int, data: dict[str, Any]) -> bytes:
 async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, params: SamplingParams,
                   want_lp: bool, rid: str, body: dict[str, Any], conversation: list[dict[str, Any]]
                   ) -> AsyncIterator[bytes]:
-    """The Responses event sequence: created, in_progress, a message item streamed as text deltas,
-    one function_call item per tool call (arguments in one delta), completed (or incomplete)."""
+    """The Responses event sequence: created, in_progress, a reasoning item (a thinking model's),
+    a message item streamed as text deltas, one function_call item per tool call (arguments in one
+    delta), completed (or incomplete)."""
     model = served_model(srv)
     created = time.time()
     seq = 0
-    text_parts: list[str] = []
+    output: list[dict[str, Any]] = []  # finished items
     lps: list[dict[str, Any]] = []
-    msg_id = proto.new_id("msg")
-    text_open = False
-    output: list[dict[str, Any]] = []
+    parts: dict[str, list[str]] = {"reasoning": [], "message": []}
+    open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
     final: dict[str, Any] | None = None
 
     def ev(kind: str, **data: Any) -> bytes:
@@ -126,66 +126,90 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
         seq += 1
         return _event(kind, seq - 1, data)
 
-    def open_text() -> list[bytes]:
-        nonlocal text_open
-        text_open = True
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item = {**proto.message_item("", item_id=msg_id, status="in_progress"), "content": []}
-        return [ev("response.output_item.added", output_index=0, item=item),
-                ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)]
+    def close() -> list[bytes]:
+        """Finish the open item (its done events) and add it to the output."""
+        nonlocal open_item
+        if open_item is None:
+            return []
+        item, open_item = open_item, None
+        k, iid = len(output), item["id"]
+        text = "".join(parts[item["type"]])
+        if item["type"] == "reasoning":
+            done = proto.reasoning_item(text, item_id=iid)
+            events = [ev("response.reasoning_text.done", item_id=iid, output_index=k, content_index=0, text=text)]
+        else:
+            done = proto.message_item(text, item_id=iid, logprobs=lps if want_lp else None)
+            events = [ev("response.output_text.done", item_id=iid, output_index=k, content_index=0, text=text,
+                         logprobs=lps if want_lp else []),
+                      ev("response.content_part.done", item_id=iid, output_index=k, content_index=0,
+                         part=done["content"][0])]
+        output.append(done)
+        return [*events, ev("response.output_item.done", output_index=k, item=done)]
 
-    def text_delta(text: str, delta_lps: list[dict[str, Any]]) -> bytes:
-        text_parts.append(text)
-        return ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=text,
-                  logprobs=delta_lps)
+    def delta(kind: str, text: str, delta_lps: list[dict[str, Any]]) -> list[bytes]:
+        """``text`` for the open item of ``kind`` (opened first, closing another)."""
+        nonlocal open_item
+        out: list[bytes] = []
+        if open_item is None or open_item["type"] != kind:
+            out += close()
+            k = len(output)
+            if kind == "reasoning":
+                open_item = proto.reasoning_item("", item_id=proto.new_id("rs"), status="in_progress")
+                out.append(ev("response.output_item.added", output_index=k, item={**open_item, "content": []}))
+            else:
+                open_item = proto.message_item("", item_id=proto.new_id("msg"), status="in_progress")
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                out += [ev("response.output_item.added", output_index=k, item={**open_item, "content": []}),
+                        ev("response.content_part.added", item_id=open_item["id"], output_index=k,
+                           content_index=0, part=part)]
+        parts[kind].append(text)
+        iid, k = open_item["id"], len(output)
+        if kind == "reasoning":
+            out.append(ev("response.reasoning_text.delta", item_id=iid, output_index=k, content_index=0, delta=text))
+        else:
+            out.append(ev("response.output_text.delta", item_id=iid, output_index=k, content_index=0, delta=text,
+                          logprobs=delta_lps))
+        return out
 
     async for item in stream_turn(srv, ep, role, turn, params):
+        out: list[bytes] = []
         if isinstance(item, Opened):
             start = proto.response_object(rid, body, model, status="in_progress", output=[], input_tokens=0,
                                           output_tokens=0, created_at=created)
-            yield ev("response.created", response=start)
-            yield ev("response.in_progress", response=start)
+            out = [ev("response.created", response=start), ev("response.in_progress", response=start)]
         elif isinstance(item, Piece):
             ch = item.chunk
             delta_lps = chat_logprobs(srv.token_text, ch.token_ids, ch.logprobs,
                                       ch.top_logprobs if params.top_logprobs else None) if want_lp else []
             lps.extend(delta_lps)
+            if item.reasoning:
+                out += delta("reasoning", item.reasoning, [])
             if item.text:
-                if not text_open:
-                    for b in open_text():
-                        yield b
-                yield text_delta(item.text, delta_lps)
+                out += delta("message", item.text, delta_lps)
         elif isinstance(item, Finished):
+            if item.reasoning is not None and not parts["reasoning"]:
+                out += delta("reasoning", "", [])  # the model reasoned, if emptily
             if item.rest:
-                if not text_open:
-                    for b in open_text():
-                        yield b
-                yield text_delta(item.rest, [])
-            if text_open:
-                text = "".join(text_parts)
-                done = proto.message_item(text, item_id=msg_id, logprobs=lps if want_lp else None)
-                yield ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text,
-                         logprobs=lps if want_lp else [])
-                yield ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
-                         part=done["content"][0])
-                yield ev("response.output_item.done", output_index=0, item=done)
-                output.append(done)
+                out += delta("message", item.rest, [])
+            out += close()
             for call in item.calls:
                 k = len(output)
                 fc = proto.call_item(call, item_id=proto.new_id("fc"))
-                yield ev("response.output_item.added", output_index=k, item={**fc, "arguments": "",
-                                                                             "status": "in_progress"})
-                yield ev("response.function_call_arguments.delta", item_id=fc["id"], output_index=k,
-                         delta=fc["arguments"])
-                yield ev("response.function_call_arguments.done", item_id=fc["id"], output_index=k,
-                         arguments=fc["arguments"], name=fc["name"])
-                yield ev("response.output_item.done", output_index=k, item=fc)
+                out += [ev("response.output_item.added", output_index=k, item={**fc, "arguments": "",
+                                                                               "status": "in_progress"}),
+                        ev("response.function_call_arguments.delta", item_id=fc["id"], output_index=k,
+                           delta=fc["arguments"]),
+                        ev("response.function_call_arguments.done", item_id=fc["id"], output_index=k,
+                           arguments=fc["arguments"], name=fc["name"]),
+                        ev("response.output_item.done", output_index=k, item=fc)]
                 output.append(fc)
             status = "incomplete" if item.finish_reason == "length" else "completed"
             final = proto.response_object(rid, body, model, status=status, output=output,
                                           input_tokens=len(turn.prompt_ids), output_tokens=item.completion_tokens,
                                           created_at=created, finish_reason=item.finish_reason)
-            _store(ep, body, final, conversation, "".join(text_parts) or None, item.calls)
+            _store(ep, body, final, conversation, "".join(parts["message"]) or None, item.calls, item.reasoning)
+        for b in out:
+            yield b
     if final is not None:  # the turn recorded the call before the closing event
         yield ev(f"response.{final['status']}", response=final)
 
