@@ -240,6 +240,33 @@ def test_messages_and_responses_record_the_engines_tokens(server, reference):
             check_timeline(tl, msgs, None, reference, [t["blocks"][-1]["token_ids"] for t in tls[:k]])
 
 
+def test_sampling_fields_shape_the_sample_not_the_logprobs(server, reference):
+    """logit_bias, top_k and the penalties reach the engine; the recorded logprobs stay those of
+    the raw distribution (what training compares against)."""
+    client, _, _ = server
+    _, tok = reference
+    target = tok.encode("hello", add_special_tokens=False)[0]
+    messages = [{"role": "user", "content": "Say something."}]
+    with client.episode(task_id="sampling-1") as ep:
+        llm = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        r = llm.chat.completions.create(model="tiny", messages=messages, max_tokens=4, logit_bias={str(target): 100},
+                                        logprobs=True)
+        assert r.usage.completion_tokens == 4
+        r2 = llm.chat.completions.create(model="tiny", messages=messages, max_tokens=4, frequency_penalty=1.5,
+                                         presence_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.01,
+                                                                           "repetition_penalty": 1.3})
+        assert r2.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            llm.chat.completions.create(model="tiny", messages=messages, max_tokens=2, logit_bias={"99999999": 1})
+        ep.report(0.0)
+        tls = ep.timelines()
+    first = tls[0]["blocks"][-1]
+    assert first["token_ids"] == [target] * 4
+    assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(first["logprobs"], abs=1e-6)
+    for tl in tls:
+        check_timeline(tl, messages, None, reference)
+
+
 def test_concurrent_episodes_keep_separate_timelines(server, reference):
     client, _, _ = server
     _, tok = reference

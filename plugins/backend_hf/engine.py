@@ -20,6 +20,10 @@ Semantics
 ---------
 - ``logprobs[i]`` is the log-softmax of the *raw* logits (no temperature, no
   top-p) at the sampled token; ``top_logprobs`` come from the same distribution.
+- ``top_k``, ``min_p``, ``frequency_penalty`` / ``presence_penalty`` (over the generated
+  tokens), ``repetition_penalty`` (over prompt and generation) and ``logit_bias`` shape
+  the distribution sampled from (and the argmax of greedy decoding); the logprobs stay
+  the raw ones, as with temperature and top-p.
 - ``temperature == 0`` is greedy (argmax). ``seed`` makes sampling reproducible
   and independent of what else is in the batch (one generator per sequence;
   continuation ``i`` of ``n`` uses ``seed + i``).
@@ -117,6 +121,9 @@ class HFBackend(InferenceBackend):
     goes through :func:`swarmkit.models.resolve_model_path`. Call ``await start()``
     before generating and ``await close()`` at the end.
     """
+
+    sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                                 "logit_bias"})
 
     def __init__(self, config: Mapping[str, Any] | None = None, model: Mapping[str, Any] | None = None):
         if not model or "path" not in model:
@@ -306,7 +313,11 @@ class HFBackend(InferenceBackend):
             raise ValueError("temperature must be >= 0")
         if not 0 < p.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if p.top_k < 0 or not 0 <= p.min_p <= 1 or p.repetition_penalty <= 0:
+            raise ValueError("top_k must be >= 0, min_p in [0, 1], repetition_penalty > 0")
         vocab = self._model.get_input_embeddings().num_embeddings
+        if any(not 0 <= t < vocab for t in p.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_ids must be in [0, {vocab})")
         max_tokens = p.max_tokens
@@ -518,10 +529,16 @@ class HFBackend(InferenceBackend):
         chosen: list[int] = []
         for row, seq in enumerate(seqs):
             p = seq.req.params
+            x = _shaped(logits[row], p, seq) if p.shaping() else logits[row]
             if p.temperature == 0:
-                tok = int(torch.argmax(logits[row]))
+                tok = int(torch.argmax(x))
             else:
-                probs = torch.softmax(logits[row] / p.temperature, dim=-1)
+                probs = torch.softmax(x / p.temperature, dim=-1)
+                if p.top_k and p.top_k < probs.shape[-1]:
+                    kth = torch.topk(probs, p.top_k).values[-1]
+                    probs = probs.masked_fill(probs < kth, 0.0)
+                if p.min_p > 0:
+                    probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
                 if p.top_p < 1.0:
                     sp, si = torch.sort(probs, descending=True)
                     cum = torch.cumsum(sp, 0)
@@ -759,3 +776,22 @@ def _iter_folder_tensors(folder: Path, adapter: bool = False) -> Iterable[tuple[
 
     for f in bins:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+def _shaped(logits: Any, p: SamplingParams, seq: _Seq) -> Any:
+    """``logits`` (one row) after the logit bias and the penalties of ``p`` (a new tensor)."""
+    import torch
+
+    x = logits.clone()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=x.device)
+        x[ids] += torch.tensor(list(p.logit_bias.values()), device=x.device, dtype=x.dtype)
+    if (p.frequency_penalty or p.presence_penalty) and seq.out_ids:
+        out = torch.tensor(seq.out_ids, device=x.device)
+        counts = torch.bincount(out, minlength=x.shape[-1])[: x.shape[-1]].to(x.dtype)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.prompt) | set(seq.out_ids)), device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    return x

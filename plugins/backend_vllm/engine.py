@@ -30,6 +30,8 @@ Semantics (the same contract as the ``hf`` backend)
   model distribution (``logprobs_mode="raw_logprobs"``: log-softmax of the
   logits before temperature / top-p); ``top_logprobs`` are the ``k`` best of
   the same distribution.
+- ``top_k``, ``min_p``, the penalties and ``logit_bias`` map onto vLLM's own
+  (logprobs stay raw: vLLM's default ``logprobs_mode``).
 - ``temperature``, ``top_p``, ``max_tokens``, ``n``, ``seed``, ``stop``,
   ``stop_token_ids`` map one-to-one onto ``vllm.SamplingParams`` (vLLM seeds
   the ``i``-th of ``n`` continuations with ``seed + i``, as ``hf`` does; greedy
@@ -110,6 +112,9 @@ class VLLMBackend(InferenceBackend):
     ``in_process`` (default true), ``engine_args`` (a dict passed to
     ``vllm.EngineArgs`` as is).
     """
+
+    sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                                 "logit_bias"})
 
     def __init__(self, config: Mapping[str, Any] | None = None, model: Mapping[str, Any] | None = None):
         if not model or "path" not in model:
@@ -324,6 +329,7 @@ class VLLMBackend(InferenceBackend):
             logprobs=int(p.top_logprobs),
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY,
+            **_shaping(p),
         )
         req.version = self.policy_version
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt), cache_salt=f"v{self.policy_version}")
@@ -630,3 +636,11 @@ def conformance_backend() -> tuple[type[VLLMBackend], dict[str, Any]]:
     return VLLMBackend, {"name": "vllm", "dtype": "float32", "cpu_kvcache_gib": 1, "max_model_len": 1024,
                          "enforce_eager": True, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2,
                          "max_num_seqs": 64}
+
+
+def _shaping(p: SamplingParams) -> dict[str, Any]:
+    """The distribution-shaping fields ``p`` sets, in ``vllm.SamplingParams`` names (the same)."""
+    out: dict[str, Any] = {name: getattr(p, name) for name in p.shaping()}
+    if "logit_bias" in out:
+        out["logit_bias"] = {int(k): float(v) for k, v in out["logit_bias"].items()}
+    return out

@@ -22,6 +22,21 @@ class SamplingParams:
     one, and the text is cut before it. ``stop_token_ids`` end generation on
     these ids (the tokenizer's EOS ids are always added by the backend).
     ``top_logprobs`` > 0 asks for that many alternatives per generated token.
+
+    The fields after ``top_logprobs`` shape the sampling distribution further; a
+    backend lists those it honours in :attr:`InferenceBackend.sampling_fields`
+    (the server refuses a request that sets another to a non-default value):
+
+    - ``top_k``: sample among the ``k`` most likely tokens (0: all);
+    - ``min_p``: drop tokens less likely than ``min_p`` x the most likely one;
+    - ``frequency_penalty`` / ``presence_penalty`` (OpenAI): subtract ``f x count``
+      and ``p x (count > 0)`` from the logits of tokens already *generated*;
+    - ``repetition_penalty`` (HF / vLLM): divide positive logits and multiply
+      negative ones of tokens in the prompt or the generation;
+    - ``logit_bias``: token id -> value added to its logit.
+
+    Logprobs stay those of the raw distribution whatever these do (see
+    :class:`GenerationOutput`).
     """
 
     max_tokens: int = 256
@@ -32,6 +47,21 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     top_logprobs: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def shaping(self) -> set[str]:
+        """The distribution-shaping fields set to something other than their default."""
+        return {name for name, default in SHAPING_DEFAULTS.items() if getattr(self, name) != default}
+
+
+#: the distribution-shaping fields of :class:`SamplingParams` and their no-op values
+SHAPING_DEFAULTS: dict[str, object] = {"top_k": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                       "repetition_penalty": 1.0, "logit_bias": {}}
 
 
 @dataclass
@@ -75,6 +105,10 @@ class InferenceBackend(ABC):
     policy_version: int = 0
     #: the longest prompt + generation the engine serves (None: ``model.max_context``)
     max_context: int | None = None
+    #: the distribution-shaping fields of :class:`SamplingParams` this backend honours
+    #: (``top_k``, ``min_p``, ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``,
+    #: ``logit_bias``); the server refuses a request that needs another (none by default)
+    sampling_fields: frozenset[str] = frozenset()
 
     @property
     @abstractmethod

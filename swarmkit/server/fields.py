@@ -46,13 +46,15 @@ CHAT = FieldTable.of(
     known=("messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_tokens",
            "max_completion_tokens", "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options",
            "response_format", "logit_bias", "frequency_penalty", "presence_penalty", "functions", "function_call",
-           "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"),
+           "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+           "top_k", "min_p", "repetition_penalty"),
     ignored=_OPENAI_METADATA,
 )
 COMPLETIONS = FieldTable.of(
     "/v1/completions",
     known=("prompt", "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream",
-           "stream_options", "echo", "best_of", "suffix", "logit_bias", "frequency_penalty", "presence_penalty"),
+           "stream_options", "echo", "best_of", "suffix", "logit_bias", "frequency_penalty", "presence_penalty",
+           "top_k", "min_p", "repetition_penalty"),
     ignored=("user",),
 )
 MESSAGES = FieldTable.of(

@@ -47,6 +47,7 @@ CONFORMANCE_CHECKS: tuple[str, ...] = (
     "n_samples",
     "seeded_sampling",
     "top_logprobs",
+    "sampling_fields",
     "concurrent_requests",
     "streaming",
     "weight_update",
@@ -324,6 +325,33 @@ class BackendConformance:
             for t, v in top.items():
                 assert abs(float(rows[i, int(t)]) - v) <= self.tol
             assert out.token_ids[i] in top  # greedy pick is the best alternative
+
+    def check_sampling_fields(self) -> None:
+        """Each distribution-shaping field the backend lists in ``sampling_fields`` does what it
+        says, and logprobs stay those of the raw distribution."""
+        fields = set(getattr(self.backend, "sampling_fields", ()))
+        p = self.prompts[2]
+        greedy = self.generate(p)[0]
+        if "logit_bias" in fields:
+            eos = {self.tok.eos_token_id}
+            target = next(t for t in range(5, len(self.tok)) if t not in eos and t != greedy.token_ids[0])
+            out = self.generate(p, logit_bias={target: 100.0}, max_tokens=6)[0]
+            assert out.token_ids == [target] * len(out.token_ids) and len(out.token_ids) == 6, "logit_bias +100"
+            self.assert_matches_reference(p, out, greedy=False, what="logit_bias")
+            out = self.generate(p, logit_bias={greedy.token_ids[0]: -100.0}, max_tokens=2)[0]
+            assert out.token_ids[0] != greedy.token_ids[0], "logit_bias -100 left the greedy token"
+        for name, value in (("top_k", 1), ("min_p", 1.0)):
+            if name in fields:  # only the most likely token is left: sampling becomes greedy
+                out = self.generate(p, temperature=1.5, seed=0, **{name: value})[0]
+                assert out.token_ids == greedy.token_ids, f"{name}={value} is not greedy"
+                self.assert_matches_reference(p, out, greedy=True, what=name)
+        repeats = len(set(greedy.token_ids)) < len(greedy.token_ids)
+        for name, value in (("frequency_penalty", 2.0), ("presence_penalty", 2.0), ("repetition_penalty", 10.0)):
+            if name in fields:
+                out = self.generate(p, **{name: value})[0]
+                self.assert_matches_reference(p, out, greedy=False, what=name)
+                if repeats:  # greedy repeats a token: a strong penalty changes the continuation
+                    assert out.token_ids != greedy.token_ids, f"{name}={value} changed nothing"
 
     def check_concurrent_requests(self) -> None:
         """16 concurrent requests give exactly their solo results (no cross-talk)."""

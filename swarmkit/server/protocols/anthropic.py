@@ -204,13 +204,10 @@ def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request's sampling fields in OpenAI names (checked by the shared sampling parser)."""
     if body.get("max_tokens") is None:
         raise ApiError(400, "missing required field 'max_tokens'", "missing_field", param="max_tokens")
-    if body.get("top_k") is not None:
-        raise ApiError(400, "'top_k' is not supported (sampling uses temperature and top_p)", "unsupported_field",
-                       param="top_k")
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
         raise _bad(f"'temperature' must be between 0 and 1, got {temperature}", "temperature")
-    out = {k: body[k] for k in ("max_tokens", "temperature", "top_p") if body.get(k) is not None}
+    out = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if body.get(k) is not None}
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

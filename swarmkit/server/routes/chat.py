@@ -46,7 +46,8 @@ async def chat_completions(request: Request) -> Response:
     headers = fields.ignored_header(unknown)
     tools = parse_tools(body)
     turn = prepare_turn(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools), endpoint="chat")
-    params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)))
+    params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)),
+                                      backend=srv.backend)
     params = with_internal_stop(turn, params)
     want_top = want_lp and params.top_logprobs > 0
     created = int(time.time())

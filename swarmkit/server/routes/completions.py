@@ -70,7 +70,7 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "'best_of' is not supported by this server", "unsupported_value", param="best_of")
     prompts = _completion_prompts(srv, body)
     longest = max(len(ids) for _, ids in prompts)
-    params, want_lp = sampling_params(body, chat=False, max_new=srv.room_for(longest))
+    params, want_lp = sampling_params(body, chat=False, max_new=srv.room_for(longest), backend=srv.backend)
     created = int(time.time())
     cid = "cmpl-" + secrets.token_hex(12)
     model = served_model(srv)

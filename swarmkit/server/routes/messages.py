@@ -49,7 +49,8 @@ async def messages(request: Request) -> Response:
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
-    params, _ = sampling_params(anthropic.sampling_body(body), chat=True, max_new=srv.room_for(len(turn.prompt_ids)))
+    params, _ = sampling_params(anthropic.sampling_body(body), chat=True,
+                                max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend)
     params = with_internal_stop(turn, params)
     mid = anthropic.new_message_id()
     model = served_model(srv)

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkit.contract import SamplingParams
+from swarmkit.contract.backend import SHAPING_DEFAULTS
 from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import normalize_messages, parse_tools, template_error
 from swarmkit.server.requests import bearer, read_json
@@ -60,9 +61,6 @@ def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | 
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "response_format": (({"type": "text"},), "structured output (JSON mode / json_schema) is not supported; "
                         "ask for JSON in the prompt or use a tool with tool_choice"),
-    "logit_bias": (({},), "logit_bias is not supported"),
-    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported (only 0)"),
-    "presence_penalty": ((0, 0.0), "presence_penalty is not supported (only 0)"),
     "functions": (([],), "the legacy 'functions' field is not supported; send 'tools'"),
     "function_call": (("none", "auto"), "the legacy 'function_call' field is not supported; send 'tool_choice'"),
     "modalities": ((["text"],), "only text output is supported"),
@@ -85,8 +83,56 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
         raise ApiError(400, f"'{name}' = {json.dumps(value)[:80]}: {why}", "unsupported_field", param=name)
 
 
-def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int) -> tuple[SamplingParams, bool]:
-    """SamplingParams of a request, and whether logprobs were asked for (unsupported fields: 400)."""
+def _logit_bias(body: dict[str, Any], vocab: int | None) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token id -> bias", "invalid_value", param="logit_bias")
+    out: dict[int, float] = {}
+    for k, v in value.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            tid = -1
+        if tid < 0 or (vocab is not None and tid >= vocab):
+            raise ApiError(400, f"'logit_bias' key {k!r} is not a token id of this model (0 <= id < {vocab})",
+                           "invalid_value", param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got {v!r}", "invalid_value",
+                           param="logit_bias")
+        out[tid] = float(v)
+    return out
+
+
+def _shaping(body: dict[str, Any], backend: Any) -> dict[str, Any]:
+    """The distribution-shaping fields of a request, checked against what ``backend`` honours."""
+    top_k = _int(body, "top_k", 0, -1, 10**6) or 0
+    fields = {
+        "top_k": max(top_k, 0),
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 10.0),
+        "logit_bias": _logit_bias(body, len(backend.tokenizer) if backend is not None else None),
+    }
+    supported = getattr(backend, "sampling_fields", frozenset())
+    for name, default in SHAPING_DEFAULTS.items():
+        if fields[name] != default and name not in supported:
+            kind = type(backend).__name__ if backend is not None else "no"
+            raise ApiError(400, f"'{name}' is not supported by this server's engine ({kind} backend honours "
+                           f"{', '.join(sorted(supported)) or 'none of top_k, min_p, penalties, logit_bias'})",
+                           "unsupported_field", param=name)
+    return fields
+
+
+def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int,
+                    backend: Any = None) -> tuple[SamplingParams, bool]:
+    """SamplingParams of a request, and whether logprobs were asked for (unsupported fields: 400).
+
+    ``backend``: the serving engine; a distribution-shaping field it does not list in
+    ``sampling_fields`` is refused, and ``logit_bias`` ids are checked against its vocabulary.
+    """
     refuse_unsupported(body)
     max_tokens = _int(body, "max_completion_tokens", None, 1, 10**7) if chat else None
     if max_tokens is None:
@@ -125,6 +171,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int) -> tuple[
         stop=stops,
         seed=seed,
         top_logprobs=top,
+        **_shaping(body, backend),
     )
     return params, want_logprobs
 
