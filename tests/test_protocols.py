@@ -234,7 +234,7 @@ def test_stored_responses_stay_in_their_episode(swarm):
 def test_responses_refuse_what_they_cannot_honour(swarm):
     with swarm.episode("r-errors") as ep:
         llm = _openai(ep)
-        for bad, param in [({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text"),
+        for bad, param in [({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
                            ({"reasoning": {"effort": "high"}}, "reasoning"),
                            ({"tools": [{"type": "web_search"}]}, "tools[0]"),
                            ({"input": [{"role": "user", "content": [{"type": "input_image",

@@ -205,3 +205,22 @@ def test_key_changing_strategy_matches_reference():
 def test_unknown_method():
     with pytest.raises(ValueError):
         merge([], "text", method="quadratic")
+
+
+def test_a_call_under_constrained_decoding_is_rescored_by_the_trainer():
+    """Under a grammar (response_format) vLLM reports the masked distribution's logprobs: the
+    sample's generated positions get NaN, which the engine fills with the policy's own."""
+    import math
+
+    from swarmkit.pool.records import EpisodeRecord
+    from swarmkit.training.samples import build_samples
+    from swarmkit.training.trainer import build_algo
+
+    plain = Timeline([U("q", [1, 2]), L("a", [3, 4], lp=-0.3)], None, {})
+    forced = Timeline([U("q", [1, 5]), L("{}", [6, 7], lp=0.0)], None, {"structured": True})
+    recs = [EpisodeRecord(episode_id=f"e{i}", task_id="t", reward=float(i), timelines=[plain, forced],
+                          policy_version=0, meta={}, client_id="c") for i in range(2)]
+    samples = build_samples(recs, build_algo({"name": "grpo"}), "token")
+    by_ids = {tuple(s.input_ids): s.old_logprobs for s in samples}
+    assert by_ids[(1, 2, 3, 4)][2:] == [-0.3, -0.3]
+    assert all(math.isnan(v) for v in by_ids[(1, 5, 6, 7)][2:])

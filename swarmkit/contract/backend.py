@@ -33,7 +33,9 @@ class SamplingParams:
       and ``p x (count > 0)`` from the logits of tokens already *generated*;
     - ``repetition_penalty`` (HF / vLLM): divide positive logits and multiply
       negative ones of tokens in the prompt or the generation;
-    - ``logit_bias``: token id -> value added to its logit.
+    - ``logit_bias``: token id -> value added to its logit;
+    - ``response_format``: constrained decoding, ``{"type": "json_object"}`` (any JSON
+      object) or ``{"type": "json_schema", "schema": {...}}`` (JSON valid for the schema).
 
     Logprobs stay those of the raw distribution whatever these do (see
     :class:`GenerationOutput`).
@@ -53,6 +55,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    response_format: dict[str, Any] | None = None
 
     def shaping(self) -> set[str]:
         """The distribution-shaping fields set to something other than their default."""
@@ -61,7 +64,7 @@ class SamplingParams:
 
 #: the distribution-shaping fields of :class:`SamplingParams` and their no-op values
 SHAPING_DEFAULTS: dict[str, object] = {"top_k": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                                       "repetition_penalty": 1.0, "logit_bias": {}}
+                                       "repetition_penalty": 1.0, "logit_bias": {}, "response_format": None}
 
 
 @dataclass
@@ -107,7 +110,7 @@ class InferenceBackend(ABC):
     max_context: int | None = None
     #: the distribution-shaping fields of :class:`SamplingParams` this backend honours
     #: (``top_k``, ``min_p``, ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``,
-    #: ``logit_bias``); the server refuses a request that needs another (none by default)
+    #: ``logit_bias``, ``response_format``); the server refuses a request that needs another (none by default)
     sampling_fields: frozenset[str] = frozenset()
 
     @property

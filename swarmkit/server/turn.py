@@ -80,6 +80,12 @@ def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[
                 think_started=started)
 
 
+def _structured(params: SamplingParams) -> dict[str, Any] | None:
+    """Timeline meta of a call under constrained decoding: its logprobs are the masked
+    distribution's (vLLM), so training rescores them (:mod:`swarmkit.training.samples`)."""
+    return {"structured": True} if params.response_format is not None else None
+
+
 def with_internal_stop(turn: Turn, params: SamplingParams) -> SamplingParams:
     """``params`` with the turn's internal ``</tool_call>`` stop added (kept on ``turn``)."""
     turn.stops = list(params.stop)
@@ -187,7 +193,8 @@ async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: T
                         params: SamplingParams) -> list[Reply]:
     """Generate every choice, record the call, parse and remember each turn."""
     outputs = await srv.generate(ep, turn.prompt_ids, params)
-    recorded = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids)
+    recorded = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
+                                  meta=_structured(params))
     replies = []
     for i, out in enumerate(outputs):
         reasoning, answer = split_reasoning(out.text, started=turn.think_started)
@@ -268,7 +275,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
         ]
         if ep.running and any(ids):
             made = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint,
-                                      forced=turn.forced_ids, meta={"stream": True, "complete": completed})
+                                      forced=turn.forced_ids,
+                                      meta={"stream": True, "complete": completed, **(_structured(params) or {})})
             if completed:
                 for i in range(n):
                     _remember(srv, ep, made[i].blocks[-1], "".join(contents[i]) or None, calls_of[i])

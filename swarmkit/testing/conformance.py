@@ -345,6 +345,14 @@ class BackendConformance:
                 out = self.generate(p, temperature=1.5, seed=0, **{name: value})[0]
                 assert out.token_ids == greedy.token_ids, f"{name}={value} is not greedy"
                 self.assert_matches_reference(p, out, greedy=True, what=name)
+        if "response_format" in fields:  # guided decoding: the text is JSON valid for the schema
+            import json
+
+            schema = {"type": "string", "enum": ["yes", "no"]}
+            out = self.generate(p, response_format={"type": "json_schema", "schema": schema}, max_tokens=12,
+                                temperature=1.0, seed=0)[0]
+            assert json.loads(out.text) in ("yes", "no"), f"response_format json_schema gave {out.text!r}"
+            # (logprobs under a grammar may be the masked distribution's: training rescores them)
         repeats = len(set(greedy.token_ids)) < len(greedy.token_ids)
         for name, value in (("frequency_penalty", 2.0), ("presence_penalty", 2.0), ("repetition_penalty", 10.0)):
             if name in fields:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 
 from swarmkit.contract import Algorithm, MatchStrategy, TrainSample, scalar_reward
 from swarmkit.pool.records import EpisodeRecord
-from swarmkit.timelines import Timeline, merge_timelines
+from swarmkit.timelines import Block, Timeline, merge_timelines
 from swarmkit.timelines.merging import drifted_blocks, merge
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
     fallbacks = 0
     demos: list[tuple[int, str | None, list[Timeline]]] = []
     for r, rec in enumerate(records):
-        timelines = [Timeline.from_dict(t) if isinstance(t, Mapping) else t for t in rec.timelines]
+        timelines = [_rescored(Timeline.from_dict(t) if isinstance(t, Mapping) else t) for t in rec.timelines]
         by_role: dict[str | None, list[Timeline]] = {}
         demo_by_role: dict[str | None, list[Timeline]] = {}
         for t in timelines:
@@ -130,6 +130,20 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
                 task_id=str(rec.task_id), policy_version=int(rec.policy_version), role=role,
                 reward=0.0, demonstration=True))
     return samples
+
+
+def _rescored(timeline: Timeline) -> Timeline:
+    """A call under constrained decoding (``meta.structured``) with its generated logprobs
+    unknown (NaN): the engine reports those of the grammar-masked distribution (vLLM's are 0.0
+    where the grammar forces a token), which the policy's own are not; the engine scores them
+    before the step (an on-policy ratio of 1 at the first update)."""
+    if not timeline.meta.get("structured"):
+        return timeline
+    blocks = list(timeline.blocks)
+    last = blocks[-1]
+    if last.author == "llm":
+        blocks[-1] = Block(last.author, last.text, last.token_ids, [math.nan] * len(last.token_ids), last.loss_mask)
+    return Timeline(blocks, timeline.role, dict(timeline.meta))
 
 
 def is_demonstration(timeline: Timeline) -> bool:

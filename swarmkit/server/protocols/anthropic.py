@@ -190,9 +190,10 @@ def to_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, 
                        "template lets it (send {'type': 'adaptive'} or leave it out; the reasoning comes back as "
                        "thinking blocks)", "unsupported_field", param="thinking")
     output = body.get("output_config")
-    if output is not None and (not isinstance(output, dict) or any(v is not None for v in output.values())):
-        raise ApiError(400, "'output_config' (structured output format, effort) is not supported by this server's "
-                       "model", "unsupported_field", param="output_config")
+    if output is not None and (not isinstance(output, dict) or set(output) - {"format", "effort"}
+                               or output.get("effort") is not None):
+        raise ApiError(400, "'output_config': only 'format' (structured output) is supported; 'effort' is not",
+                       "unsupported_field", param="output_config")
     for name in ("container", "mcp_servers", "context_management"):
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, f"'{name}' is not supported", "unsupported_field", param=name)
@@ -208,6 +209,9 @@ def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
         raise _bad(f"'temperature' must be between 0 and 1, got {temperature}", "temperature")
     out = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if body.get(k) is not None}
+    output = body.get("output_config")
+    if isinstance(output, dict) and output.get("format") is not None:
+        out["response_format"] = output["format"]  # checked (and refused where the engine cannot) by the shared parser
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

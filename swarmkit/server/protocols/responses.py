@@ -156,11 +156,10 @@ def check_unsupported(body: dict[str, Any]) -> None:
     """400 for the fields that would change the answer in ways this server cannot honour."""
     text = body.get("text")
     if text is not None:
-        fmt = text.get("format") if isinstance(text, dict) else None
-        if not isinstance(text, dict) or (fmt is not None and fmt != {"type": "text"}) or \
-                set(text) - {"format", "verbosity"} or text.get("verbosity") not in (None, "medium"):
-            raise ApiError(400, f"'text' = {json.dumps(text)[:80]}: structured output and verbosity are not "
-                           "supported (only {'format': {'type': 'text'}})", "unsupported_field", param="text")
+        if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or \
+                text.get("verbosity") not in (None, "medium"):
+            raise ApiError(400, f"'text' = {json.dumps(text)[:80]}: only 'format' is supported ('verbosity' "
+                           "other than medium is not)", "unsupported_field", param="text")
     reasoning = body.get("reasoning")
     if reasoning not in (None, {}) and not (isinstance(reasoning, dict)
                                             and all(v is None for v in reasoning.values())):
@@ -207,6 +206,9 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]], stored_items: d
 def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request's sampling fields in Chat Completions names (checked by the shared parser)."""
     out = {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if fmt is not None:  # structured output: checked (and refused where the engine cannot) by the shared parser
+        out["response_format"] = fmt
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     if body.get("top_logprobs"):
@@ -272,7 +274,8 @@ def response_object(rid: str, body: dict[str, Any], model: str, *, status: str, 
         "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
         "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"),
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+        "text": body.get("text") if isinstance(body.get("text"), dict) and body["text"].get("format")
+        else {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
         "store": body.get("store") is not False, "user": body.get("user"),
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
                   "total_tokens": input_tokens + output_tokens,

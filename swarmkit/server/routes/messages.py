@@ -50,7 +50,8 @@ async def messages(request: Request) -> Response:
     if stream not in (None, True, False):
         raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
     params, _ = sampling_params(anthropic.sampling_body(body), chat=True,
-                                max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend)
+                                max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend,
+                                aliases={"response_format": "output_config.format"})
     params = with_internal_stop(turn, params)
     mid = anthropic.new_message_id()
     model = served_model(srv)

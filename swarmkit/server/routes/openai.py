@@ -59,8 +59,6 @@ def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | 
 #: fields that change what is generated and that this server cannot honour: refused (400)
 #: when set to anything but their no-op value, never silently ignored (docs/agents.md has the table)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "response_format": (({"type": "text"},), "structured output (JSON mode / json_schema) is not supported; "
-                        "ask for JSON in the prompt or use a tool with tool_choice"),
     "functions": (([],), "the legacy 'functions' field is not supported; send 'tools'"),
     "function_call": (("none", "auto"), "the legacy 'function_call' field is not supported; send 'tool_choice'"),
     "modalities": ((["text"],), "only text output is supported"),
@@ -105,8 +103,32 @@ def _logit_bias(body: dict[str, Any], vocab: int | None) -> dict[int, float]:
     return out
 
 
-def _shaping(body: dict[str, Any], backend: Any) -> dict[str, Any]:
-    """The distribution-shaping fields of a request, checked against what ``backend`` honours."""
+def response_format(value: Any, param: str = "response_format") -> dict[str, Any] | None:
+    """A checked structured-output request in the contract's form (None: plain text).
+
+    Takes Chat's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}`` and the flat ``{"type": "json_schema", "schema": ...}``
+    of Responses and Messages.
+    """
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        inner = value.get("json_schema") if isinstance(value.get("json_schema"), dict) else value
+        schema = inner.get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError(400, f"'{param}' of type json_schema needs a 'schema' object", "invalid_value", param=param)
+        return {"type": "json_schema", "schema": schema}
+    raise ApiError(400, f"'{param}' must be of type text, json_object or json_schema", "invalid_value", param=param)
+
+
+def _shaping(body: dict[str, Any], backend: Any, aliases: dict[str, str]) -> dict[str, Any]:
+    """The distribution-shaping fields of a request, checked against what ``backend`` honours
+    (``aliases``: the protocol's own name of a field, for the error)."""
     top_k = _int(body, "top_k", 0, -1, 10**6) or 0
     fields = {
         "top_k": max(top_k, 0),
@@ -115,19 +137,24 @@ def _shaping(body: dict[str, Any], backend: Any) -> dict[str, Any]:
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 10.0),
         "logit_bias": _logit_bias(body, len(backend.tokenizer) if backend is not None else None),
+        "response_format": response_format(body.get("response_format"),
+                                           aliases.get("response_format", "response_format")),
     }
     supported = getattr(backend, "sampling_fields", frozenset())
     for name, default in SHAPING_DEFAULTS.items():
         if fields[name] != default and name not in supported:
             kind = type(backend).__name__ if backend is not None else "no"
-            raise ApiError(400, f"'{name}' is not supported by this server's engine ({kind} backend honours "
-                           f"{', '.join(sorted(supported)) or 'none of top_k, min_p, penalties, logit_bias'})",
-                           "unsupported_field", param=name)
+            hint = " (structured output needs an engine with guided decoding: backend=vllm)" \
+                if name == "response_format" else ""
+            field = aliases.get(name, name)
+            raise ApiError(400, f"'{field}' is not supported by this server's engine ({kind} honours "
+                           f"{', '.join(sorted(supported)) or 'none of the sampling-shaping fields'}){hint}",
+                           "unsupported_field", param=field)
     return fields
 
 
-def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int,
-                    backend: Any = None) -> tuple[SamplingParams, bool]:
+def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int, backend: Any = None,
+                    aliases: dict[str, str] | None = None) -> tuple[SamplingParams, bool]:
     """SamplingParams of a request, and whether logprobs were asked for (unsupported fields: 400).
 
     ``backend``: the serving engine; a distribution-shaping field it does not list in
@@ -171,7 +198,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int,
         stop=stops,
         seed=seed,
         top_logprobs=top,
-        **_shaping(body, backend),
+        **_shaping(body, backend, aliases or {}),
     )
     return params, want_logprobs
 

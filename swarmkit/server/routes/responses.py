@@ -83,7 +83,8 @@ async def create_response(request: Request) -> Response:
     if stream not in (None, True, False):
         raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
     params, want_lp = sampling_params(proto.sampling_body(body), chat=True,
-                                      max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend)
+                                      max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend,
+                                      aliases={"response_format": "text.format"})
     params = with_internal_stop(turn, params)
     rid = proto.new_id("resp")
     headers = fields.ignored_header(unknown)
