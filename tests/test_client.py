@@ -271,3 +271,24 @@ def test_stream_cut_by_the_client_is_still_recorded(train_cfg, tmp_path):
             assert ep.abort("cut")["status"] == "aborted"
     finally:
         h.stop()
+
+
+def test_a_connection_cut_mid_request_is_retried_for_a_get_and_raised_for_a_change():
+    import httpx
+
+    from swarmkit.client import TransportError
+
+    calls: list[str] = []
+
+    def cut(request):
+        calls.append(request.method)
+        if len(calls) == 1:
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return httpx.Response(200, json={"state": "ROLLING", "global_step": 3})
+
+    with SwarmClient("http://127.0.0.1:9", transport=httpx.MockTransport(cut), retry_for=5) as c:
+        assert c.health()["global_step"] == 3 and calls == ["GET", "GET"]  # retried
+        calls.clear()
+        with pytest.raises(TransportError, match="may or may not have done it") as e:
+            c.register("t1")
+        assert isinstance(e.value.__cause__, httpx.ReadError) and calls == ["POST"]  # not repeated

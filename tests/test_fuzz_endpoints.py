@@ -135,3 +135,69 @@ def test_no_body_gets_a_5xx(target, path):
     assert any(c < 300 for c in seen) and any(c >= 400 for c in seen), seen  # both sides were reached
     assert tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                    headers=auth).status_code == 200  # still serving
+
+
+# --------------------------------------------------------------------------- hostile input, every route
+DEEP = "[" * 100_000 + "]" * 100_000
+HUGE = "1" + "0" * 400
+SURROGATE = '"\\ud800"'
+
+
+def _hostile_bodies(valid: dict) -> list[str]:
+    """``valid`` (a JSON object) with each string or number replaced by a lone surrogate or a
+    401-digit integer, one field at a time; plus deep nesting and bare garbage."""
+    out = [DEEP, '{"a": ' + DEEP + "}", "{", "nul", "[]", '{"x": NaN}', '"\\ud800"']
+    for key in valid:
+        for bad in (SURROGATE, HUGE, "-" + HUGE, '{"k": ' + SURROGATE + "}", '[' + SURROGATE + "]"):
+            out.append(json.dumps({**valid, key: "__BAD__"}).replace('"__BAD__"', bad))
+    return out
+
+
+ROUTES = {  # path -> a valid body (episode routes fill in the id)
+    "/api/v1/episodes": {"task_id": "t", "roles": ["a"], "meta": {"task_family": "f"}, "timeout_s": 60},
+    "/api/v1/episodes/{id}/report": {"reward": 1.0, "meta": {"task_family": "f"}},
+    "/api/v1/episodes/{id}/abort": {"reason": "r"},
+    "/api/v1/episodes/{id}/demonstration": {"messages": [{"role": "user", "content": "q"},
+                                                         {"role": "assistant", "content": "a"}]},
+    "/api/v1/clients/ready": {"ready": True, "client_id": "c"},
+    "/api/v1/clients/heartbeat": {"client_id": "c"},
+    "/api/v1/admin/configure": {"overrides": ["model=tiny"]},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+    "/tokenize": {"prompt": "hi"},
+}
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_hostile_input_gets_a_4xx_on_every_route(target, path):
+    tc, auth = target
+    admin = {"Authorization": "Bearer fuzz-admin-token-xxxxxxxx"}
+    seen: list[int] = []
+    for raw in _hostile_bodies(ROUTES[path]):
+        ep = tc.post("/api/v1/episodes", json={"task_id": "hostile"}).json()
+        url = path.replace("{id}", ep["episode_id"])
+        headers = admin if "admin" in path else auth if url.startswith(("/v1", "/tokenize")) else \
+            {"Authorization": f"Bearer {ep['api_key']}"}
+        r = tc.post(url, content=raw.encode("utf-8", "surrogatepass"),
+                    headers={**headers, "Content-Type": "application/json"})
+        assert r.status_code < 500, (path, raw[:120], r.text[:300])
+        seen.append(r.status_code)
+        tc.post(f"/api/v1/episodes/{ep['episode_id']}/abort", json={},
+                headers={"Authorization": f"Bearer {ep['api_key']}"})
+    garbage = seen[:5] + seen[6:7]  # not JSON objects, too deep, a bare surrogate ({"x": NaN} may pass)
+    assert all(400 <= c < 500 for c in garbage), garbage
+    assert tc.get("/api/v1/status", headers=admin).status_code == 200  # nothing poisoned the server
+    assert tc.get("/api/v1/episodes?ended=50", headers=admin).status_code == 200
+
+
+@pytest.mark.parametrize("key", ["clé-non-ascii", "\u00ff" * 40, "x" * 5000])
+def test_odd_keys_are_refused_not_crashed(target, key):
+    tc, _ = target
+    ep = tc.post("/api/v1/episodes", json={"task_id": "keys"}).json()
+    for method, url in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/api/v1/status"),
+                        ("POST", f"/api/v1/episodes/{ep['episode_id']}/report")):
+        r = tc.request(method, url, json={"messages": [{"role": "user", "content": "hi"}], "reward": 1.0},
+                       headers={"Authorization": ("Bearer " + key).encode("latin-1")})
+        assert r.status_code in (401, 403), (url, r.status_code, r.text[:200])

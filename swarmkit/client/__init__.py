@@ -14,9 +14,10 @@ from swarmkit.client.sdk import (
     SwarmClient,
     SwarmEpisode,
     SwarmError,
+    TransportError,
     async_swarm_episode,
     swarm_episode,
 )
 
 __all__ = ["AsyncEpisode", "AsyncSwarmClient", "AsyncSwarmEpisode", "Episode", "RetryEvent", "ServerUnavailable", "SwarmAPIError",
-           "SwarmClient", "SwarmEpisode", "SwarmError", "async_swarm_episode", "swarm_episode"]
+           "SwarmClient", "SwarmEpisode", "SwarmError", "TransportError", "async_swarm_episode", "swarm_episode"]

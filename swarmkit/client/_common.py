@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["CLIENT_HEADER", "RetryEvent", "ServerUnavailable", "SwarmAPIError", "SwarmError"]
+__all__ = ["CLIENT_HEADER", "RetryEvent", "ServerUnavailable", "SwarmAPIError", "SwarmError", "TransportError"]
 
 LIFECYCLE_TIMEOUT_S = 300.0
 """Read timeout of stop, restart and checkpoint (they free or save an engine, which can take
@@ -66,6 +66,18 @@ class SwarmAPIError(SwarmError):
 
 class ServerUnavailable(SwarmError):
     """The server stayed unreachable or busy for longer than the retry budget."""
+
+
+class TransportError(SwarmError):
+    """The connection failed mid-request (read error, timeout, closed connection) on a call that is
+    not retried because it changes state: it may or may not have been done. ``__cause__`` is the
+    ``httpx`` error."""
+
+
+def transport_error(method: str, url: str, path: str, exc: Exception) -> TransportError:
+    """The :class:`TransportError` of a non-retried call (GETs are retried instead)."""
+    return TransportError(f"{method} {url}{path}: the connection failed mid-request ({type(exc).__name__}: {exc}); "
+                          "the server may or may not have done it (check the episode or status before repeating)")
 
 
 def error_of(resp: httpx.Response) -> SwarmAPIError:

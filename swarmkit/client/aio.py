@@ -46,6 +46,7 @@ from swarmkit.client._common import (
     register_body,
     report_body,
     timelines_of,
+    transport_error,
 )
 
 __all__ = ["AsyncEpisode", "AsyncSwarmClient"]
@@ -150,6 +151,11 @@ class AsyncSwarmClient:
                 resp = await self._http.request(method, path, json=json_body, headers=headers,
                                          timeout=self._timeout if timeout is None else max(timeout, self._timeout))
             except TRANSIENT_ERRORS as exc:
+                await asyncio.sleep(retry.after_error(exc))
+                continue
+            except httpx.TransportError as exc:  # mid-request: a GET is safe to repeat, a change is not
+                if method != "GET":
+                    raise transport_error(method, self.url, path, exc) from exc
                 await asyncio.sleep(retry.after_error(exc))
                 continue
             if resp.status_code != 503:

@@ -25,7 +25,9 @@ Requests are retried with exponential backoff on connection errors and on
 in ``ROLLING_POST`` / ``WEIGHT_SYNCING``); every retry is logged at INFO on
 the ``swarmkit.client`` logger and passed to the client's ``on_retry``
 callback as a :class:`RetryEvent`; after ``retry_for`` seconds a
-:class:`ServerUnavailable` says what the server last answered.
+:class:`ServerUnavailable` says what the server last answered. A connection
+that fails mid-request is retried for a GET and raised as :class:`TransportError`
+for a call that changes state (it may have been done).
 
 The code lives in :mod:`swarmkit.client.sync` (blocking),
 :mod:`swarmkit.client.aio` (asyncio) and :mod:`swarmkit.client._common`
@@ -40,6 +42,7 @@ from swarmkit.client._common import (
            ServerUnavailable,
            SwarmAPIError,
            SwarmError,
+           TransportError,
 )
 from swarmkit.client.aio import AsyncEpisode, AsyncSwarmClient
 from swarmkit.client.multi import (
@@ -51,4 +54,5 @@ from swarmkit.client.multi import (
 from swarmkit.client.sync import Episode, SwarmClient
 
 __all__ = ["CLIENT_HEADER", "AsyncEpisode", "AsyncSwarmClient", "AsyncSwarmEpisode", "Episode", "RetryEvent", "ServerUnavailable",
-           "SwarmAPIError", "SwarmClient", "SwarmEpisode", "SwarmError", "async_swarm_episode", "swarm_episode"]
+           "SwarmAPIError", "SwarmClient", "SwarmEpisode", "SwarmError", "TransportError", "async_swarm_episode",
+           "swarm_episode"]

@@ -38,6 +38,7 @@ from swarmkit.client._common import (
     register_body,
     report_body,
     timelines_of,
+    transport_error,
 )
 
 __all__ = ["Episode", "SwarmClient"]
@@ -155,6 +156,11 @@ class SwarmClient:
                 resp = self._http.request(method, path, json=json_body, headers=headers,
                                          timeout=self._timeout if timeout is None else max(timeout, self._timeout))
             except TRANSIENT_ERRORS as exc:
+                time.sleep(retry.after_error(exc))
+                continue
+            except httpx.TransportError as exc:  # mid-request: a GET is safe to repeat, a change is not
+                if method != "GET":
+                    raise transport_error(method, self.url, path, exc) from exc
                 time.sleep(retry.after_error(exc))
                 continue
             if resp.status_code != 503:

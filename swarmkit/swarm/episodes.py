@@ -260,7 +260,7 @@ class EpisodeRegistry:
         if not key:
             raise ApiError(401, "missing API key: send the episode's api_key as 'Authorization: Bearer <key>'",
                            "missing_api_key")
-        if not any(secrets.compare_digest(key, k) for k in ep.keys.values()):
+        if not any(secrets.compare_digest(key.encode(), k.encode()) for k in ep.keys.values()):
             raise ApiError(403, f"this key does not belong to episode '{episode_id}'", "wrong_episode_key")
         return ep
 
