@@ -227,7 +227,8 @@ def test_per_role_reward_needs_roles(make):
 
 
 def test_rewards_too_large_to_train_on_are_refused(make):
-    """Two rewards of 1e308 overflow a GRPO group's sum (NaN weights): a bound, and huge integers are a 422."""
+    """Two rewards of 1e308 overflow a GRPO group's sum (NaN weights): a bound (422); a 401-digit integer
+    is refused at the door (400: no request integer may exceed 20 digits)."""
     h = make()
     ep = h.register(roles=["a", "b"])
     for bad in (1e308, -1e7, {"a": 1.0, "b": 1e308}):
@@ -236,7 +237,8 @@ def test_rewards_too_large_to_train_on_are_refused(make):
         assert "max_abs_reward" in r.json()["error"]["message"]
     r = h.tc.post(f"/api/v1/episodes/{ep['episode_id']}/report", content=b'{"reward": 1' + b"0" * 400 + b"}",
                   headers={"Authorization": f"Bearer {ep['api_key']}", "Content-Type": "application/json"})
-    assert_error(r, 422, "invalid_reward")
+    assert_error(r, 400, "invalid_json")
+    assert "401 digits" in r.json()["error"]["message"]
     assert h.report(ep, 1e6).status_code == 200
 
 
