@@ -14,13 +14,16 @@ carried it, and prefix merging works across turns of any protocol.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from swarmkit.contract import GenerationOutput, SamplingParams, StreamChunk
+from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import (
     ToolChoice,
     check_tools_rendered,
@@ -36,8 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
     from swarmkit.timelines.block import Block
 
-__all__ = ["Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_turn", "stream_turn",
-           "with_internal_stop"]
+__all__ = ["Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_turn", "prepare_turn_async",
+           "stream_turn", "with_internal_stop"]
 
 
 @dataclass
@@ -84,6 +87,65 @@ def _structured(params: SamplingParams) -> dict[str, Any] | None:
     """Timeline meta of a call under constrained decoding: its logprobs are the masked
     distribution's (vLLM), so training rescores them (:mod:`swarmkit.training.samples`)."""
     return {"structured": True} if params.response_format is not None else None
+
+
+#: requests whose text is longer than this are rendered and tokenized off the event loop (one
+#: worker thread): a big prompt never stalls other calls, a small one pays no thread hop
+INLINE_CHARS = 32_000
+_render_pool: ThreadPoolExecutor | None = None
+
+
+def _text_size(messages: Any, tools: Any) -> int:
+    """Characters of text in a request's messages and tools (a cheap upper bound's input)."""
+    if not isinstance(messages, list):
+        return 0
+    size = len(repr(tools)) if tools else 0
+    for m in messages:
+        if isinstance(m, dict):
+            c = m.get("content")
+            size += len(c) if isinstance(c, str) else len(repr(c)) if c is not None else 0
+            if m.get("tool_calls"):
+                size += len(repr(m["tool_calls"]))
+    return size
+
+
+def max_prompt_chars(srv: SwarmServer) -> int | None:
+    """The most characters a prompt that fits the context can hold: context x the longest token
+    (in characters) of the vocabulary (None: no context limit)."""
+    if not srv.max_context:
+        return None
+    if srv.longest_token is None:
+        try:
+            srv.longest_token = max((len(t) for t in srv.tokenizer.get_vocab()), default=16)
+        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary listing: a generous guess
+            srv.longest_token = 64
+    return int(srv.max_context) * srv.longest_token
+
+
+async def prepare_turn_async(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
+                             choice: ToolChoice, *, endpoint: str) -> Turn:
+    """:func:`prepare_turn` that never stalls the event loop: a request whose text cannot fit the
+    context is refused before it is rendered (400 ``context_length_exceeded``), and a large one is
+    rendered in a worker thread."""
+    global _render_pool
+    size = _text_size(messages, tools)
+    bound = max_prompt_chars(srv)
+    if bound is not None and size > bound:
+        raise ApiError(400, f"the messages hold {size} characters, more than any prompt of this model's context "
+                       f"({srv.max_context} tokens) can (model.max_context)", "context_length_exceeded",
+                       param="messages")
+    if size <= INLINE_CHARS and not srv.renders_in_pool:
+        return prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint)
+    # while one render runs in the worker, this server's others queue behind it there: the
+    # renderer's caches are never used from two threads at once
+    if _render_pool is None:
+        _render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmkit-render")
+    srv.renders_in_pool += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            _render_pool, lambda: prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint))
+    finally:
+        srv.renders_in_pool -= 1
 
 
 def with_internal_stop(turn: Turn, params: SamplingParams) -> SamplingParams:

@@ -167,6 +167,10 @@ class SwarmServer:
         self.cycle: Cycle = cycle if cycle is not None else MemoryCycle()
         self.backend: InferenceBackend | None = None
         self.renderer: Any = None
+        #: renders running in the render worker (swarmkit.server.turn): while any does, the others queue there
+        self.renders_in_pool = 0
+        #: the longest vocabulary token in characters (bounds the text a context can hold); set at boot
+        self.longest_token: int | None = None
         self.tracker: ContextTracker | None = None
         #: cached per-token strings for logprob answers (built at boot)
         self.token_text: TokenText | None = None
@@ -333,6 +337,7 @@ class SwarmServer:
             self.backend = backend
             self.model_name = model.name or "swarmkit"
             self.max_context = backend.max_context or model.max_context
+            self.longest_token = None  # recomputed from this boot's tokenizer
             if "server" in full:  # the training config's timeouts apply from this boot on
                 self._apply_limits(ServerConfig(**as_dict(full["server"])))
                 self.episodes.default_timeout_s = self.episode_timeout_s

@@ -27,7 +27,7 @@ from swarmkit.server.turn import (
     Piece,
     Turn,
     generate_turn,
-    prepare_turn,
+    prepare_turn_async,
     stream_turn,
     with_internal_stop,
 )
@@ -45,7 +45,7 @@ async def chat_completions(request: Request) -> Response:
     unknown = fields.unknown_fields(body, fields.CHAT, strict=srv.strict_fields)
     headers = fields.ignored_header(unknown)
     tools = parse_tools(body)
-    turn = prepare_turn(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools), endpoint="chat")
+    turn = await prepare_turn_async(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools), endpoint="chat")
     params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)),
                                       backend=srv.backend)
     params = with_internal_stop(turn, params)

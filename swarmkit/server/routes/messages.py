@@ -26,7 +26,7 @@ from swarmkit.server.turn import (
     Piece,
     Turn,
     generate_turn,
-    prepare_turn,
+    prepare_turn_async,
     stream_turn,
     with_internal_stop,
 )
@@ -45,7 +45,7 @@ async def messages(request: Request) -> Response:
     ep, role = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.MESSAGES, strict=srv.strict_fields)
     chat_messages, tools, choice = anthropic.to_chat(body)
-    turn = prepare_turn(srv, ep, chat_messages, tools, choice, endpoint="messages")
+    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages")
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
@@ -134,6 +134,6 @@ async def count_tokens(request: Request) -> Response:
     ep, _ = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.COUNT_TOKENS, strict=srv.strict_fields)
     chat_messages, tools, choice = anthropic.to_chat(body)
-    turn = prepare_turn(srv, ep, chat_messages, tools, choice, endpoint="messages")
+    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages")
     return JSONResponse({"input_tokens": len(turn.prompt_ids)}, headers=fields.ignored_header(unknown))
 

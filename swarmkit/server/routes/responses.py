@@ -27,7 +27,7 @@ from swarmkit.server.turn import (
     Piece,
     Turn,
     generate_turn,
-    prepare_turn,
+    prepare_turn_async,
     stream_turn,
     with_internal_stop,
 )
@@ -78,7 +78,7 @@ async def create_response(request: Request) -> Response:
     ep, role = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.RESPONSES, strict=srv.strict_fields)
     messages, conversation, tools, choice = proto.to_chat(body, _history(ep, body), _stored_items(ep))
-    turn = prepare_turn(srv, ep, messages, tools, choice, endpoint="responses")
+    turn = await prepare_turn_async(srv, ep, messages, tools, choice, endpoint="responses")
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
