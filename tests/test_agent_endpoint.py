@@ -189,6 +189,22 @@ TWO_CALLS = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1
              '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>')
 
 
+def streamed_calls(chunks: list[dict]) -> list[dict]:
+    """The tool calls of SSE chunks, accumulated as OpenAI clients do: by ``index``, the first piece
+    giving ``id`` and ``name``, the ``arguments`` pieces concatenated."""
+    calls: dict[int, dict] = {}
+    for ch in chunks:
+        for choice in ch["choices"]:
+            for piece in choice["delta"].get("tool_calls", []):
+                call = calls.setdefault(piece["index"], {"id": None, "type": "function",
+                                                         "function": {"name": None, "arguments": ""}})
+                call["id"] = piece.get("id") or call["id"]
+                f = piece.get("function", {})
+                call["function"]["name"] = f.get("name") or call["function"]["name"]
+                call["function"]["arguments"] += f.get("arguments") or ""
+    return [calls[k] for k in sorted(calls)]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_tool_calls_false_stops_after_the_first_call(make, stream):
     h = make(replies=(TWO_CALLS,))
@@ -200,7 +216,7 @@ def test_parallel_tool_calls_false_stops_after_the_first_call(make, stream):
     else:
         r = h.chat(key, tools=TOOLS, parallel_tool_calls=False, stream=True)
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        calls = [c for ch in chunks for choice in ch["choices"] for c in choice["delta"].get("tool_calls", [])]
+        calls = streamed_calls(chunks)
     assert [c["function"]["name"] for c in calls] == ["calculator"]
 
 
@@ -218,9 +234,7 @@ def _tool_episode(h, turns: int, how: str, keep_ids: bool, stream: bool = False)
         if stream:
             chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
             content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-            calls = [c for ch in chunks for choice in ch["choices"] for c in choice["delta"].get("tool_calls", [])]
-            msg = {"role": "assistant", "content": content or None,
-                   "tool_calls": [{"id": c["id"], "type": "function", "function": c["function"]} for c in calls]}
+            msg = {"role": "assistant", "content": content or None, "tool_calls": streamed_calls(chunks)}
         else:
             msg = r.json()["choices"][0]["message"]
         if not msg.get("tool_calls"):

@@ -329,3 +329,33 @@ def test_models_tokenize_and_detokenize(swarm):
         assert httpx.post(f"{root}/detokenize", headers=auth, json={"tokens": [-1]}).status_code == 400
         assert httpx.post(f"{root}/tokenize", json={"prompt": "x"}).status_code == 401
         ep.report(0.0)
+
+
+# --------------------------------------------------------------------------- tool calls streamed as generated
+def test_tool_call_arguments_stream_as_they_are_generated(swarm):
+    """A call written {"name", "arguments": {...}} is announced once its name is known and its
+    arguments follow in pieces, in each protocol; the pieces join into the call's arguments."""
+    with swarm.episode("incremental") as ep:
+        auth = {"Authorization": f"Bearer {ep.api_key}"}
+        chat = httpx.post(f"{ep.base_url}/chat/completions", headers=auth, json={
+            "messages": [{"role": "user", "content": "add"}], "tools": [{"type": "function", "function": {
+                "name": "calculator", "parameters": TOOL_A["input_schema"]}}], "stream": True})
+        pieces = [c for line in chat.text.splitlines() if line.startswith("data: {")
+                  for ch in json.loads(line[6:])["choices"] for c in ch["delta"].get("tool_calls", [])]
+        assert pieces[0]["function"]["name"] == "calculator" and pieces[0]["id"].startswith("call_")
+        args = "".join(p["function"].get("arguments", "") for p in pieces)
+        assert len(pieces) > 3 and json.loads(args) == {"expression": "2 + 3"}
+
+        with _anthropic(ep).messages.stream(model="swarm", max_tokens=64, messages=[
+                {"role": "user", "content": "add"}], tools=[TOOL_A]) as stream:
+            deltas = [e.delta.partial_json for e in stream if e.type == "content_block_delta"
+                      and e.delta.type == "input_json_delta"]
+            final = stream.get_final_message()
+        assert len(deltas) > 3 and final.content[-1].input == {"expression": "2 + 3"}
+
+        events = list(_openai(ep).responses.create(model="swarm", input="add", tools=[TOOL_R], stream=True))
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        (call,) = events[-1].response.output
+        assert len(deltas) > 3 and "".join(deltas) == call.arguments
+        assert json.loads(call.arguments) == {"expression": "2 + 3"}
+        ep.report(0.0)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
     from swarmkit.timelines.block import Block
 
-__all__ = ["Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_turn", "prepare_turn_async",
+__all__ = ["CallDelta", "Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_turn", "prepare_turn_async",
            "stream_turn", "with_internal_stop"]
 
 
@@ -231,6 +231,16 @@ async def choice_streams(
                 yield i, chunk
 
 
+def _call_deltas(index: int, parser: ToolCallStreamParser) -> list[CallDelta]:
+    out = []
+    for ev in parser.take_events():
+        if ev[0] == "start":
+            out.append(CallDelta(index, ev[1], ev[2], name=ev[3]))
+        else:
+            out.append(CallDelta(index, ev[1], "", args=ev[2]))
+    return out
+
+
 @dataclass
 class Reply:
     """One finished choice.
@@ -288,6 +298,18 @@ class Piece:
 
 
 @dataclass
+class CallDelta:
+    """A tool call of choice ``index`` streamed as it is generated: its start (``name`` set, the
+    call's ``call_id``) or a piece of its arguments (``args``). ``call`` counts the choice's calls."""
+
+    index: int
+    call: int
+    call_id: str
+    name: str | None = None
+    args: str = ""
+
+
+@dataclass
 class Finished:
     """The end of choice ``index``: held-back text, the parsed calls, the reason."""
 
@@ -298,12 +320,14 @@ class Finished:
     stop_sequence: str | None = None
     completion_tokens: int = 0
     reasoning: str | None = None  # the whole reasoning (None: the choice did not reason)
+    streamed: frozenset[str] = frozenset()  # ids of the calls already sent as CallDelta events
 
 
 async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
-                      params: SamplingParams) -> AsyncIterator[Opened | Piece | Finished]:
+                      params: SamplingParams) -> AsyncIterator[Opened | Piece | CallDelta | Finished]:
     """:class:`Opened` once the server serves the episode, the turn's pieces as the engine makes
-    them, then one :class:`Finished` per choice.
+    them (and :class:`CallDelta` events of tool calls streamed as generated), then one
+    :class:`Finished` per choice.
 
     The call is recorded after the last :class:`Finished` (before the caller sends its closing
     event: a client that saw the end finds the call recorded), and also when the stream is cut
@@ -368,6 +392,9 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
             if text:
                 contents[i].append(text)
             yield Piece(i, text, ch, thought)
+            if parser is not None:
+                for ev in _call_deltas(i, parser):
+                    yield ev
         for i in range(n):
             reason = finish[i] or "stop"
             thought, rest = thinkers[i].finish()
@@ -379,6 +406,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
                 if turn.internal_stop and finish[i] == "stop" and parser.in_call:
                     parser.feed(CLOSE)
                 tail, calls = parser.finish()
+                for ev in _call_deltas(i, parser):
+                    yield ev
                 rest += tail
                 calls_of[i] = calls
                 if calls:
@@ -387,7 +416,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
                 contents[i].append(rest)
             stop = matched_stop(srv, turn, ids[i], "".join(texts[i]), reason)
             reasoning = "".join(reasonings[i]) if thinkers[i].reasoned else None
-            yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]), reasoning)
+            yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]), reasoning,
+                           frozenset(parser.streamed) if parser is not None else frozenset())
         completed = True
         record()
     finally:

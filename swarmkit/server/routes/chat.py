@@ -22,6 +22,7 @@ from swarmkit.server.routes.openai import (
     sse,
 )
 from swarmkit.server.turn import (
+    CallDelta,
     Finished,
     Opened,
     Piece,
@@ -134,12 +135,18 @@ async def _chat_stream(
                 yield chunk(ev.index, {"reasoning_content": ev.reasoning})
             if ev.text or lp is not None:
                 yield chunk(ev.index, {"content": ev.text} if ev.text else {}, None, lp)
+        elif isinstance(ev, CallDelta):  # a tool call as it is generated: its start, then argument pieces
+            call: dict[str, Any] = {"index": ev.call, "function": {"arguments": ev.args}}
+            if ev.name is not None:
+                call.update(id=ev.call_id, type="function", function={"name": ev.name, "arguments": ""})
+            yield chunk(ev.index, {"tool_calls": [call]})
         elif isinstance(ev, Finished):
             generated += ev.completion_tokens
             if ev.rest:
                 yield chunk(ev.index, {"content": ev.rest})
-            if ev.calls:
-                yield chunk(ev.index, {"tool_calls": [{"index": k, **c} for k, c in enumerate(ev.calls)]})
+            whole = [{"index": k, **c} for k, c in enumerate(ev.calls) if c["id"] not in ev.streamed]
+            if whole:  # calls held until they closed (another shape than {"name", "arguments": {...}})
+                yield chunk(ev.index, {"tool_calls": whole})
             yield chunk(ev.index, {}, ev.finish_reason)
     # the turn has recorded the call: a client that saw the end finds it recorded
     if include_usage:

@@ -21,6 +21,7 @@ from swarmkit.server.protocols import anthropic
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import sampling_params, served_model, server_of
 from swarmkit.server.turn import (
+    CallDelta,
     Finished,
     Opened,
     Piece,
@@ -71,7 +72,7 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
     ``input_json_delta``), message_delta (stop reason, usage), message_stop."""
     ev = anthropic.event
     index = -1  # the content block being written
-    open_kind: str | None = None  # "thinking" or "text": the open block
+    open_kind: str | None = None  # "thinking", "text" or "tool_use": the open block
 
     def switch(kind: str) -> list[bytes]:
         """Close the open block and open one of ``kind`` (nothing when it is open already)."""
@@ -103,6 +104,17 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
                 out += thinking(item.reasoning)
             if item.text:
                 out += text(item.text)
+        elif isinstance(item, CallDelta):  # a tool call as it is generated: a tool_use block, input streamed
+            if item.name is not None:
+                if open_kind:
+                    out.append(ev("content_block_stop", {"index": index}))
+                index += 1
+                open_kind = "tool_use"
+                out.append(ev("content_block_start", {"index": index, "content_block": {
+                    "type": "tool_use", "id": item.call_id, "name": item.name, "input": {}}}))
+            elif item.args:
+                out.append(ev("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": item.args}}))
         elif isinstance(item, Finished):
             if item.reasoning is not None and open_kind is None and not item.reasoning:
                 out += thinking("")  # an empty thinking block still says the model reasoned
@@ -112,6 +124,8 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
                 out.append(ev("content_block_stop", {"index": index}))
                 open_kind = None
             for call in item.calls:
+                if call["id"] in item.streamed:
+                    continue
                 index += 1
                 block = anthropic.tool_use_block(call)
                 out += [ev("content_block_start", {"index": index, "content_block": {**block, "input": {}}}),

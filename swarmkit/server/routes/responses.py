@@ -22,6 +22,7 @@ from swarmkit.server.protocols import responses as proto
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import chat_logprobs, sampling_params, served_model, server_of
 from swarmkit.server.turn import (
+    CallDelta,
     Finished,
     Opened,
     Piece,
@@ -120,7 +121,7 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
     output: list[dict[str, Any]] = []  # finished items
     lps: list[dict[str, Any]] = []
     parts: dict[str, list[str]] = {"reasoning": [], "message": []}
-    open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
+    open_item: dict[str, Any] | None = None  # the reasoning, message or function_call item being streamed
     final: dict[str, Any] | None = None
 
     def ev(kind: str, **data: Any) -> bytes:
@@ -135,11 +136,16 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
             return []
         item, open_item = open_item, None
         k, iid = len(output), item["id"]
-        text = "".join(parts[item["type"]])
-        if item["type"] == "reasoning":
+        if item["type"] == "function_call":
+            done = {**item, "status": "completed"}
+            events = [ev("response.function_call_arguments.done", item_id=iid, output_index=k,
+                         arguments=done["arguments"], name=done["name"])]
+        elif item["type"] == "reasoning":
+            text = "".join(parts["reasoning"])
             done = proto.reasoning_item(text, item_id=iid)
             events = [ev("response.reasoning_text.done", item_id=iid, output_index=k, content_index=0, text=text)]
         else:
+            text = "".join(parts["message"])
             done = proto.message_item(text, item_id=iid, logprobs=lps if want_lp else None)
             events = [ev("response.output_text.done", item_id=iid, output_index=k, content_index=0, text=text,
                          logprobs=lps if want_lp else []),
@@ -188,6 +194,16 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
                 out += delta("reasoning", item.reasoning, [])
             if item.text:
                 out += delta("message", item.text, delta_lps)
+        elif isinstance(item, CallDelta):  # a tool call as it is generated: its item, arguments streamed
+            if item.name is not None:
+                out += close()
+                open_item = proto.call_item({"id": item.call_id, "function": {"name": item.name, "arguments": ""}},
+                                            item_id=proto.new_id("fc"), status="in_progress")
+                out.append(ev("response.output_item.added", output_index=len(output), item=dict(open_item)))
+            elif item.args and open_item is not None and open_item["type"] == "function_call":
+                open_item["arguments"] += item.args
+                out.append(ev("response.function_call_arguments.delta", item_id=open_item["id"],
+                              output_index=len(output), delta=item.args))
         elif isinstance(item, Finished):
             if item.reasoning is not None and not parts["reasoning"]:
                 out += delta("reasoning", "", [])  # the model reasoned, if emptily
@@ -195,6 +211,8 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
                 out += delta("message", item.rest, [])
             out += close()
             for call in item.calls:
+                if call["id"] in item.streamed:
+                    continue
                 k = len(output)
                 fc = proto.call_item(call, item_id=proto.new_id("fc"))
                 out += [ev("response.output_item.added", output_index=k, item={**fc, "arguments": "",
