@@ -34,3 +34,22 @@ def test_a_failed_eval_episode_scores_zero_and_is_counted():
     result = evaluate(Broken(), make_tasks("calc_agent", 3), max_tokens=8, concurrency=2)
     assert (result.n, result.failures, result.mean) == (3, 3, 0.0)
     assert "3 failed" in str(result)
+
+
+def test_the_loop_stops_quietly_when_the_server_finished_training(caplog):
+    from swarmkit.client import SwarmAPIError
+
+    class Finished(EpisodeLoop):
+        def __init__(self):
+            super().__init__(make_tasks("calc_agent", 4), rollouts_per_task=1, concurrency=1, max_episodes=50)
+            self.calls = itertools.count()
+
+        def run_one(self, task, http):
+            if next(self.calls) >= 2:
+                raise SwarmAPIError(409, "training finished: trainer.total_steps=2 reached", "training_finished")
+            return task.task_id
+
+    loop = Finished()
+    loop.run()  # returns: the step limit ends sampling
+    assert (loop.finished, loop.failures) == (2, 0)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

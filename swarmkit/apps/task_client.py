@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from swarmkit.client.sdk import SwarmClient, SwarmError
+from swarmkit.client.sdk import SwarmAPIError, SwarmClient, SwarmError
 from swarmkit.tasks import Task, cycle, demonstration, make_tasks, run_task
 
 log = logging.getLogger(__name__)
@@ -190,11 +190,16 @@ class EpisodeLoop:
                 for fut in done:
                     try:
                         result = fut.result()
+                    except SwarmAPIError as exc:
+                        if exc.code == "training_finished":  # the server's step limit: sampling is over
+                            log.info("the server finished training; the loop stops sampling")
+                            self.stop_event.set()
+                            continue
+                        self._failed(exc)
+                        continue
                     except Exception as exc:  # noqa: BLE001 - a failed episode (server busy, an agent's own
                         # error...) is aborted by the SDK and counted; the loop keeps sampling
-                        self.failures += 1
-                        self.last_error = f"{type(exc).__name__}: {exc}"
-                        log.warning("episode failed: %s", self.last_error)
+                        self._failed(exc)
                         continue
                     self.finished += 1
                     self.handle(result)
@@ -202,6 +207,11 @@ class EpisodeLoop:
                         pool.submit(self._eval_once, http)
             for fut in running:
                 fut.cancel()
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.warning("episode failed: %s", self.last_error)
 
     def start(self) -> EpisodeLoop:
         self._thread = threading.Thread(target=self.run, name=type(self).__name__, daemon=True)
