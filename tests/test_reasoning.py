@@ -186,3 +186,27 @@ def test_responses_answer_reasoning_items_and_take_them_back(swarm):
         assert r3.output_text == "Still 5." and r3.output[0].type == "reasoning"
         ep.report(1.0)
         _check_merges(ep.timelines(as_objects=True), tok)
+
+
+def test_thinking_can_be_turned_off_through_the_template(swarm):
+    """``chat_template_kwargs`` (Chat) and ``thinking: {"type": "disabled"}`` (Messages) reach the
+    template: Qwen3-style, it prefills an empty think block; other kwargs sets get their own renderer."""
+    client, tok = swarm
+    with client.episode("think-off") as ep:
+        auth = {"Authorization": f"Bearer {ep.api_key}"}
+        import httpx
+
+        r = httpx.post(f"{ep.base_url}/chat/completions", headers=auth, json={
+            "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text
+        llm = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key=ep.api_key, max_retries=0)
+        llm.messages.create(model="m", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
+                            thinking={"type": "disabled"})
+        llm.messages.create(model="m", max_tokens=32, messages=[{"role": "user", "content": "hi"}])
+        bad = httpx.post(f"{ep.base_url}/chat/completions", headers=auth, json={
+            "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+        ep.report(0.0)
+        prompts = [tok.decode([t for b in tl.blocks[:-1] for t in b.token_ids]) for tl in ep.timelines(as_objects=True)]
+    empty = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert [p.endswith(empty) for p in prompts] == [True, True, False]

@@ -20,8 +20,8 @@ from typing import Any
 from swarmkit.errors import ApiError
 from swarmkit.timelines.render import TemplateError
 
-__all__ = ["ToolChoice", "check_tools_rendered", "normalize_messages", "parse_tool_choice", "parse_tools",
-           "template_error"]
+__all__ = ["ToolChoice", "check_tools_rendered", "normalize_messages", "parse_template_kwargs", "parse_tool_choice",
+           "parse_tools", "template_error"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -199,3 +199,20 @@ def template_error(exc: TemplateError) -> ApiError:
     """The 400 of a ``TemplateError``: the refused message as ``param``, the template's reason in the text."""
     param = f"messages[{exc.index}]" if exc.index is not None else "messages"
     return ApiError(400, str(exc), "invalid_messages", param=param)
+
+
+def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` (vLLM's field: extra variables for the chat template, such as
+    Qwen3's ``enable_thinking``): at most 16 names with JSON scalar values."""
+    value = body.get("chat_template_kwargs")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) > 16 or not all(
+            isinstance(k, str) and k.isidentifier() and (v is None or isinstance(v, (bool, int, float, str)))
+            for k, v in value.items()):
+        raise _bad("'chat_template_kwargs' must be an object of at most 16 names (identifiers) with scalar values",
+                   "chat_template_kwargs")
+    reserved = {"messages", "tools", "add_generation_prompt", "documents"} & set(value)
+    if reserved:
+        raise _bad(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
+    return dict(value)

@@ -47,7 +47,7 @@ CHAT = FieldTable.of(
            "max_completion_tokens", "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options",
            "response_format", "logit_bias", "frequency_penalty", "presence_penalty", "functions", "function_call",
            "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-           "top_k", "min_p", "repetition_penalty"),
+           "top_k", "min_p", "repetition_penalty", "chat_template_kwargs"),
     ignored=_OPENAI_METADATA,
 )
 COMPLETIONS = FieldTable.of(

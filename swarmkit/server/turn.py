@@ -65,9 +65,12 @@ class Turn:
 
 
 def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
-                 choice: ToolChoice, *, endpoint: str) -> Turn:
-    """Normalise, replay and render a conversation (400 naming the message on a bad one)."""
-    renderer = srv.renderer
+                 choice: ToolChoice, *, endpoint: str, template_kwargs: dict[str, Any] | None = None) -> Turn:
+    """Normalise, replay and render a conversation (400 naming the message on a bad one).
+
+    ``template_kwargs``: extra chat-template variables of this request (``enable_thinking``...).
+    """
+    renderer = srv.renderer_for(template_kwargs) if template_kwargs else srv.renderer
     messages = normalize_messages(messages, developer_role=renderer.has_developer_role)
     check_tools_rendered(renderer, tools)
     messages, generated = ep.turns.substitute(messages)
@@ -123,7 +126,8 @@ def max_prompt_chars(srv: SwarmServer) -> int | None:
 
 
 async def prepare_turn_async(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
-                             choice: ToolChoice, *, endpoint: str) -> Turn:
+                             choice: ToolChoice, *, endpoint: str,
+                             template_kwargs: dict[str, Any] | None = None) -> Turn:
     """:func:`prepare_turn` that never stalls the event loop: a request whose text cannot fit the
     context is refused before it is rendered (400 ``context_length_exceeded``), and a large one is
     rendered in a worker thread."""
@@ -135,7 +139,7 @@ async def prepare_turn_async(srv: SwarmServer, ep: Episode, messages: Any, tools
                        f"({srv.max_context} tokens) can (model.max_context)", "context_length_exceeded",
                        param="messages")
     if size <= INLINE_CHARS and not srv.renders_in_pool:
-        return prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint)
+        return prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint, template_kwargs=template_kwargs)
     # while one render runs in the worker, this server's others queue behind it there: the
     # renderer's caches are never used from two threads at once
     if _render_pool is None:
@@ -143,7 +147,8 @@ async def prepare_turn_async(srv: SwarmServer, ep: Episode, messages: Any, tools
     srv.renders_in_pool += 1
     try:
         return await asyncio.get_running_loop().run_in_executor(
-            _render_pool, lambda: prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint))
+            _render_pool, lambda: prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint,
+                                               template_kwargs=template_kwargs))
     finally:
         srv.renders_in_pool -= 1
 

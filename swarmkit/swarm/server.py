@@ -169,6 +169,9 @@ class SwarmServer:
         self.renderer: Any = None
         #: renders running in the render worker (swarmkit.server.turn): while any does, the others queue there
         self.renders_in_pool = 0
+        #: renderers per chat-template kwargs (``enable_thinking``...), the default one under ``()``
+        self._renderers: dict[tuple[tuple[str, Any], ...], Any] = {}
+        self._make_renderer: Callable[[dict[str, Any]], Any] | None = None
         #: the longest vocabulary token in characters (bounds the text a context can hold); set at boot
         self.longest_token: int | None = None
         self.tracker: ContextTracker | None = None
@@ -248,6 +251,20 @@ class SwarmServer:
             self.clients.touch(client_id[:128])
 
     # ------------------------------------------------------------------ inference
+    def renderer_for(self, template_kwargs: dict[str, Any] | None) -> Any:
+        """The renderer of the served template with these extra template variables (built once per
+        set; the newest 8 sets are kept)."""
+        key = tuple(sorted((template_kwargs or {}).items()))
+        found = self._renderers.get(key)
+        if found is None:
+            if self._make_renderer is None:
+                return self.renderer
+            found = self._renderers[key] = self._make_renderer(dict(key))
+            while len(self._renderers) > 9:
+                oldest = next(k for k in self._renderers if k != ())
+                self._renderers.pop(oldest)
+        return found
+
     def room_for(self, prompt_len: int) -> int:
         """Tokens left for generation after a prompt; 400 if none."""
         limit = self.max_context
@@ -332,6 +349,9 @@ class SwarmServer:
             template = resolve_chat_template(model.chat_template, model.path)
             self.renderer = (factory(backend.tokenizer, chat_template=template) if template
                              else factory(backend.tokenizer))
+            self._renderers = {(): self.renderer}
+            self._make_renderer = (lambda kw: factory(backend.tokenizer, chat_template=template, template_kwargs=kw)
+                                   if template else factory(backend.tokenizer, template_kwargs=kw))
             self.token_text = TokenText(backend.tokenizer)
             self.tracker = ContextTracker(self.renderer)
             self.backend = backend

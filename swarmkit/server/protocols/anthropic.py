@@ -201,6 +201,15 @@ def to_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, 
     return _messages(body), tools, _tool_choice(body, tools)
 
 
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``thinking: {"type": "disabled"}`` as the chat template's ``enable_thinking=False`` (a
+    thinking template then prefills an empty think block; others ignore the variable)."""
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        return {"enable_thinking": False}
+    return None
+
+
 def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request's sampling fields in OpenAI names (checked by the shared sampling parser)."""
     if body.get("max_tokens") is None:

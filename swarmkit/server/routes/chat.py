@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarmkit.contract import SamplingParams
 from swarmkit.server import fields
-from swarmkit.server.chat_input import parse_tool_choice, parse_tools
+from swarmkit.server.chat_input import parse_template_kwargs, parse_tool_choice, parse_tools
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
     chat_logprobs,
@@ -46,7 +46,8 @@ async def chat_completions(request: Request) -> Response:
     unknown = fields.unknown_fields(body, fields.CHAT, strict=srv.strict_fields)
     headers = fields.ignored_header(unknown)
     tools = parse_tools(body)
-    turn = await prepare_turn_async(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools), endpoint="chat")
+    turn = await prepare_turn_async(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools),
+                                    endpoint="chat", template_kwargs=parse_template_kwargs(body))
     params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)),
                                       backend=srv.backend)
     params = with_internal_stop(turn, params)

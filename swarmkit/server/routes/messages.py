@@ -46,7 +46,8 @@ async def messages(request: Request) -> Response:
     ep, role = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.MESSAGES, strict=srv.strict_fields)
     chat_messages, tools, choice = anthropic.to_chat(body)
-    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages")
+    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages",
+                                    template_kwargs=anthropic.template_kwargs(body))
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
@@ -148,6 +149,7 @@ async def count_tokens(request: Request) -> Response:
     ep, _ = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.COUNT_TOKENS, strict=srv.strict_fields)
     chat_messages, tools, choice = anthropic.to_chat(body)
-    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages")
+    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages",
+                                    template_kwargs=anthropic.template_kwargs(body))
     return JSONResponse({"input_tokens": len(turn.prompt_ids)}, headers=fields.ignored_header(unknown))
 
