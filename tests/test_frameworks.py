@@ -49,10 +49,12 @@ FRAMEWORKS: dict[str, list[str]] = {
     "anthropic_sdk": ["anthropic"],
     "openai_responses": ["openai"],
     "openai_agents_responses": ["agents"],
+    "pydantic_ai_responses": ["pydantic_ai"],
 }
 NAMES = list(FRAMEWORKS)
 #: the agents that speak Chat Completions (the others: Anthropic Messages, OpenAI Responses)
-CHAT_NAMES = [n for n in NAMES if n not in ("anthropic_sdk", "openai_responses", "openai_agents_responses")]
+CHAT_NAMES = [n for n in NAMES if n not in ("anthropic_sdk", "openai_responses", "openai_agents_responses",
+                                            "pydantic_ai_responses")]
 
 #: what each framework puts on the wire beyond the reference (asserted, and listed in the README)
 WIRE: dict[str, dict[str, Any]] = {
@@ -291,7 +293,7 @@ def test_the_anthropic_sdk_sends_messages_blocks(runs):
                                                    "content": TASK.answer}]}
 
 
-@pytest.mark.parametrize("name", ["openai_responses", "openai_agents_responses"])
+@pytest.mark.parametrize("name", ["openai_responses", "openai_agents_responses", "pydantic_ai_responses"])
 def test_the_responses_agents_send_items(runs, name):
     first, second = runs(name).bodies
     question = TASK.messages[1]["content"]
@@ -303,7 +305,8 @@ def test_the_responses_agents_send_items(runs, name):
     if name == "openai_responses":  # continues the stored response
         assert second["previous_response_id"].startswith("resp_")
         (output,) = second["input"]
-    else:  # the Agents SDK sends the whole history back, its function_call item included
+    else:  # the Agents SDK and Pydantic AI send the whole history back, the function_call item included
+        # (Pydantic AI re-serialises its arguments compactly: the server replays the turn as generated)
         assert "previous_response_id" not in second
         user, call, output = second["input"]
         assert user == first["input"][0] and call["type"] == "function_call"
@@ -403,4 +406,5 @@ def test_a_malformed_tool_call_is_answered_with_an_error_not_a_crash(runs, name)
     final, valid, calls, turns = runs(name, BAD_ARGS).result
     assert (valid, calls) == (0, 1) and turns == 2
     assert final.startswith("<answer>") and ("error" in final or "validation failed" in final), final
+
 
