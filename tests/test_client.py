@@ -292,3 +292,41 @@ def test_a_connection_cut_mid_request_is_retried_for_a_get_and_raised_for_a_chan
         with pytest.raises(TransportError, match="may or may not have done it") as e:
             c.register("t1")
         assert isinstance(e.value.__cause__, httpx.ReadError) and calls == ["POST"]  # not repeated
+
+
+def test_a_client_token_guards_registration_and_votes(train_cfg, tmp_path, monkeypatch):
+    """With server.client_token set, registering, voting and heartbeats need it (or the admin token);
+    the SDK sends it (client_token=, or $SWARMKIT_CLIENT_TOKEN)."""
+    import httpx
+
+    from swarmkit.models import build_tiny_tokenizer
+
+    backend = ScriptedBackend(build_tiny_tokenizer(), replies=["ok"])
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "client_token": "client-secret-xyz",
+                                        "run_dir": str(tmp_path)}},
+                            config=train_cfg, backend_factory=lambda cfg: backend, train=False)
+    try:
+        with SwarmClient(h.url, token=TOKEN) as admin:
+            admin.start()
+            admin.wait_for_state("ROLLING", timeout=20)
+            assert admin.register("t-admin").episode_id  # the admin token is accepted in its place
+        for path, body in (("/api/v1/episodes", {"task_id": "t"}), ("/api/v1/clients/ready", {"ready": True}),
+                           ("/api/v1/clients/heartbeat", {})):
+            r = httpx.post(h.url + path, json=body, headers={"X-Swarm-Client": "c1"})
+            assert (r.status_code, r.json()["error"]["code"]) == (401, "missing_client_token"), path
+            r = httpx.post(h.url + path, json=body, headers={"X-Swarm-Client": "c1",
+                                                               "Authorization": "Bearer nope"})
+            assert (r.status_code, r.json()["error"]["code"]) == (403, "wrong_client_token"), path
+        monkeypatch.setenv("SWARMKIT_ADMIN_TOKEN", "")
+        with SwarmClient(h.url, token="", client_token="client-secret-xyz") as c:
+            with c.episode("t1") as ep:
+                ep.report(1.0)
+            assert c.ready(True)["ready"] is True and c.heartbeat()["client_id"] == c.client_id
+        monkeypatch.setenv("SWARMKIT_CLIENT_TOKEN", "client-secret-xyz")
+        with SwarmClient(h.url, token="") as c:
+            assert c.register("t2").episode_id
+        with SwarmClient(h.url, token="", client_token="wrong") as c, pytest.raises(SwarmAPIError) as e:
+            c.register("t3")
+        assert e.value.status == 403
+    finally:
+        h.stop()

@@ -115,6 +115,7 @@ class AsyncSwarmClient:
         token: str | None = None,
         *,
         client_id: str | None = None,
+        client_token: str | None = None,
         timeout: float = 60.0,
         retry_for: float = 120.0,
         on_retry: RetryCallback | None = None,
@@ -123,6 +124,7 @@ class AsyncSwarmClient:
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
         self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
+        self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
         self.retry_for = float(retry_for)
         self.on_retry = on_retry
         self._timeout = float(timeout)
@@ -164,6 +166,10 @@ class AsyncSwarmClient:
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return json_object(await self._request(method, path, **kwargs))
+
+    def _sampling_key(self) -> str | None:
+        """The bearer token of a sampling call (register, vote, heartbeat): the client token, else the admin's."""
+        return self.client_token or self.token
 
     # ------------------------------------------------------------------ controller
     async def configure(self, config: Mapping[str, Any] | str | os.PathLike[str] | Sequence[str]) -> dict[str, Any]:
@@ -216,18 +222,19 @@ class AsyncSwarmClient:
 
     async def ready(self, flag: bool = True) -> dict[str, Any]:
         """Vote for (or against) training now (batching policies C4/C5)."""
-        return await self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)})
+        return await self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)},
+                                key=self._sampling_key())
 
     async def heartbeat(self) -> dict[str, Any]:
         """Tell the server this client is alive (any request does too)."""
-        return await self._call("POST", "/api/v1/clients/heartbeat")
+        return await self._call("POST", "/api/v1/clients/heartbeat", key=self._sampling_key())
 
     # ------------------------------------------------------------------ episodes
     async def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
                        roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> AsyncEpisode:
         """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
         body = register_body(task_id, eval, timeout_s, roles, meta)
-        return AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body))
+        return AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key()))
 
     @asynccontextmanager
     async def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

@@ -106,6 +106,9 @@ class SwarmClient:
     :param url: the server's address, e.g. ``http://127.0.0.1:8000``.
     :param token: the admin token (needed for controller calls: configure,
         start, stop, status...); default ``$SWARMKIT_ADMIN_TOKEN``.
+    :param client_token: the server's client token, when it requires one to register episodes
+        and vote (``server.client_token``); default ``$SWARMKIT_CLIENT_TOKEN`` (the admin
+        token is accepted in its place).
     :param client_id: stable id sent with every request so the server can
         count this client as active (batching C4/C5); default: random.
     :param timeout: seconds per HTTP request (stop, restart and checkpoint wait at least
@@ -122,6 +125,7 @@ class SwarmClient:
         token: str | None = None,
         *,
         client_id: str | None = None,
+        client_token: str | None = None,
         timeout: float = 60.0,
         retry_for: float = 120.0,
         on_retry: RetryCallback | None = None,
@@ -130,6 +134,7 @@ class SwarmClient:
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
         self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
+        self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
         self.retry_for = float(retry_for)
         self.on_retry = on_retry
         self._timeout = float(timeout)
@@ -169,6 +174,10 @@ class SwarmClient:
 
     def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return json_object(self._request(method, path, **kwargs))
+
+    def _sampling_key(self) -> str | None:
+        """The bearer token of a sampling call (register, vote, heartbeat): the client token, else the admin's."""
+        return self.client_token or self.token
 
     # ------------------------------------------------------------------ controller
     def configure(self, config: Mapping[str, Any] | str | os.PathLike[str] | Sequence[str]) -> dict[str, Any]:
@@ -221,18 +230,19 @@ class SwarmClient:
 
     def ready(self, flag: bool = True) -> dict[str, Any]:
         """Vote for (or against) training now (batching policies C4/C5)."""
-        return self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)})
+        return self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)},
+                                key=self._sampling_key())
 
     def heartbeat(self) -> dict[str, Any]:
         """Tell the server this client is alive (any request does too)."""
-        return self._call("POST", "/api/v1/clients/heartbeat")
+        return self._call("POST", "/api/v1/clients/heartbeat", key=self._sampling_key())
 
     # ------------------------------------------------------------------ episodes
     def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
                  roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Episode:
         """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
         body = register_body(task_id, eval, timeout_s, roles, meta)
-        return Episode(self, self._call("POST", "/api/v1/episodes", json_body=body))
+        return Episode(self, self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key()))
 
     @contextmanager
     def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

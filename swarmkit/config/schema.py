@@ -62,6 +62,9 @@ class ServerConfig:
     run_dir: str = "auto"
     #: admin token; null = $SWARMKIT_ADMIN_TOKEN, else generated and written to run_dir/admin_token
     admin_token: str | None = None
+    #: client token; null = $SWARMKIT_CLIENT_TOKEN, else none: anyone who reaches the port may register
+    #: episodes and vote. When set, registering, client votes and heartbeats need it (or the admin token)
+    client_token: str | None = None
     #: seconds an episode may live before the server aborts it
     episode_timeout_s: float = 600.0
     #: seconds running episodes may finish after the policy fires (ROLLING_POST)

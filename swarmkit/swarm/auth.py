@@ -1,8 +1,8 @@
-"""Who may do what: the admin token for controller calls.
+"""Who may do what: the admin token for controller calls, the client token for sampling clients.
 
 Episode keys are the :class:`~swarmkit.swarm.episodes.EpisodeRegistry`'s; this
-module holds the one admin token of a server process and checks it in
-constant time.
+module holds the admin token of a server process and its optional client token,
+and checks them in constant time.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from swarmkit.errors import ApiError
 
 ENV_ADMIN_TOKEN = "SWARMKIT_ADMIN_TOKEN"
+ENV_CLIENT_TOKEN = "SWARMKIT_CLIENT_TOKEN"
 ADMIN_TOKEN_FILE = "admin_token"
 
 
@@ -61,3 +62,33 @@ class AdminAuth:
                            "start-up message for where the token is)", "missing_admin_token")
         if not self.is_admin(token):
             raise ApiError(403, "wrong admin token", "wrong_admin_token")
+
+
+def _same(a: str, b: str) -> bool:
+    return secrets.compare_digest(a.encode(), b.encode())
+
+
+class ClientAuth:
+    """The optional client token (``server.client_token``, else ``$SWARMKIT_CLIENT_TOKEN``).
+
+    Without one, registering episodes, client votes and heartbeats are open to anyone who reaches
+    the port (fine on 127.0.0.1); with one, each needs it or the admin token as the bearer token.
+    """
+
+    def __init__(self, configured: str | None):
+        self.token: str | None = str(configured) if configured else os.environ.get(ENV_CLIENT_TOKEN) or None
+
+    @property
+    def required(self) -> bool:
+        return self.token is not None
+
+    def check(self, token: str | None, admin: AdminAuth) -> None:
+        """401 without a token, 403 with a wrong one; nothing when no client token is set."""
+        if self.token is None:
+            return
+        if not token:
+            raise ApiError(401, "missing client token: this server requires one to register episodes and vote; send "
+                           "'Authorization: Bearer <client token>' (SwarmClient(client_token=...) or "
+                           f"${ENV_CLIENT_TOKEN})", "missing_client_token")
+        if not (_same(str(token), self.token) or admin.is_admin(token)):
+            raise ApiError(403, "wrong client token", "wrong_client_token")

@@ -32,7 +32,7 @@ from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
 from swarmkit.errors import ApiError, busy
 from swarmkit.plugins import get_hooks, get_registry
 from swarmkit.swarm.atomic import resolve_prepared
-from swarmkit.swarm.auth import AdminAuth
+from swarmkit.swarm.auth import AdminAuth, ClientAuth
 from swarmkit.swarm.episodes import (
     ABORTED,
     COMMITTING,
@@ -155,6 +155,7 @@ class SwarmServer:
         self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
         self.max_body_bytes = int(scfg.max_body_bytes)
         self.auth = AdminAuth(admin_token or scfg.admin_token, self.run_dir)
+        self.client_auth = ClientAuth(scfg.client_token)
         self.state = StateMachine()
         self.episodes = EpisodeRegistry(default_timeout_s=self.episode_timeout_s, on_end=self._on_episode_end)
         #: eval rewards per task family since the last training step (logged with the step)
@@ -225,6 +226,10 @@ class SwarmServer:
         self.prepared_grace_s = float(scfg.prepared_grace_s)
         self.max_abs_reward = float(scfg.max_abs_reward)
         self.strict_fields = bool(scfg.strict_fields)
+
+    def check_client(self, token: str | None) -> None:
+        """A sampling client's call (register, vote, heartbeat): the client token when one is set."""
+        self.client_auth.check(token, self.auth)
 
     def is_admin(self, token: str | None) -> bool:
         return self.auth.is_admin(token)

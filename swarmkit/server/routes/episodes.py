@@ -68,6 +68,7 @@ def _base_url(request: Request) -> str:
 
 async def register(request: Request) -> Response:
     srv = _server(request)
+    srv.check_client(bearer(request))
     body = await read_json(request)
     task_id = body.get("task_id")
     if task_id is None:
@@ -289,6 +290,7 @@ async def list_episodes(request: Request) -> Response:
 
 async def client_ready(request: Request) -> Response:
     srv = _server(request)
+    srv.check_client(bearer(request))
     body = await read_json(request)
     cid = _client_id(request, body)
     if not cid:
@@ -303,6 +305,7 @@ async def client_ready(request: Request) -> Response:
 
 async def client_heartbeat(request: Request) -> Response:
     srv = _server(request)
+    srv.check_client(bearer(request))
     cid = request.headers.get("x-swarm-client", "")
     if not cid:
         raise ApiError(422, "missing the 'X-Swarm-Client' header", "missing_field", param="client_id")
