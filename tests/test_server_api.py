@@ -556,3 +556,47 @@ def test_a_drain_aborts_an_idle_episode_at_once_and_waits_for_a_busy_one(make):
     assert busy.status == "aborted" and busy.abort_reason == "drain deadline"  # waited for the whole drain
     assert aborted == 2 and 1.4 < took < 5
     busy.in_flight = 0
+
+
+def test_quotas_on_episodes_calls_tokens_and_meta(make, train_cfg):
+    """Running episodes (in all, per client), calls per episode, tokens per request and meta size
+    are bounded, with clear 429 / 400 / 422 answers; ending episodes frees the quota."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.server.update(max_running_episodes=3, max_running_per_client=2, max_calls_per_episode=2,
+                      max_tokens_per_request=100, max_meta_bytes=200)
+    h = make(config=cfg)
+    a = [h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"X-Swarm-Client": "a"}) for _ in range(3)]
+    assert [r.status_code for r in a] == [201, 201, 429]
+    assert_error(a[2], 429, "too_many_episodes")
+    assert "max_running_per_client" in a[2].json()["error"]["message"] and a[2].headers["retry-after"] == "1"
+    b = h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"X-Swarm-Client": "b"})
+    assert b.status_code == 201
+    r = h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"X-Swarm-Client": "c"})
+    assert_error(r, 429, "too_many_episodes")
+    assert "max_running_episodes" in r.json()["error"]["message"]
+    ep = a[0].json()
+    assert h.report(ep, 1.0).status_code == 200  # ending one frees a place
+    assert h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"X-Swarm-Client": "c"}).status_code == 201
+
+    ep = a[1].json()
+    assert_error(h.chat(ep["api_key"], max_tokens=60, n=2), 400, "too_many_tokens")
+    assert h.chat(ep["api_key"], max_tokens=10).status_code == 200
+    assert h.chat(ep["api_key"], max_tokens=10).status_code == 200
+    assert_error(h.chat(ep["api_key"], max_tokens=10), 429, "too_many_calls")
+    r = h.tc.post(f"/api/v1/episodes/{ep['episode_id']}/report", json={"reward": 1.0, "meta": {"x": "y" * 300}},
+                  headers={"Authorization": f"Bearer {ep['api_key']}"})
+    assert_error(r, 422, "invalid_field")
+    assert "max_meta_bytes" in r.json()["error"]["message"]
+    r = h.tc.post("/api/v1/episodes", json={"task_id": "t", "meta": {"x": "y" * 300}})
+    assert_error(r, 422, "invalid_field")
+
+
+def test_silent_clients_are_forgotten():
+    from swarmkit.swarm.presence import ClientTracker
+
+    t = ClientTracker(active_window_s=60)
+    t.touch("old", now=0.0)
+    t.touch("recent", now=1000.0)
+    assert t.prune(now=1001.0) == 1 and set(t.all()) == {"recent"}

@@ -78,6 +78,14 @@ class ServerConfig:
     #: the largest reward magnitude a report may carry (larger: 422); keeps advantages finite
     max_abs_reward: float = 1e6
     max_body_bytes: int = 8_000_000
+    #: quotas (429 when reached): running episodes in all and per client id, inference calls per episode
+    max_running_episodes: int = 4096
+    max_running_per_client: int = 1024
+    max_calls_per_episode: int = 1024
+    #: the most tokens one inference request may ask for: n x max_tokens (x prompts for /v1/completions); 400
+    max_tokens_per_request: int = 262_144
+    #: the largest ``meta`` of a registration or report, as JSON (422)
+    max_meta_bytes: int = 65_536
     #: an inference request with a field the endpoint does not know gets 400 (default: the call goes
     #: through, the server logs the names and answers with the X-Swarm-Ignored-Fields header)
     strict_fields: bool = False

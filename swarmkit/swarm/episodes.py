@@ -190,6 +190,7 @@ class EpisodeRegistry:
         self._running: dict[str, Episode] = {}
         self._ended: OrderedDict[str, Episode] = OrderedDict()
         self._by_key: dict[str, tuple[Episode, str | None]] = {}
+        self._per_client: dict[str, int] = {}  # running episodes per client id
         self.counts = {"registered": 0, "finished": 0, "aborted": 0, "reaped": 0, "eval_finished": 0}
 
     # ------------------------------------------------------------------ register
@@ -230,10 +231,15 @@ class EpisodeRegistry:
             policy_version=policy_version,
         )
         self._running[ep.id] = ep
+        self._per_client[client_id] = self._per_client.get(client_id, 0) + 1
         for role, key in keys.items():
             self._by_key[key] = (ep, role)
         self.counts["registered"] += 1
         return ep
+
+    def running_count(self, client_id: str | None = None) -> int:
+        """Running episodes, of one client id when given."""
+        return len(self._running) if client_id is None else self._per_client.get(client_id, 0)
 
     # ------------------------------------------------------------------ lookup
     def get(self, episode_id: str) -> Episode:
@@ -325,7 +331,12 @@ class EpisodeRegistry:
 
     def _end(self, ep: Episode) -> None:
         ep.ended = time.time()
-        self._running.pop(ep.id, None)
+        if self._running.pop(ep.id, None) is not None:
+            left = self._per_client.get(ep.client_id, 1) - 1
+            if left > 0:
+                self._per_client[ep.client_id] = left
+            else:
+                self._per_client.pop(ep.client_id, None)
         self._ended[ep.id] = ep
         while len(self._ended) > self.keep_ended:
             _, old = self._ended.popitem(last=False)

@@ -45,6 +45,17 @@ class ClientTracker:
             for state in self._clients.values():
                 state.ready = False
 
+    def prune(self, now: float | None = None, *, idle_windows: float = 10.0) -> int:
+        """Forget clients silent for ``idle_windows`` activity windows (at least 10 minutes):
+        client ids never pile up. Returns how many were dropped."""
+        now = time.time() if now is None else float(now)
+        horizon = max(idle_windows * self.active_window_s, 600.0)
+        with self._lock:
+            gone = [cid for cid, s in self._clients.items() if now - s.last_seen > horizon]
+            for cid in gone:
+                del self._clients[cid]
+        return len(gone)
+
     def forget(self, client_id: str) -> None:
         """Drop a client (e.g. it said goodbye); unknown ids are ignored."""
         with self._lock:

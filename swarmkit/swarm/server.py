@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import sys
 import threading
@@ -226,6 +227,11 @@ class SwarmServer:
         self.prepared_grace_s = float(scfg.prepared_grace_s)
         self.max_abs_reward = float(scfg.max_abs_reward)
         self.strict_fields = bool(scfg.strict_fields)
+        self.max_running_episodes = int(scfg.max_running_episodes)
+        self.max_running_per_client = int(scfg.max_running_per_client)
+        self.max_calls_per_episode = int(scfg.max_calls_per_episode)
+        self.max_tokens_per_request = int(scfg.max_tokens_per_request)
+        self.max_meta_bytes = int(scfg.max_meta_bytes)
 
     def check_client(self, token: str | None) -> None:
         """A sampling client's call (register, vote, heartbeat): the client token when one is set."""
@@ -244,12 +250,40 @@ class SwarmServer:
         """The running episode (and role) of an inference call's key."""
         ep, role = self.episodes.by_key(key)
         self.episodes.check_open(ep)
+        if ep.n_calls >= self.max_calls_per_episode:
+            raise ApiError(429, f"episode '{ep.id}' made {ep.n_calls} calls, this server's limit "
+                           "(server.max_calls_per_episode); end it and register another", "too_many_calls")
         if ep.client_id:
             self.clients.touch(ep.client_id)
         state = self.state.state
         if state not in SERVING_STATES and state is not ServerState.WEIGHT_SYNCING:
             raise busy(f"the server is {state}: no model is being served", 2.0, "server_offline")
         return ep, role
+
+    def check_quota(self, client_id: str) -> None:
+        """429 when a registration would pass the running-episode quotas."""
+        if self.episodes.running_count() >= self.max_running_episodes:
+            raise ApiError(429, f"{self.episodes.running_count()} episodes are running, this server's limit "
+                           "(server.max_running_episodes); end some first", "too_many_episodes",
+                           headers={"Retry-After": "1"})
+        if self.episodes.running_count(client_id) >= self.max_running_per_client:
+            raise ApiError(429, f"client '{client_id}' has {self.max_running_per_client} running episodes, the limit "
+                           "per client (server.max_running_per_client); end some first", "too_many_episodes",
+                           headers={"Retry-After": "1"})
+
+    def check_meta(self, meta: Any, param: str = "meta") -> None:
+        """422 when a ``meta`` object is larger than ``server.max_meta_bytes`` as JSON."""
+        size = len(json.dumps(meta, ensure_ascii=False, default=str).encode())
+        if size > self.max_meta_bytes:
+            raise ApiError(422, f"'{param}' is {size} bytes as JSON, over this server's limit of "
+                           f"{self.max_meta_bytes} (server.max_meta_bytes)", "invalid_field", param=param)
+
+    def check_tokens(self, requested: int) -> None:
+        """400 when one inference request asks for more tokens than ``server.max_tokens_per_request``."""
+        if requested > self.max_tokens_per_request:
+            raise ApiError(400, f"this request asks for up to {requested} tokens (n x max_tokens), over this "
+                           f"server's limit of {self.max_tokens_per_request} (server.max_tokens_per_request)",
+                           "too_many_tokens", param="max_tokens")
 
     def touch_client(self, client_id: str | None) -> None:
         if client_id:
@@ -599,6 +633,7 @@ class SwarmServer:
                 for ep in reaped:
                     log.info("episode %s (task %s) passed its deadline: aborted", ep.id, ep.task_id)
                 await self.resolve_prepared(self.episodes.prepared_past_deadline(), final=False)
+                self.clients.prune()
             except Exception:  # noqa: BLE001 - the reaper must keep running
                 log.exception("reaper failed")
 

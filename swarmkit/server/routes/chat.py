@@ -51,6 +51,7 @@ async def chat_completions(request: Request) -> Response:
     params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)),
                                       backend=srv.backend)
     params = with_internal_stop(turn, params)
+    srv.check_tokens(params.n * params.max_tokens)
     want_top = want_lp and params.top_logprobs > 0
     created = int(time.time())
     cid = "chatcmpl-" + secrets.token_hex(12)

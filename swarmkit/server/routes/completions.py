@@ -71,6 +71,7 @@ async def completions(request: Request) -> Response:
     prompts = _completion_prompts(srv, body)
     longest = max(len(ids) for _, ids in prompts)
     params, want_lp = sampling_params(body, chat=False, max_new=srv.room_for(longest), backend=srv.backend)
+    srv.check_tokens(len(prompts) * params.n * params.max_tokens)
     created = int(time.time())
     cid = "cmpl-" + secrets.token_hex(12)
     model = served_model(srv)

@@ -96,6 +96,7 @@ async def register(request: Request) -> Response:
     meta = body.get("meta", {})
     if not isinstance(meta, dict):
         raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
+    srv.check_meta(meta)
     client_id = _client_id(request, body)
     state = srv.state.state
     if state is not ServerState.ROLLING:
@@ -106,6 +107,7 @@ async def register(request: Request) -> Response:
         raise busy("the server is OFFLINE (not configured or stopped); retry later", 2.0, "server_offline")
     if srv.training_finished and not is_eval:
         raise ApiError(409, srv.training_finished, "training_finished", param="eval")
+    srv.check_quota(client_id)
     ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=timeout, roles=roles, client_id=client_id,
                                meta=meta, policy_version=srv.policy_version)
     keys = {r: k for r, k in ep.keys.items() if r is not None}
@@ -146,6 +148,8 @@ async def _ended_by_client(request: Request, srv: SwarmServer) -> tuple[Any, flo
     meta = body.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
+    if meta:
+        srv.check_meta({**ep.meta, **meta})
     reward, rewards = check_reward(body["reward"], ep.roles, srv.max_abs_reward)
     srv.episodes.check_open(ep)
     for _ in range(100):  # a call that is returning right now gets up to 5 s to be recorded

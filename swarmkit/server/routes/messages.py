@@ -55,6 +55,7 @@ async def messages(request: Request) -> Response:
                                 max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend,
                                 aliases={"response_format": "output_config.format"})
     params = with_internal_stop(turn, params)
+    srv.check_tokens(params.n * params.max_tokens)
     mid = anthropic.new_message_id()
     model = served_model(srv)
     headers = fields.ignored_header(unknown)

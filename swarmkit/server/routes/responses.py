@@ -87,6 +87,7 @@ async def create_response(request: Request) -> Response:
                                       max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend,
                                       aliases={"response_format": "text.format"})
     params = with_internal_stop(turn, params)
+    srv.check_tokens(params.n * params.max_tokens)
     rid = proto.new_id("resp")
     headers = fields.ignored_header(unknown)
     if stream:
