@@ -126,3 +126,18 @@ def test_the_auto_token_budget_is_per_device_and_cpu_steps_trim_the_heap():
     with pytest.raises(ValueError, match="token_budget"):
         resolve_token_budget(-1, "cpu")
     assert release_freed_memory() is True  # glibc here
+
+
+def test_old_step_checkpoints_are_pruned(tmp_path):
+    from swarmkit.training.trainer import LATEST, prune_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30, 40):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    (root / "step_00000050.tmp").mkdir()  # a save in progress is not a checkpoint
+    (root / LATEST).write_text("step_00000010")  # e.g. a resume point: never deleted
+    gone = prune_checkpoints(root, keep=2)
+    assert sorted(p.name for p in gone) == ["step_00000020"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000010", "step_00000030",
+                                                       "step_00000040", "step_00000050.tmp"]
+    assert prune_checkpoints(root, keep=0) == []

@@ -98,6 +98,8 @@ class TrainerConfig:
     total_steps: int = 20
     #: save a checkpoint every this many steps (0 = only at the end)
     checkpoint_every: int = 10
+    #: the step checkpoints kept under run_dir/checkpoints (the newest; 0 = all)
+    keep_checkpoints: int = 3
     #: continue from the newest checkpoint in run_dir
     resume: bool = False
     #: the main job pauses sampling and evaluates every this many steps (0 = only before and after,

@@ -97,6 +97,7 @@ class TrainingCycle:
         self.steps_failed = 0
         self.total_steps = 0
         self.checkpoint_every = 0
+        self.keep_checkpoints = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._server: SwarmServer | None = None
@@ -139,6 +140,7 @@ class TrainingCycle:
         self.total_steps = int(trainer_cfg.total_steps)
         server.training_finished = None
         self.checkpoint_every = int(trainer_cfg.checkpoint_every)
+        self.keep_checkpoints = int(trainer_cfg.keep_checkpoints)
         if self.metrics is None:
             self.metrics = MetricsWriter(self.run_dir)
         if self.custom_step is None:
@@ -282,6 +284,7 @@ class TrainingCycle:
             self._notify(step, metrics, sync_s)
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
+                await asyncio.to_thread(self.trainer.prune_checkpoints, self.keep_checkpoints)
             return metrics
         except Exception as exc:
             self.steps_failed += 1

@@ -41,6 +41,20 @@ def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step_{int(step):08d}"
 
 
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete ``step_*`` folders under ``root`` (0: none); the
+    folder ``root/latest`` names is never deleted. Returns the deleted folders."""
+    if keep <= 0 or not root.exists():
+        return []
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    marker = root / LATEST
+    latest = marker.read_text().strip() if marker.exists() else None
+    gone = [p for p in steps[:-keep] if p.name != latest]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
 def build_algo(algo_cfg: Any) -> Algorithm:
     """The checked algorithm of the ``algo`` group (``name`` picks the plugin).
 
@@ -195,6 +209,11 @@ class Trainer:
         (root / (LATEST + ".tmp")).write_text(final.name)
         os.replace(root / (LATEST + ".tmp"), root / LATEST)
         return final
+
+    def prune_checkpoints(self, keep: int) -> list[Path]:
+        """Delete all but the newest ``keep`` step checkpoints (0: keep all); the one ``latest``
+        names is always kept. Returns the deleted folders."""
+        return prune_checkpoints(self._ckpt_root(), keep)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint under ``run_dir/checkpoints``, or None."""
