@@ -600,3 +600,10 @@ def test_silent_clients_are_forgotten():
     t.touch("old", now=0.0)
     t.touch("recent", now=1000.0)
     assert t.prune(now=1001.0) == 1 and set(t.all()) == {"recent"}
+
+
+def test_public_url_is_the_base_url_handed_to_agents(make):
+    h = make(public_url="https://swarm.example:8443/")
+    ep = h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"Host": "evil.example"}).json()
+    assert ep["base_url"] == "https://swarm.example:8443/v1"
+    assert ep["anthropic_base_url"] == "https://swarm.example:8443"

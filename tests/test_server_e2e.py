@@ -348,3 +348,33 @@ def test_server_prints_url_and_writes_private_admin_token(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_run_files_are_private_and_tokens_never_written(tmp_path):
+    """A server started with tokens on the command line: the run folder is 0700, what the process
+    writes is 0600, and neither token appears in Hydra's record of the run, the configure answer or
+    a checkpoint's config.json."""
+    port = free_port()
+    admin, client_token = "admin-" + "s" * 30, "client-" + "c" * 30
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("SWARMKIT_ADMIN_TOKEN", "SWARMKIT_CLIENT_TOKEN")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={port}", f"hydra.run.dir={run_dir}",
+         f"server.admin_token={admin}", f"server.client_token={client_token}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )
+    try:
+        with SwarmClient(f"http://127.0.0.1:{port}", token=admin, retry_for=60) as c:
+            assert c.wait_for_state("OFFLINE", timeout=60)["state"] == "OFFLINE"
+            answer = c.configure({"model": {"path": "builtin:tiny"}, "server": {"admin_token": admin}})
+            assert answer["config"]["server"]["admin_token"] == "***"
+        assert (run_dir.stat().st_mode & 0o777) == 0o700
+        hydra_files = list((run_dir / ".hydra").glob("*.yaml"))
+        assert hydra_files
+        for f in hydra_files:
+            text = f.read_text()
+            assert admin not in text and client_token not in text, f
+            assert (f.stat().st_mode & 0o777) == 0o600
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -7,8 +7,10 @@ overrides are checked first and every problem is reported at once; then
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -21,6 +23,23 @@ from swarmkit.config.compose import (
     validated,
 )
 from swarmkit.errors import ConfigError, SwarmkitError
+
+
+def make_private(run_dir: Path, hydra_subdir: str | None, secrets: Sequence[str]) -> None:
+    """The run folder 0700 and what this process writes 0600 from now on (umask 077); the tokens
+    given on the command line replaced by ``***`` in Hydra's record of the run (``.hydra/*.yaml``)."""
+    os.umask(0o077)
+    if run_dir.is_dir():
+        os.chmod(run_dir, 0o700)
+    folder = run_dir / hydra_subdir if hydra_subdir else None
+    if folder is None or not folder.is_dir():
+        return
+    for path in folder.glob("*.yaml"):
+        text = path.read_text()
+        for secret in secrets:
+            text = text.replace(secret, "***")
+        path.write_text(text)
+        os.chmod(path, 0o600)
 
 
 def _hydra_entry(cfg: DictConfig) -> None:
@@ -38,6 +57,9 @@ def _hydra_entry(cfg: DictConfig) -> None:
             sys.exit(2)
     if checked.server.run_dir == "auto":
         checked.server.run_dir = HydraConfig.get().runtime.output_dir
+    hc = HydraConfig.get()
+    make_private(Path(hc.runtime.output_dir), hc.output_subdir,
+                 [t for t in (checked.server.admin_token, checked.server.client_token) if t])
     status = run(checked)
     if status:
         sys.exit(status)

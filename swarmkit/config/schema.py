@@ -58,6 +58,9 @@ class TaskConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    #: the address clients reach this server at (e.g. https://swarm.example:8443), for the base_url
+    #: handed to agents; null = the address the request came to (its Host header)
+    public_url: str | None = None
     #: run folder: journal (SQLite), metrics, checkpoints; "auto" = Hydra's run dir
     run_dir: str = "auto"
     #: admin token; null = $SWARMKIT_ADMIN_TOKEN, else generated and written to run_dir/admin_token

@@ -155,6 +155,7 @@ class SwarmServer:
         self.training_finished: str | None = None
         self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
         self.max_body_bytes = int(scfg.max_body_bytes)
+        self.public_url: str | None = scfg.public_url.rstrip("/") if scfg.public_url else None
         self.auth = AdminAuth(admin_token or scfg.admin_token, self.run_dir)
         self.client_auth = ClientAuth(scfg.client_token)
         self.state = StateMachine()

@@ -69,6 +69,17 @@ async def status(request: Request) -> Response:
 
 
 # --------------------------------------------------------------------------- configure
+#: config keys never echoed or written: the tokens that grant access
+SECRET_KEYS = ("admin_token", "client_token")
+
+
+def redacted(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the server's tokens replaced by ``"***"`` (for answers and files)."""
+    server = cfg.get("server")
+    if not isinstance(server, dict) or not any(server.get(k) for k in SECRET_KEYS):
+        return cfg
+    return {**cfg, "server": {k: ("***" if k in SECRET_KEYS and v else v) for k, v in server.items()}}
+
 def _build_locked(body: dict[str, Any], server_cfg: dict[str, Any]) -> Any:
     with _compose_lock:
         try:
@@ -92,7 +103,7 @@ async def configure(request: Request) -> Response:
     srv.set_config(cfg)
     state = srv.state.state
     note = None if str(state) == "OFFLINE" else "the server is running: the new config applies at the next restart"
-    return JSONResponse({"state": str(state), "config": to_dict(cfg), "note": note})
+    return JSONResponse({"state": str(state), "config": redacted(to_dict(cfg)), "note": note})
 
 
 async def start(request: Request) -> Response:
@@ -129,7 +140,7 @@ async def checkpoint(request: Request) -> Response:
     trainer = await srv.checkpoint(str(folder))
     folder.mkdir(parents=True, exist_ok=True)
     if srv.config is not None:
-        (folder / "config.json").write_text(json.dumps(to_dict(srv.config), indent=2))
+        (folder / "config.json").write_text(json.dumps(redacted(to_dict(srv.config)), indent=2))
     (folder / "status.json").write_text(json.dumps(srv.status(), indent=2, default=str))
     info["weights"] = trainer is not None
     if trainer is not None:

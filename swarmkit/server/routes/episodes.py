@@ -63,7 +63,9 @@ def _client_id(request: Request, body: dict[str, Any]) -> str:
 
 
 def _base_url(request: Request) -> str:
-    return str(request.base_url).rstrip("/") + "/v1"
+    """``server.public_url`` + ``/v1``, else the address the request came to (its Host header)."""
+    public = _server(request).public_url
+    return (public or str(request.base_url).rstrip("/")) + "/v1"
 
 
 async def register(request: Request) -> Response:
