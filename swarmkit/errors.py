@@ -64,9 +64,18 @@ class ApiError(SwarmkitError):
         self.headers = headers or {}
 
 
+RETRY_AFTER_MS_HEADER = "X-Swarm-Retry-After-Ms"
+
+
 def busy(message: str, retry_after: float = 1.0, code: str = "server_busy") -> ApiError:
-    """A 503 "retry later" answer that the client SDK (and the openai SDK) honour."""
-    return ApiError(503, message, code, headers={"Retry-After": f"{max(1, round(retry_after))}"})
+    """A 503 "retry later" answer that the client SDK (and the openai SDK) honour.
+
+    ``Retry-After`` holds whole seconds (at least 1, as HTTP has it); ``X-Swarm-Retry-After-Ms``
+    the expected wait itself, which swarmkit's client prefers (a training step of 50 ms should
+    not cost a client a second).
+    """
+    return ApiError(503, message, code, headers={"Retry-After": f"{max(1, round(retry_after))}",
+                                                 RETRY_AFTER_MS_HEADER: f"{max(1, round(retry_after * 1000))}"})
 
 
 #: the top-level modules of the ``server`` extra (pyproject.toml) and what they pull in

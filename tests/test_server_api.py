@@ -607,3 +607,29 @@ def test_public_url_is_the_base_url_handed_to_agents(make):
     ep = h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"Host": "evil.example"}).json()
     assert ep["base_url"] == "https://swarm.example:8443/v1"
     assert ep["anthropic_base_url"] == "https://swarm.example:8443"
+
+
+def test_retry_after_is_sized_to_the_training_step(make):
+    """During a step, a registration's 503 says how long the last step took, to the millisecond
+    (X-Swarm-Retry-After-Ms; Retry-After keeps whole seconds, at least 1), and the SDK waits that."""
+    import httpx
+
+    from swarmkit.client._common import retry_after
+
+    h = make()
+    srv = h.srv
+    srv.enter_rolling_post()
+    r = h.tc.post("/api/v1/episodes", json={"task_id": "t"})
+    assert r.headers["x-swarm-retry-after-ms"] == "1000"  # no step timed yet
+    srv.enter_weight_syncing()
+    time.sleep(0.12)
+    srv.resume_rolling()
+    srv.enter_rolling_post()
+    r = h.tc.post("/api/v1/episodes", json={"task_id": "t"})
+    assert_error(r, 503, "server_busy")
+    ms = int(r.headers["x-swarm-retry-after-ms"])
+    assert 50 <= ms <= 200 and r.headers["retry-after"] == "1"
+    assert retry_after(httpx.Response(503, headers=r.headers), 1.0) == pytest.approx(ms / 1000)
+    assert retry_after(httpx.Response(503, headers={"Retry-After": "3"}), 1.0) == 3.0
+    srv.enter_weight_syncing()
+    srv.resume_rolling()

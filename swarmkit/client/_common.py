@@ -108,7 +108,13 @@ def json_object(resp: httpx.Response) -> dict[str, Any]:
 
 
 def retry_after(resp: httpx.Response, default: float) -> float:
-    """Seconds the server asks to wait (``Retry-After``), else ``default``."""
+    """Seconds the server asks to wait (``X-Swarm-Retry-After-Ms``, else ``Retry-After``), else ``default``."""
+    ms = resp.headers.get("x-swarm-retry-after-ms")
+    if ms is not None:
+        try:
+            return max(0.05, float(ms) / 1000.0)
+        except ValueError:
+            pass
     value = resp.headers.get("retry-after")
     if value is None:
         return default

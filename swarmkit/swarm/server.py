@@ -170,6 +170,9 @@ class SwarmServer:
         self.cycle: Cycle = cycle if cycle is not None else MemoryCycle()
         self.backend: InferenceBackend | None = None
         self.renderer: Any = None
+        #: when the training step under way began, and how long the last one took (for Retry-After)
+        self.cycle_started = 0.0
+        self.last_cycle_s: float | None = None
         #: renders running in the render worker (swarmkit.server.turn): while any does, the others queue there
         self.renders_in_pool = 0
         #: renderers per chat-template kwargs (``enable_thinking``...), the default one under ``()``
@@ -481,6 +484,7 @@ class SwarmServer:
     # ------------------------------------------------------------------ pool cycle seams
     def enter_rolling_post(self) -> None:
         """ROLLING → ROLLING_POST: new episodes get 503 + Retry-After."""
+        self.cycle_started = time.time()
         self.state.transition(ServerState.ROLLING_POST)
         self.clients.reset_ready()
 
@@ -546,7 +550,17 @@ class SwarmServer:
     def resume_rolling(self, global_step: int | None = None) -> None:
         if global_step is not None:
             self.global_step = int(global_step)
+        if self.cycle_started:
+            self.last_cycle_s = time.time() - self.cycle_started
         self.state.transition(ServerState.ROLLING)
+
+    def expected_busy_s(self, now: float | None = None) -> float:
+        """How long a client should wait for the training step under way: the last step's length
+        less the time this one has run (at least 50 ms; 1 s before any step has been timed)."""
+        if self.last_cycle_s is None or not self.cycle_started:
+            return 1.0
+        now = time.time() if now is None else now
+        return min(30.0, max(0.05, self.last_cycle_s - (now - self.cycle_started)))
 
     # ------------------------------------------------------------------ episodes
     def _on_episode_end(self, ep: Episode) -> None:

@@ -103,7 +103,8 @@ async def register(request: Request) -> Response:
     state = srv.state.state
     if state is not ServerState.ROLLING:
         if state in (ServerState.ROLLING_POST, ServerState.WEIGHT_SYNCING):
-            raise busy(f"server busy ({state}: a training step is being prepared); retry later", 1.0)
+            raise busy(f"server busy ({state}: a training step is being prepared); retry later",
+                       srv.expected_busy_s())
         if state is ServerState.BOOTING:
             raise busy("server busy (BOOTING: loading the model); retry later", 2.0, "server_booting")
         raise busy("the server is OFFLINE (not configured or stopped); retry later", 2.0, "server_offline")
