@@ -102,6 +102,7 @@ class _Seq:
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     out_top: list[dict[int, float]] | None = None
+    shaped: bool = False  # the request sets a distribution-shaping field (known once, at submit)
     text: str = ""
     text_len_checked: int = 0
     finish: str | None = None
@@ -337,7 +338,7 @@ class HFBackend(InferenceBackend):
                 gen.manual_seed(int(p.seed) + i)
             req.seqs.append(_Seq(req=req, index=i, prompt=prompt, max_tokens=max_tokens,
                                  stop_ids=stop_ids, generator=gen, version=self.policy_version,
-                                 out_top=[] if p.top_logprobs > 0 else None))
+                                 out_top=[] if p.top_logprobs > 0 else None, shaped=bool(p.shaping())))
         with self._cv:
             if self._closed:
                 raise RuntimeError("hf backend closed")
@@ -529,7 +530,7 @@ class HFBackend(InferenceBackend):
         chosen: list[int] = []
         for row, seq in enumerate(seqs):
             p = seq.req.params
-            x = _shaped(logits[row], p, seq) if p.shaping() else logits[row]
+            x = _shaped(logits[row], p, seq) if seq.shaped else logits[row]
             if p.temperature == 0:
                 tok = int(torch.argmax(x))
             else:

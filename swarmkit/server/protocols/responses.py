@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from swarmkit.errors import ApiError
@@ -107,14 +108,14 @@ def _items(items: Any) -> list[dict[str, Any]]:
     return out
 
 
-def resolve_references(items: Any, stored_items: dict[str, dict[str, Any]]) -> Any:
+def resolve_references(items: Any, find_item: Callable[[str], dict[str, Any] | None]) -> Any:
     """``input`` with each ``item_reference`` replaced by the stored item it names (400 if unknown)."""
     if not isinstance(items, list):
         return items
     out = []
     for i, item in enumerate(items):
         if isinstance(item, dict) and item.get("type") == "item_reference":
-            ref = stored_items.get(str(item.get("id")))
+            ref = find_item(str(item.get("id")))
             if ref is None:
                 raise _bad(f"input[{i}] references item {item.get('id')!r}, which this episode has not stored",
                            f"input[{i}].id")
@@ -182,17 +183,17 @@ def check_unsupported(body: dict[str, Any]) -> None:
                            "supported", "unsupported_field", param="include")
 
 
-def to_chat(body: dict[str, Any], history: list[dict[str, Any]], stored_items: dict[str, dict[str, Any]]
-            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]] | None, ToolChoice]:
+def to_chat(body: dict[str, Any], history: list[dict[str, Any]],
+            find_item: Callable[[str], dict[str, Any] | None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]] | None, ToolChoice]:
     """(messages to render, the conversation to store, function tools, tool choice).
 
     ``history``: the stored conversation of ``previous_response_id`` (``instructions`` are not
-    carried over, as in OpenAI's API).
+    carried over, as in OpenAI's API); ``find_item``: a stored item by id (``item_reference``).
     """
     check_unsupported(body)
     if "input" not in body:
         raise ApiError(400, "missing required field 'input'", "missing_field", param="input")
-    conversation = [*history, *_items(resolve_references(body["input"], stored_items))]
+    conversation = [*history, *_items(resolve_references(body["input"], find_item))]
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("'instructions' must be a string", "instructions")

@@ -16,10 +16,10 @@ from swarmkit.server.chat_input import parse_template_kwargs, parse_tool_choice,
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
     chat_logprobs,
-    sampling_params,
     served_model,
     server_of,
     sse,
+    turn_sampling,
 )
 from swarmkit.server.turn import (
     CallDelta,
@@ -30,7 +30,6 @@ from swarmkit.server.turn import (
     generate_turn,
     prepare_turn_async,
     stream_turn,
-    with_internal_stop,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,10 +47,7 @@ async def chat_completions(request: Request) -> Response:
     tools = parse_tools(body)
     turn = await prepare_turn_async(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools),
                                     endpoint="chat", template_kwargs=parse_template_kwargs(body))
-    params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)),
-                                      backend=srv.backend)
-    params = with_internal_stop(turn, params)
-    srv.check_tokens(params.n * params.max_tokens)
+    params, want_lp = turn_sampling(srv, turn, body)
     want_top = want_lp and params.top_logprobs > 0
     created = int(time.time())
     cid = "chatcmpl-" + secrets.token_hex(12)

@@ -9,17 +9,16 @@ Anthropic's shape (:mod:`swarmkit.server.errors`).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarmkit.contract import SamplingParams
-from swarmkit.errors import ApiError
 from swarmkit.server import fields
 from swarmkit.server.protocols import anthropic
 from swarmkit.server.requests import bearer, read_json
-from swarmkit.server.routes.openai import sampling_params, served_model, server_of
+from swarmkit.server.routes.openai import served_model, server_of, stream_flag, turn_sampling
 from swarmkit.server.turn import (
     CallDelta,
     Finished,
@@ -29,7 +28,6 @@ from swarmkit.server.turn import (
     generate_turn,
     prepare_turn_async,
     stream_turn,
-    with_internal_stop,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,23 +37,25 @@ if TYPE_CHECKING:  # pragma: no cover
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def messages(request: Request) -> Response:
-    """``POST /v1/messages``."""
+async def _turn(request: Request, table: fields.FieldTable) -> tuple[SwarmServer, Episode, str | None,
+                                                                    dict[str, Any], list[str], Turn]:
+    """What both routes read: the body, the episode, the unknown fields, the prepared turn."""
     srv = server_of(request)
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
-    unknown = fields.unknown_fields(body, fields.MESSAGES, strict=srv.strict_fields)
+    unknown = fields.unknown_fields(body, table, strict=srv.strict_fields)
     chat_messages, tools, choice = anthropic.to_chat(body)
     turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages",
                                     template_kwargs=anthropic.template_kwargs(body))
-    stream = body.get("stream")
-    if stream not in (None, True, False):
-        raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
-    params, _ = sampling_params(anthropic.sampling_body(body), chat=True,
-                                max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend,
-                                aliases={"response_format": "output_config.format"})
-    params = with_internal_stop(turn, params)
-    srv.check_tokens(params.n * params.max_tokens)
+    return srv, ep, role, body, unknown, turn
+
+
+async def messages(request: Request) -> Response:
+    """``POST /v1/messages``."""
+    srv, ep, role, body, unknown, turn = await _turn(request, fields.MESSAGES)
+    stream = stream_flag(body)
+    params, _ = turn_sampling(srv, turn, anthropic.sampling_body(body),
+                              aliases={"response_format": "output_config.format"})
     mid = anthropic.new_message_id()
     model = served_model(srv)
     headers = fields.ignored_header(unknown)
@@ -145,12 +145,5 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
 
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's length as this server renders it."""
-    srv = server_of(request)
-    body = await read_json(request)
-    ep, _ = await srv.authorize_call(bearer(request))
-    unknown = fields.unknown_fields(body, fields.COUNT_TOKENS, strict=srv.strict_fields)
-    chat_messages, tools, choice = anthropic.to_chat(body)
-    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages",
-                                    template_kwargs=anthropic.template_kwargs(body))
+    _, _, _, _, unknown, turn = await _turn(request, fields.COUNT_TOKENS)
     return JSONResponse({"input_tokens": len(turn.prompt_ids)}, headers=fields.ignored_header(unknown))
-

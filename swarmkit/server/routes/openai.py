@@ -22,6 +22,7 @@ from swarmkit.contract.backend import SHAPING_DEFAULTS
 from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import normalize_messages, parse_tools, template_error
 from swarmkit.server.requests import bearer, read_json
+from swarmkit.server.turn import Turn, with_internal_stop
 from swarmkit.timelines.render import TemplateError, TokenText
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -201,6 +202,25 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int, backend: 
         **_shaping(body, backend, aliases or {}),
     )
     return params, want_logprobs
+
+
+def turn_sampling(srv: SwarmServer, turn: Turn, body: dict[str, Any],
+                  aliases: dict[str, str] | None = None) -> tuple[SamplingParams, bool]:
+    """The sampling of a chat-shaped turn (any protocol): :func:`sampling_params` within the context
+    the prompt leaves, the turn's internal stop added, and the tokens-per-request quota checked."""
+    params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)),
+                                      backend=srv.backend, aliases=aliases)
+    params = with_internal_stop(turn, params)
+    srv.check_tokens(params.n * params.max_tokens)
+    return params, want_lp
+
+
+def stream_flag(body: dict[str, Any]) -> bool:
+    """``stream``: true, false or absent (anything else: 400)."""
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
+    return bool(stream)
 
 
 def chat_logprobs(

@@ -20,7 +20,13 @@ from swarmkit.errors import ApiError
 from swarmkit.server import fields
 from swarmkit.server.protocols import responses as proto
 from swarmkit.server.requests import bearer, read_json
-from swarmkit.server.routes.openai import chat_logprobs, sampling_params, served_model, server_of
+from swarmkit.server.routes.openai import (
+    chat_logprobs,
+    served_model,
+    server_of,
+    stream_flag,
+    turn_sampling,
+)
 from swarmkit.server.turn import (
     CallDelta,
     Finished,
@@ -30,7 +36,6 @@ from swarmkit.server.turn import (
     generate_turn,
     prepare_turn_async,
     stream_turn,
-    with_internal_stop,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,8 +47,12 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STORED_PER_EPISODE = 256
 
 
-def _stored_items(ep: Episode) -> dict[str, dict[str, Any]]:
-    return {iid: item for entry in ep.responses.values() for iid, item in entry["items"].items()}
+def _stored_item(ep: Episode, item_id: str) -> dict[str, Any] | None:
+    """An item this episode stored (an ``item_reference``'s target), newest response first."""
+    for entry in reversed(ep.responses.values()):
+        if item_id in entry["items"]:
+            return entry["items"][item_id]
+    return None
 
 
 def _history(ep: Episode, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,16 +87,10 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.RESPONSES, strict=srv.strict_fields)
-    messages, conversation, tools, choice = proto.to_chat(body, _history(ep, body), _stored_items(ep))
+    messages, conversation, tools, choice = proto.to_chat(body, _history(ep, body), lambda iid: _stored_item(ep, iid))
     turn = await prepare_turn_async(srv, ep, messages, tools, choice, endpoint="responses")
-    stream = body.get("stream")
-    if stream not in (None, True, False):
-        raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
-    params, want_lp = sampling_params(proto.sampling_body(body), chat=True,
-                                      max_new=srv.room_for(len(turn.prompt_ids)), backend=srv.backend,
-                                      aliases={"response_format": "text.format"})
-    params = with_internal_stop(turn, params)
-    srv.check_tokens(params.n * params.max_tokens)
+    stream = stream_flag(body)
+    params, want_lp = turn_sampling(srv, turn, proto.sampling_body(body), aliases={"response_format": "text.format"})
     rid = proto.new_id("resp")
     headers = fields.ignored_header(unknown)
     if stream:
