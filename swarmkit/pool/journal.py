@@ -25,6 +25,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from swarmkit.contract.batching import (
@@ -174,15 +175,10 @@ class SamplePool:
             if not todo:
                 return 0
             now = time.time()
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 self._db.executemany(
                     "UPDATE episodes SET status=?, trained_step=?, consumed_at=? "
                     "WHERE episode_id=?", [(status, int(step), now, i) for i in todo])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             for i in todo:
                 del self._untrained[i]
                 self._reserved.discard(i)
@@ -191,6 +187,21 @@ class SamplePool:
             else:
                 self._filtered += len(todo)
             return len(todo)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """``BEGIN IMMEDIATE`` ... ``COMMIT``; on an error, roll back if SQLite has not already done
+        so itself (a full disk rolls the transaction back): the caller sees the real error, never
+        "cannot rollback - no transaction is active"."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                with suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+            raise
 
     def mark_trained(self, ids: Iterable[str], step: int) -> int:
         """Record that optimizer step ``step`` trained on ``ids``; they leave the pool.
@@ -211,15 +222,10 @@ class SamplePool:
         For resuming from a checkpoint taken at ``step``. Returns the count.
         """
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 cur = self._db.execute(
                     "UPDATE episodes SET status=?, trained_step=NULL, consumed_at=NULL "
                     "WHERE status!=? AND trained_step>?", (UNTRAINED, UNTRAINED, int(step)))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             self._rebuild()
             return cur.rowcount
 

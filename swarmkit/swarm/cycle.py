@@ -98,6 +98,13 @@ class TrainingCycle:
         self.total_steps = 0
         self.checkpoint_every = 0
         self.keep_checkpoints = 0
+        #: attempts of a step's journal write before it is left to :meth:`_catch_up`
+        self.journal_attempts = 6
+        #: steps applied whose journal write failed: (episode ids, filtered ids, step)
+        self._unrecorded: list[tuple[list[str], list[str], int]] = []
+        #: a step applied whose weights the engine does not serve yet
+        self._unsynced: int | None = None
+        self._retry_at = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._server: SwarmServer | None = None
@@ -200,6 +207,8 @@ class TrainingCycle:
             srv = self.server
             if srv.state.state is not ServerState.ROLLING or self.policy is None:
                 continue
+            if (self._unrecorded or self._unsynced is not None) and not await self._catch_up():
+                continue
             if self._limit_reached():
                 continue
             decision = self.pool.decide(self.policy, srv.clients.all(), time.time())
@@ -226,7 +235,13 @@ class TrainingCycle:
         return True
 
     async def train_once(self, decision: Any) -> dict[str, float]:
-        """One ROLLING → ROLLING_POST → WEIGHT_SYNCING → ROLLING cycle for ``decision``."""
+        """One ROLLING → ROLLING_POST → WEIGHT_SYNCING → ROLLING cycle for ``decision``.
+
+        Exactly once: from the moment the trainer has applied the update, the batch is spent. Its
+        bookkeeping is written to the journal before the new weights are served (retried; if the
+        journal still refuses, the episodes stay out of the pool and the write is retried before
+        any further step), and ``global_step`` never goes back.
+        """
         srv = self.server
         step = srv.global_step + 1
         srv.enter_rolling_post()
@@ -238,7 +253,7 @@ class TrainingCycle:
         records = self.pool.take(decision.selected)
         ids = [r.episode_id for r in records]
         metrics: dict[str, float] = {}
-        ok = False
+        applied = False  # the update is in the trainer: the batch is spent, whatever happens next
         try:
             t0 = time.perf_counter()
             if self.custom_step is not None:
@@ -246,27 +261,27 @@ class TrainingCycle:
                 if asyncio.iscoroutine(result):
                     result = await result
                 metrics = dict(result or {})
+                applied = True
+                await self._journal_step(ids, filtered, step)
                 sync_s = 0.0
             else:
                 metrics = await asyncio.to_thread(self.trainer.step, records)
                 if self.trainer.global_step == srv.global_step and metrics.get("nonfinite_skipped"):
                     # nothing was applied (a non-finite loss or gradient): drop the batch, keep the weights
-                    step = srv.global_step
-                    self.pool.mark_filtered(ids, step)
+                    self.pool.mark_filtered(ids, srv.global_step)
                     self.last_error = (f"a step on {len(ids)} episodes was skipped: non-finite loss or gradient "
                                        "(the episodes were dropped, the weights are unchanged)")
                     log.warning("%s", self.last_error)
-                    ok = True
+                    applied, step = True, srv.global_step
                     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
                 step = self.trainer.global_step
+                applied = True
+                recorded = await self._journal_step(ids, filtered, step)
                 t_sync = time.perf_counter()
-                weights = await asyncio.to_thread(lambda: list(self.trainer.export_weights()))
-                await srv.backend.update_weights(named_tensors=weights, version=step)
+                await self._sync_weights(step)
                 sync_s = time.perf_counter() - t_sync
-            self.pool.mark_trained(ids, step)
-            if filtered:
-                self.pool.mark_filtered(filtered, step)
-            ok = True
+                if not recorded:
+                    metrics["journal_pending"] = 1.0
             metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
             metrics.update(
                 weight_sync_s=sync_s,
@@ -278,7 +293,8 @@ class TrainingCycle:
             metrics.update(step_family_metrics(records))
             metrics.update(srv.eval_tally.take())
             self.last_metrics = finite_or_none({"step": step, **metrics})
-            self.last_error = None
+            if not self._unrecorded and self._unsynced is None:
+                self.last_error = None
             if self.metrics is not None:
                 self.metrics.write(step, metrics)
             self._notify(step, metrics, sync_s)
@@ -288,14 +304,71 @@ class TrainingCycle:
             return metrics
         except Exception as exc:
             self.steps_failed += 1
-            self.last_error = f"step {step} failed: {type(exc).__name__}: {exc}"
+            if self.last_error is None or not applied:
+                self.last_error = f"step {step} failed: {type(exc).__name__}: {exc}"
             raise
         finally:
-            if not ok:
+            if not applied:
                 self.pool.release(ids)
                 step = srv.global_step
             srv.resume_rolling(step)
             self._limit_reached()
+
+    async def _journal_step(self, ids: list[str], filtered: list[str], step: int) -> bool:
+        """Write that ``step`` trained ``ids`` (and retired ``filtered``), retrying for a few seconds.
+
+        True once it is durable. Otherwise the real error goes to ``last_error``, the episodes
+        stay reserved (out of every later batch) and :meth:`_catch_up` retries before the next step.
+        """
+        delay = 0.05
+        for attempt in range(self.journal_attempts):
+            try:
+                self.pool.mark_trained(ids, step)
+                if filtered:
+                    self.pool.mark_filtered(filtered, step)
+                return True
+            except Exception as exc:  # noqa: BLE001 - e.g. sqlite3.OperationalError: database or disk is full
+                error = exc
+                if attempt + 1 < self.journal_attempts:
+                    await asyncio.sleep(delay)
+                    delay = min(1.0, delay * 2)
+        self._unrecorded.append((ids, filtered, step))
+        self.last_error = (f"step {step} trained {len(ids)} episodes but the journal could not record it "
+                           f"({type(error).__name__}: {error}); they stay out of the pool, no further step "
+                           "is trained until the write succeeds (retried)")
+        log.error("%s", self.last_error)
+        return False
+
+    async def _sync_weights(self, step: int) -> None:
+        """Push the trainer's weights into the engine as version ``step`` (retried by :meth:`_catch_up`
+        if it fails: the trainer is already at ``step``)."""
+        self._unsynced = step
+        weights = await asyncio.to_thread(lambda: list(self.trainer.export_weights()))
+        await self.server.backend.update_weights(named_tensors=weights, version=step)
+        self._unsynced = None
+
+    async def _catch_up(self) -> bool:
+        """Finish what an earlier step left undone (its journal write, its weight sync); True when
+        nothing is left, so the next step may train."""
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            while self._unrecorded:
+                ids, filtered, step = self._unrecorded[0]
+                self.pool.mark_trained(ids, step)
+                if filtered:
+                    self.pool.mark_filtered(filtered, step)
+                self._unrecorded.pop(0)
+                log.info("step %d's %d episodes are now recorded as trained in the journal", step, len(ids))
+            if self._unsynced is not None:
+                await self._sync_weights(self._unsynced)
+        except Exception as exc:  # noqa: BLE001 - keep serving; say why no step trains
+            what = "journal write" if self._unrecorded else "weight sync"
+            self.last_error = f"the {what} of an earlier step is still failing ({type(exc).__name__}: {exc}); " \
+                              "no further step is trained until it succeeds (retried)"
+            self._retry_at = time.monotonic() + 2.0
+            return False
+        return True
 
     def _notify(self, step: int, metrics: dict[str, float], sync_s: float) -> None:
         try:

@@ -1,0 +1,138 @@
+"""A step is trained once (issue 18, item 4): when the journal cannot record a step (a full disk),
+the batch is not released to be trained again, ``global_step`` never goes back, the real SQLite
+error is reported, and the write goes through once the journal takes writes again.
+
+The journal test fills the database for real (``max_page_count``: SQLite answers SQLITE_FULL and
+rolls the transaction back itself, as on a full disk). The server test needs the failure on the
+step's two rows exactly, so SQLite refuses the step's UPDATE through its authorizer instead."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from swarmkit.apps.serve import start_server_thread
+from swarmkit.client import SwarmClient
+from swarmkit.pool.journal import SamplePool
+from swarmkit.pool.records import EpisodeRecord
+from swarmkit.swarm.cycle import TrainingCycle
+from swarmkit.testing.scripted import ScriptedBackend
+
+TOKEN = "exactly-once-test-token"
+
+
+def _fill_disk(db: sqlite3.Connection) -> None:
+    """The database may not grow by one page: SQLite answers SQLITE_FULL, as on a full disk."""
+    n = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count={n}")
+
+
+def _free_disk(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA max_page_count=1073741823")
+
+
+def _refuse_updates(pool: SamplePool, refuse: bool) -> None:
+    """SQLite refuses (``not authorized``) every UPDATE of the journal while ``refuse``."""
+    with pool._lock:
+        pool._db.set_authorizer(
+            (lambda action, *_: sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_UPDATE else sqlite3.SQLITE_OK)
+            if refuse else None)
+
+
+def test_a_full_disk_surfaces_as_itself_not_as_a_rollback_error(tmp_path):
+    pool = SamplePool(tmp_path / "journal.sqlite")
+    rng = random.Random(0)
+    for i in range(300):
+        pool.add(EpisodeRecord(f"e{i}", "t", "c", 1.0, [{"pad": "x" * rng.randrange(200, 900)}], 0))
+    _fill_disk(pool._db)
+    with pytest.raises(sqlite3.OperationalError, match="full"):  # was: "cannot rollback - no transaction is active"
+        pool.mark_trained([f"e{i}" for i in range(300)], 1)
+    assert len(pool) == 300 and pool.stats()["trained"] == 0  # nothing half-written
+    _free_disk(pool._db)
+    assert pool.mark_trained([f"e{i}" for i in range(300)], 1) == 300
+
+
+class _Trainer:
+    """Stands in for the trainer: counts which episodes each step trained on; ``on_step`` runs
+    while the step is under way (the disk fills up then)."""
+
+    def __init__(self) -> None:
+        self.global_step = 0
+        self.trained: list[str] = []
+        self.on_step = lambda: None
+
+    def step(self, records):
+        self.on_step()
+        self.trained += [r.episode_id for r in records]
+        self.global_step += 1
+        return {"loss": 0.1}
+
+    def export_weights(self):
+        return iter(())
+
+    def latest_checkpoint(self):
+        return None
+
+    def close(self):
+        pass
+
+
+def test_a_step_the_journal_cannot_record_is_not_trained_twice(train_cfg, tmp_path):
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
+    cfg.trainer.total_steps = 0
+    from swarmkit.models import build_tiny_tokenizer
+
+    trainer = _Trainer()
+    cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: trainer)
+    cycle.journal_attempts = 2
+    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                        "run_dir": str(tmp_path)}},
+                            config=cfg, backend_factory=lambda c: ScriptedBackend(build_tiny_tokenizer(),
+                                                                                  replies=["ok"]),
+                            cycle=cycle)
+
+    def wait(cond, what, timeout=20.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            st = c.status()
+            if cond(st):
+                return st
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {st}")
+
+    try:
+        with SwarmClient(h.url, token=TOKEN, retry_for=20) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=20)
+            trainer.on_step = lambda: _refuse_updates(cycle.pool, True)  # the journal fails during step 1
+            first = []
+            for _ in range(2):
+                with c.episode("task-a") as ep:
+                    ep.report(0.5)
+                    first.append(ep.episode_id)
+            st = wait(lambda s: "journal could not record" in (s["pool"].get("last_error") or ""), "the error")
+            assert "not authorized" in st["pool"]["last_error"]  # SQLite's own error, not a masking one
+            assert st["global_step"] == 1 and st["state"] == "ROLLING"
+            time.sleep(1.0)  # the batch is not offered again while the write is pending
+            assert sorted(trainer.trained) == sorted(first) and trainer.global_step == 1
+            assert c.status()["global_step"] == 1
+
+            trainer.on_step = lambda: None
+            _refuse_updates(cycle.pool, False)  # the journal takes writes again: the pending one goes through
+            second = []
+            for _ in range(2):
+                with c.episode("task-b") as ep:
+                    ep.report(0.5)
+                    second.append(ep.episode_id)
+            st = wait(lambda s: s["global_step"] == 2, "step 2")
+            assert not st["pool"].get("last_error")
+            assert sorted(trainer.trained) == sorted(first + second)  # each episode trained once
+            assert {cycle.pool.get(e).trained_step for e in first} == {1}
+            assert {cycle.pool.get(e).trained_step for e in second} == {2}
+    finally:
+        h.stop()
