@@ -633,3 +633,24 @@ def test_retry_after_is_sized_to_the_training_step(make):
     assert retry_after(httpx.Response(503, headers={"Retry-After": "3"}), 1.0) == 3.0
     srv.enter_weight_syncing()
     srv.resume_rolling()
+
+
+def test_an_unexpected_error_answers_an_incident_not_the_exception(make, caplog):
+    """A 500 never echoes the exception (its text can hold a prompt, a path or a key); the log has
+    the traceback once per kind of error and one line per repeat (issue 18, item 9)."""
+
+    def boom(prompt_ids):
+        raise RuntimeError("secret-prompt-text /home/me/.keys")
+
+    from swarmkit.server import errors
+
+    errors._SEEN_ERRORS.clear()
+    h = make(replies=boom)  # the test client raises whatever reaches the ASGI server: nothing must
+    ep = h.register()
+    with caplog.at_level("ERROR", logger="swarmkit.server"):
+        answers = [h.chat(ep["api_key"]) for _ in range(3)]
+    for r in answers:
+        assert_error(r, 500, "internal_error")
+        assert "secret" not in r.text and "incident" in r.json()["error"]["message"]
+    tracebacks = [rec for rec in caplog.records if rec.exc_info]
+    assert len(tracebacks) == 1 and "seen 3 times" in caplog.records[-1].getMessage()

@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from swarmkit.server.errors import EXCEPTION_HANDLERS
-from swarmkit.server.middleware import BodySizeLimit
+from swarmkit.server.middleware import BodySizeLimit, UnexpectedErrors
 from swarmkit.server.routes import admin, chat, completions, episodes, messages, openai, responses
 from swarmkit.swarm.server import SwarmServer
 
@@ -70,5 +70,6 @@ def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.swarm = srv
+    app.add_middleware(UnexpectedErrors)  # inner: added first
     app.add_middleware(BodySizeLimit, max_bytes=srv.max_body_bytes)
     return app

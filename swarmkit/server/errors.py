@@ -10,6 +10,7 @@ under ``/v1/messages`` it has Anthropic's ``{"type": "error", "error": {"type",
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -107,9 +108,34 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
                           headers=dict(exc.headers or {}))
 
 
+#: how many unexpected errors of each kind (exception type and where it was raised) were logged
+_SEEN_ERRORS: dict[tuple[str, str, int], int] = {}
+
+
+def _error_site(exc: BaseException) -> tuple[str, str, int]:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else ("?", 0)
+    return type(exc).__name__, where[0], where[1]
+
+
 async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
-    logging.getLogger("swarmkit.server").exception("unhandled error in %s %s", request.method, request.url.path)
-    return protocol_error(request, 500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
+    """A 500 that names an incident, not the exception: its text can hold prompts, paths or keys.
+    The server log has the traceback once per kind of error, then one line per repeat."""
+    incident = secrets.token_hex(4)
+    log = logging.getLogger("swarmkit.server")
+    site = _error_site(exc)
+    seen = _SEEN_ERRORS.get(site, 0)
+    if len(_SEEN_ERRORS) < 1000 or seen:
+        _SEEN_ERRORS[site] = seen + 1
+    if seen == 0:
+        log.error("incident %s: unhandled error in %s %s", incident, request.method, request.url.path, exc_info=exc)
+    else:
+        log.error("incident %s: unhandled %s in %s %s (seen %d times; traceback logged the first time)",
+                  incident, site[0], request.method, request.url.path, seen + 1)
+    return protocol_error(request, 500, f"internal server error (incident {incident}); the server log has the "
+                          "details", "internal_error")
 
 
 EXCEPTION_HANDLERS = {

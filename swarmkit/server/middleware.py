@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from swarmkit.server.errors import anthropic_error_body, error_body
+from swarmkit.server.errors import anthropic_error_body, error_body, unexpected_error_handler
 
 
 class BodySizeLimit:
@@ -81,3 +82,32 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class UnexpectedErrors:
+    """Pure ASGI middleware: an exception no route handled becomes a 500 naming an incident
+    (:func:`~swarmkit.server.errors.unexpected_error_handler`), and goes no further: Starlette's
+    outer error middleware would re-raise it to the ASGI server, which logs the whole traceback
+    again for every such request."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - the one place that turns the unexpected into a 500
+            response = await unexpected_error_handler(Request(scope), exc)
+            if not started:  # a response under way (a stream) cannot be replaced: it just ends
+                await response(scope, receive, send)
