@@ -16,8 +16,9 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "who_is_spy"
 sys.path.insert(0, str(EXAMPLE))
 
-from game import CIVILIAN, NAMES, SPY, WORD_PAIRS, GameConfig, deal, parse_description, parse_vote, split_pairs  # noqa: E402,I001
-from players import play, scripted_seat  # noqa: E402
+from game import CIVILIAN, NAMES, SPY, WORD_PAIRS, GameConfig, deal, parse_description, parse_vote, split_pairs, words  # noqa: E402,I001,E501
+from players import Recorder, play, scripted_seat  # noqa: E402
+from clues import CLUES  # noqa: E402
 
 
 def _scripted(i, civ="honest", spy="honest"):
@@ -115,6 +116,28 @@ def test_replies_are_parsed_leniently():
     assert parse_vote("Ava or Ben", ["Ben", "Ava"]) == "Ava"
 
 
+def test_the_clue_player_is_a_fair_teacher():
+    """The warm start's scripted player: its clues never say its word or the partner's, it never
+    copies, and as civilians it finds the spy."""
+    for a, b in WORD_PAIRS:
+        for word, other in ((a, b), (b, a)):
+            assert len(CLUES[word]) >= 4
+            for clue in CLUES[word]:
+                said = set(words(clue))
+                assert word not in said and other not in said, clue
+    wins = 0
+    for i in range(50):
+        g = deal(i, 100 + i, GameConfig())
+        seat = Recorder(scripted_seat("clue", i))
+        play(g, {CIVILIAN: seat, SPY: seat})
+        wins += g.winner == CIVILIAN
+        assert not g.offenders
+        for role, convs in seat.conversations.items():  # every answer is recorded as a conversation
+            assert convs and all(c[-1]["role"] == "assistant" and c[0]["role"] == "system" for c in convs)
+            assert all(role == SPY or g.spy_word not in c[0]["content"] for c in convs)
+    assert wins == 50
+
+
 def test_prompts_hide_the_roles_and_show_the_transcript():
     g = deal(2, 2, GameConfig())
     me = g.players[0]
@@ -166,11 +189,15 @@ def test_shared_parameters_one_server_both_roles(tmp_path):
 
 
 def test_adversarial_each_server_learns_only_from_its_own_players(tmp_path):
-    summary = _run(tmp_path, "adversarial", "--train", "both")
+    """Civilians on A, spies on B, with a supervised warm start: each server's journal holds only
+    its own role's tokens, demonstrated and sampled."""
+    summary = _run(tmp_path, "adversarial", "--train", "both", "--warm-start", "1")
     assert summary["trained"] == [CIVILIAN, SPY] and len(summary["steps"]) == 2
+    assert summary["eval_after_warm_start"]["games"] == 2
     for server, role in (("a", CIVILIAN), ("b", SPY)):
         rows = _journal(tmp_path / f"server_{server}")
-        assert rows
+        demos = [r for r in rows if any(t["meta"].get("demonstration") for t in r["timelines"])]
+        assert len(demos) == 2 and len(rows) > 2  # the warm start's games (1 step x 2 rollouts), then play
         for r in rows:
             assert set(r["reward"]) == {role}
             assert {t["role"] for t in r["timelines"]} == {role}

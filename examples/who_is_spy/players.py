@@ -12,7 +12,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from game import Game, Player
+from clues import CLUES
+from game import Game, Player, jaccard
 
 Ask = Callable[[Player, list[dict[str, str]], str], str]
 
@@ -71,20 +72,23 @@ def scripted_seat(style: str, seed: int = 0) -> Ask:
     ``honest``: hints at its word (spelt backwards) and votes for a player whose
     hint names another word (else at random); ``copycat``: repeats the last
     description said; ``revealer``: says its word; ``random``: hints, and votes
-    at random.
+    at random; ``clue``: plays well (:func:`clue_answer`), the demonstrations of
+    the supervised warm start.
     """
     rng = random.Random(seed)
 
     def ask(player: Player, messages: list[dict[str, str]], kind: str) -> str:
         prompt = messages[-1]["content"]
         said = shown_descriptions(prompt)
+        if style == "clue":
+            return clue_answer(player, said, vote_choices(prompt) if kind == "vote" else [], kind, rng)
         if kind == "describe":
             if style == "copycat" and said:
                 return said[-1][1]
             if style == "revealer":
                 return f"it is a {player.word}"
             return f"{player.word[::-1]} hint {rng.randrange(10_000)}"
-        choices = prompt.rsplit("Choose one of: ", 1)[1].split(". Reply")[0].split(", ")
+        choices = vote_choices(prompt)
         if style == "honest":
             odd = [n for n, d in said if n in choices and player.word[::-1] not in d]
             if odd:
@@ -92,3 +96,47 @@ def scripted_seat(style: str, seed: int = 0) -> Ask:
         return rng.choice(choices)
 
     return ask
+
+
+def vote_choices(prompt: str) -> list[str]:
+    """The names a vote prompt offers."""
+    return prompt.rsplit("Choose one of: ", 1)[1].split(". Reply")[0].split(", ")
+
+
+def fits(word: str, description: str) -> bool:
+    """Whether ``description`` is (close to) one of ``word``'s clues."""
+    return any(jaccard(description, c) >= 0.5 for c in CLUES.get(word, ()))
+
+
+def clue_answer(player: Player, said: list[tuple[str, str]], choices: list[str], kind: str,
+                rng: random.Random) -> str:
+    """A good player's answer from :data:`clues.CLUES`.
+
+    Describe: a clue of its word that nobody said yet (two clues joined once all were said).
+    Vote: a player whose description does not fit its own word; a player who finds most
+    descriptions odd is probably the spy itself and votes for one of the others at random.
+    """
+    if kind == "describe":
+        clues = list(CLUES[player.word])
+        rng.shuffle(clues)
+        fresh = [c for c in clues if all(jaccard(c, d) < 0.5 for _, d in said)]
+        return fresh[0] if fresh else f"{clues[0]}, {clues[1]}"
+    latest = {name: d for name, d in said if name in choices}  # each player's last description
+    odd = [n for n in choices if n in latest and not fits(player.word, latest[n])]
+    if odd and len(odd) <= len(choices) / 2:
+        return rng.choice(odd)
+    return rng.choice(choices)
+
+
+class Recorder:
+    """Wraps a seat and keeps every (prompt, answer) as a conversation per role: demonstrations."""
+
+    def __init__(self, seat: Ask):
+        self.seat = seat
+        self.conversations: dict[str, list[list[dict[str, str]]]] = {}
+
+    def __call__(self, player: Player, messages: list[dict[str, str]], kind: str) -> str:
+        answer = self.seat(player, messages, kind)
+        self.conversations.setdefault(player.role, []).append(
+            [*messages, {"role": "assistant", "content": answer}])
+        return answer

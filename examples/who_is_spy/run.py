@@ -50,7 +50,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from game import CIVILIAN, ROLES, SPY, GameConfig, deal, split_pairs  # noqa: E402
-from players import OpenAISeat, play  # noqa: E402
+from players import OpenAISeat, Recorder, play, scripted_seat  # noqa: E402
 
 from swarmkit.apps.processes import DEFAULT_TOKEN, ServerProc, boot_servers, launch_server, watch  # noqa: E402
 from swarmkit.apps.task_client import EpisodeLoop  # noqa: E402
@@ -144,6 +144,41 @@ class GameClient(EpisodeLoop):
             self.log.write(result.to_json() + "\n")
 
 
+# ----------------------------------------------------------------------------- supervised warm start
+def demonstration_games(n: int, config: GameConfig, seed: int = 0, group_size: int = 1
+                        ) -> list[tuple[str, dict[str, list[list[dict[str, str]]]]]]:
+    """``n`` games of the scripted ``clue`` player on training word pairs, as (task id, role ->
+    conversations): every prompt a player got with the answer it gave. Games come ``group_size``
+    to a task id, so a batching policy that waits for N episodes per task releases them."""
+    tasks = make_spy_tasks(max(1, -(-n // max(1, group_size))), "demo", seed)
+    out = []
+    for k in range(n):
+        task = tasks[k // max(1, group_size)]
+        game = deal(task.seed, seed * 7_919 + k, config, pairs_of("train"))
+        seat = Recorder(scripted_seat("clue", seed=seed * 7_919 + k))
+        play(game, {role: seat for role in ROLES})  # type: ignore[misc]
+        out.append((task.task_id, seat.conversations))
+    return out
+
+
+def send_warm_start(routes: dict[str, SwarmClient], games: list[tuple[str, dict[str, list[list[dict[str, str]]]]]],
+                    *, concurrency: int = 8) -> int:
+    """Send each game as one (multi-server) demonstration episode: each role's turns go to the
+    server that trains that role. Returns how many every server accepted."""
+
+    def send(game: tuple[str, dict[str, list[list[dict[str, str]]]]]) -> bool:
+        task_id, conversations = game
+        with swarm_episode(routes, task_id, meta={"task_family": FAMILY}) as ep:
+            for role, convs in conversations.items():
+                for conv in convs:
+                    ep.demonstrate(role, conv)
+            answers = ep.report(dict.fromkeys(ROLES, 1.0))  # the reward is not used for demonstrated turns
+        return all(a.get("accepted") for a in answers.values())
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return sum(pool.map(send, games))
+
+
 # ----------------------------------------------------------------------------- evaluation
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float, float]:
     """Share k/n and its Wilson 95% interval (low, high)."""
@@ -209,9 +244,10 @@ def evaluate_games(routes: dict[str, SwarmClient], tasks: list[SpyTask], *, conf
 
 # ----------------------------------------------------------------------------- set-ups
 def server_overrides(model: str, name: str, args: argparse.Namespace) -> list[str]:
-    """The config one server trains with."""
+    """The config one server trains with (``--warm-start`` supervised steps, then ``--steps`` RL steps)."""
     out = [*model_overrides(model), f"model.name={name}", "batching=c2", f"batching.batch_size={args.batch_size}",
-           f"batching.rollouts_per_task={args.rollouts}", f"trainer.total_steps={args.steps}",
+           f"batching.rollouts_per_task={args.rollouts}", f"trainer.total_steps={args.warm_start + args.steps}",
+           f"optim.sft_lr={args.sft_lr}",
            "trainer.checkpoint_every=0", f"server.episode_timeout_s={args.episode_timeout_s}",
            "server.drain_timeout_s=120", "server.drain_idle_s=120"]
     if args.lr is not None:
@@ -251,15 +287,28 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"{'  (frozen)' if all(r in frozen for r in roles) else ''}  run dir {proc.run_dir}")
         held_out = make_spy_tasks(args.eval_games, "eval", args.seed)
         ev = {"max_tokens": args.max_tokens, "temperature": args.eval_temperature, "concurrency": args.concurrency}
-        before = evaluate_games(routes, held_out, config=config, **ev)
-        print(f"eval before training: {before.line()}", flush=True)
+        before = evaluate_games(routes, held_out, config=config, **ev) if args.eval_before else None
+        if before is not None:
+            print(f"eval before training: {before.line()}", flush=True)
+        warm = None
+        if args.warm_start:
+            group = args.rollouts
+            games = demonstration_games(args.warm_start * args.batch_size * group, config, args.seed, group)
+            t_warm = time.perf_counter()
+            sent = send_warm_start(routes, games, concurrency=args.concurrency)
+            print(f"warm start: {sent} demonstrated games of the scripted clue player "
+                  f"({sum(len(c) for _, g in games for c in g.values())} conversations)", flush=True)
+            watch(list(servers.values()), args.warm_start, args.timeout)
+            warm = evaluate_games(routes, held_out, config=config, **ev)
+            print(f"eval after the warm start ({time.perf_counter() - t_warm:.0f} s): {warm.line()}", flush=True)
         client = GameClient(routes, make_spy_tasks(args.train_size, "train", args.seed), config=config,
                             rollouts_per_task=args.rollouts, frozen=frozen, max_tokens=args.max_tokens,
                             temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
                             log_path=args.episode_log).start()
         t_train = time.perf_counter()
         to_watch = [servers[sides[r]] for r in trained]
-        metrics = watch(list({p.role: p for p in to_watch}.values()), args.steps, args.timeout, client)
+        metrics = watch(list({p.role: p for p in to_watch}.values()), args.warm_start + args.steps, args.timeout,
+                        client)
         client.stop()
         train_s = time.perf_counter() - t_train
         after = evaluate_games(routes, held_out, config=config, **ev)
@@ -267,7 +316,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_games = client.results
         summary = {
             "setup": args.command, "trained": trained, "frozen": frozen, "models": models,
-            "eval_before": before.to_dict(), "eval_after": after.to_dict(),
+            "eval_before": before.to_dict() if before else None, "eval_after_warm_start": warm.to_dict() if warm else None,
+            "eval_after": after.to_dict(), "warm_start_steps": args.warm_start,
             "train_games": len(train_games), "failed_games": client.failures,
             "train_civilian_win_rate": wilson(sum(g.winner == CIVILIAN for g in train_games), len(train_games))[0],
             "steps": {s: rows for s, rows in metrics.items()}, "train_wall_s": train_s,
@@ -336,6 +386,12 @@ def parser() -> argparse.ArgumentParser:
         t.add_argument("--steps", type=int, default=8, help="training steps (of each trained server)")
         t.add_argument("--batch-size", type=int, default=2, help="word pairs per step (batching.batch_size)")
         t.add_argument("--lr", type=float, default=None, help="optim.lr (default: the packaged optim option)")
+        t.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                       help="supervised steps first, each of batch-size x rollouts games of the scripted clue "
+                            "player (demonstrations), then an eval")
+        t.add_argument("--sft-lr", type=float, default=2e-3, help="optim.sft_lr (the warm start's steps)")
+        t.add_argument("--eval-before", action=argparse.BooleanOptionalAction, default=True,
+                       help="evaluate the untrained model first")
         t.add_argument("--eval-games", type=int, default=48, help="held-out games before and after")
         t.add_argument("--eval-temperature", type=float, default=0.7)
         t.add_argument("--episode-timeout-s", type=float, default=600.0)

@@ -87,12 +87,15 @@ class AsyncEpisode(EpisodeInfo):
         return self.result
 
     async def demonstrate(self, messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                    tools: Sequence[Mapping[str, Any]] | None = None, *, role: str | None = None
+                    ) -> dict[str, Any]:
         """Record a demonstrated conversation: its assistant turns train with a supervised
-        (NLL) loss, the warm start of an agent that cannot use its tools yet. Report the
-        episode afterwards as usual (the reward is not used for demonstrated turns)."""
+        (NLL) loss, the warm start of an agent that cannot play yet. ``role``: whose turns they
+        are in an episode with roles (default: the first role's). Report the episode afterwards
+        as usual (the reward is not used for demonstrated turns)."""
+        key = self.api_key if role is None else self.key_for(role)
         return await self._client._call("POST", self._path("/demonstration"),
-                                     json_body=demonstration_body(messages, tools), key=self.api_key)
+                                     json_body=demonstration_body(messages, tools), key=key)
 
     async def timelines(self, as_objects: bool = False) -> list[Any]:
         """The recorded timelines as JSON dicts (``swarmkit.timelines.Timeline`` with ``as_objects``)."""

@@ -27,7 +27,7 @@ episode (all roles of a part must agree).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -129,6 +129,12 @@ class _Parts(Generic[E]):
 class SwarmEpisode(_Parts[Episode]):
     """One multi-server episode of :func:`swarm_episode` and how to end its parts together."""
 
+    def demonstrate(self, role: str, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        """Record a demonstrated conversation of ``role`` on the server that trains it
+        (see :meth:`Episode.demonstrate`)."""
+        return self.episode(role).demonstrate(messages, tools, role=role)
+
     def report(self, rewards: Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """End every part with its roles' rewards: all servers keep the episode, or none does.
 
@@ -177,6 +183,11 @@ class SwarmEpisode(_Parts[Episode]):
 
 class AsyncSwarmEpisode(_Parts[AsyncEpisode]):
     """:class:`SwarmEpisode` for :class:`AsyncSwarmClient` routes (``await ep.report(...)``)."""
+
+    async def demonstrate(self, role: str, messages: Sequence[Mapping[str, Any]],
+                          tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        """Record a demonstrated conversation of ``role`` on the server that trains it."""
+        return await self.episode(role).demonstrate(messages, tools, role=role)
 
     async def report(self, rewards: Mapping[str, float], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """End every part with its roles' rewards: all servers keep the episode, or none does."""
