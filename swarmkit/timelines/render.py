@@ -466,9 +466,8 @@ class ChatRenderer:
 
     def _safe_split(self, left: str, right: str) -> bool:
         """Whether tokenizing ``left`` and ``right`` apart gives the tokens of ``left + right``."""
-        for s in self._specials:
-            if left.endswith(s) or right.startswith(s):
-                return True
+        if left.endswith(self._specials) or right.startswith(self._specials):
+            return True
         key = (left, right)
         ok = self._pair_cache.get(key)
         if ok is None:
