@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the SDK keeps the keys that hold client ids here, not in the user's ~/.cache (child processes inherit it)
+os.environ.setdefault("SWARMKIT_CLIENT_KEYS", __import__("tempfile").mkdtemp(prefix="swarmkit-client-keys-"))
 
 import time  # noqa: E402
 

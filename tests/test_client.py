@@ -330,3 +330,47 @@ def test_a_client_token_guards_registration_and_votes(train_cfg, tmp_path, monke
         assert e.value.status == 403
     finally:
         h.stop()
+
+
+def test_a_client_votes_and_beats_only_in_its_own_name(train_cfg, tmp_path, monkeypatch):
+    """Holding the client token is not enough to vote for another client: the first vote or heartbeat
+    of an id binds it to a key the server issues (the SDK keeps it on disk, so a restarted client votes
+    again); a vote or heartbeat in that id's name without its key is a 403 and changes nothing
+    (issue 18, item 2)."""
+    import httpx
+
+    from swarmkit.models import build_tiny_tokenizer
+
+    backend = ScriptedBackend(build_tiny_tokenizer(), replies=["ok"])
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "client_token": "client-secret-xyz",
+                                        "run_dir": str(tmp_path)}},
+                            config=train_cfg, backend_factory=lambda cfg: backend, train=False)
+    forger = {"Authorization": "Bearer client-secret-xyz", "X-Swarm-Client": "good-client"}
+    try:
+        with SwarmClient(h.url, token=TOKEN) as admin:
+            admin.start()
+            admin.wait_for_state("ROLLING", timeout=20)
+            monkeypatch.setenv("SWARMKIT_CLIENT_KEYS", str(tmp_path / "keys-of-this-machine"))
+            with SwarmClient(h.url, token="", client_token="client-secret-xyz", client_id="good-client") as good:
+                assert good.ready(False)["ready"] is False  # binds the id; the key is kept
+            for path, body, headers in (
+                    ("/api/v1/clients/ready", {"ready": True, "client_id": "good-client"}, {}),
+                    ("/api/v1/clients/ready", {"ready": True}, {"X-Swarm-Client-Key": "guessed"}),
+                    ("/api/v1/clients/heartbeat", {}, {})):
+                r = httpx.post(h.url + path, json=body, headers={**forger, **headers})
+                assert (r.status_code, r.json()["error"]["code"]) == (403, "client_key_mismatch"), path
+                assert "good-client" in r.json()["error"]["message"]
+            assert admin.status()["clients"]["ready"] == 0  # the forged vote changed nothing
+            with SwarmClient(h.url, token="", client_token="client-secret-xyz", client_id="good-client") as again:
+                assert again.ready(True)["ready"] is True and "client_key" not in again.heartbeat()  # restarted
+            assert admin.status()["clients"]["ready"] == 1
+            monkeypatch.setenv("SWARMKIT_CLIENT_KEYS", str(tmp_path / "keys-of-another-machine"))
+            with SwarmClient(h.url, token="", client_token="client-secret-xyz", client_id="good-client") as other, \
+                    pytest.raises(SwarmAPIError) as e:
+                other.ready(True)
+            assert e.value.status == 403 and e.value.code == "client_key_mismatch"
+            h.swarm.clients.forget("good-client")  # a forgotten id is free again
+            with SwarmClient(h.url, token="", client_token="client-secret-xyz", client_id="good-client") as other:
+                assert other.ready(True)["client_key"]
+    finally:
+        h.stop()

@@ -7,6 +7,7 @@ call and the sleep, so both retry, log and fail the same way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +28,8 @@ LIFECYCLE_TIMEOUT_S = 300.0
 minutes: a training group gets 60 s to exit before it is killed); other calls use the client's."""
 
 CLIENT_HEADER = "X-Swarm-Client"
+#: the key that holds a client id on a server (answered to the first vote or heartbeat)
+CLIENT_KEY_HEADER = "X-Swarm-Client-Key"
 
 #: the logger of every retry and wait (INFO), e.g. ``logging.basicConfig(level=logging.INFO)`` shows them
 log = logging.getLogger("swarmkit.client")
@@ -134,6 +138,39 @@ def state_of(err: SwarmAPIError) -> str | None:
 
 def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# ---------------------------------------------------------------------- the key that holds a client id
+def client_key_file(url: str, client_id: str) -> Path:
+    """Where the key holding ``client_id`` on the server at ``url`` is kept, so a restarted client
+    votes under its id again: ``$SWARMKIT_CLIENT_KEYS`` (default ``~/.cache/swarmkit/client-keys``),
+    one 0600 file per (server, id)."""
+    root = os.environ.get("SWARMKIT_CLIENT_KEYS") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "swarmkit", "client-keys")
+    digest = hashlib.sha256(f"{url.rstrip('/')}\n{client_id}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return Path(root) / digest
+
+
+def load_client_key(url: str, client_id: str) -> str | None:
+    try:
+        return client_key_file(url, client_id).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def save_client_key(url: str, client_id: str, key: str) -> None:
+    """Keep the key (best effort: a client that cannot write its cache still votes until it restarts)."""
+    path = client_key_file(url, client_id)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not keep the client key in %s (%s); a restarted client cannot vote as %r until "
+                    "the server forgets it", path, exc, client_id)
 
 
 # ---------------------------------------------------------------------- retries

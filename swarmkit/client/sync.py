@@ -17,6 +17,7 @@ import httpx
 
 from swarmkit.client._common import (
     CLIENT_HEADER,
+    CLIENT_KEY_HEADER,
     LIFECYCLE_TIMEOUT_S,
     TRANSIENT_ERRORS,
     EpisodeInfo,
@@ -34,9 +35,11 @@ from swarmkit.client._common import (
     demonstration_body,
     is_lost_report_ack,
     json_object,
+    load_client_key,
     prepare_body,
     register_body,
     report_body,
+    save_client_key,
     timelines_of,
     transport_error,
 )
@@ -138,6 +141,7 @@ class SwarmClient:
         self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
         self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
         self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
+        self._client_key: str | None = None
         self.retry_for = float(retry_for)
         self.on_retry = on_retry
         self._timeout = float(timeout)
@@ -156,8 +160,8 @@ class SwarmClient:
 
     def _request(self, method: str, path: str, *, json_body: Any = None, key: str | None = None,
                  admin: bool = False, retry_for: float | None = None,
-                 timeout: float | None = None) -> httpx.Response:
-        headers = auth_headers(self.token if admin else key)
+                 timeout: float | None = None, extra_headers: Mapping[str, str] | None = None) -> httpx.Response:
+        headers = {**auth_headers(self.token if admin else key), **(extra_headers or {})}
         retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry)
         while True:
             try:
@@ -232,13 +236,28 @@ class SwarmClient:
             time.sleep(min(poll, max(0.0, remaining)))
 
     def ready(self, flag: bool = True) -> dict[str, Any]:
-        """Vote for (or against) training now (batching policies C4/C5)."""
-        return self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)},
-                                key=self._sampling_key())
+        """Vote for (or against) training now (batching policies C4/C5), as this client's id."""
+        return self._kept_key(self._call("POST", "/api/v1/clients/ready", json_body={"ready": bool(flag)},
+                                              key=self._sampling_key(), extra_headers=self._key_header()))
 
     def heartbeat(self) -> dict[str, Any]:
         """Tell the server this client is alive (any request does too)."""
-        return self._call("POST", "/api/v1/clients/heartbeat", key=self._sampling_key())
+        return self._kept_key(self._call("POST", "/api/v1/clients/heartbeat", key=self._sampling_key(),
+                                              extra_headers=self._key_header()))
+
+    def _key_header(self) -> dict[str, str]:
+        """The key that holds this client id on the server (votes and heartbeats show it): the one
+        this client was answered, else one kept on disk by an earlier run of the same client."""
+        if self._client_key is None:
+            self._client_key = load_client_key(self.url, self.client_id)
+        return {CLIENT_KEY_HEADER: self._client_key} if self._client_key else {}
+
+    def _kept_key(self, answer: dict[str, Any]) -> dict[str, Any]:
+        key = answer.get("client_key")
+        if isinstance(key, str) and key and key != self._client_key:
+            self._client_key = key
+            save_client_key(self.url, self.client_id, key)
+        return answer
 
     # ------------------------------------------------------------------ episodes
     def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import threading
 import time
 
@@ -22,6 +25,8 @@ class ClientTracker:
         self.active_window_s = float(active_window_s)
         self._lock = threading.Lock()
         self._clients: dict[str, ClientState] = {}
+        #: client id -> sha256 of the key that holds it (votes and heartbeats must show the key)
+        self._keys: dict[str, bytes] = {}
 
     def touch(self, client_id: str, now: float | None = None) -> None:
         """Record that ``client_id`` sent something at ``now``."""
@@ -39,6 +44,26 @@ class ClientTracker:
         with self._lock:
             self._clients[client_id].ready = bool(ready)
 
+    def bind(self, client_id: str, key: str | None) -> str | None:
+        """Check that ``key`` holds ``client_id``, binding the id on first use.
+
+        An id nobody holds is bound to ``key`` (a client that kept its key across a server
+        restart) or, without one, to a fresh key, which is returned: the caller hands it to the
+        client. Returns None when ``key`` matches the id's key.
+
+        :raises PermissionError: the id is held by another key.
+        """
+        given = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest() if key else None
+        with self._lock:
+            held = self._keys.get(client_id)
+            if held is None:
+                issued = key or secrets.token_urlsafe(24)
+                self._keys[client_id] = hashlib.sha256(issued.encode("utf-8", "surrogatepass")).digest()
+                return issued
+            if given is None or not hmac.compare_digest(held, given):
+                raise PermissionError(client_id)
+            return None
+
     def reset_ready(self) -> None:
         """Clear every ready flag (the server calls this when a batch fires)."""
         with self._lock:
@@ -54,12 +79,15 @@ class ClientTracker:
             gone = [cid for cid, s in self._clients.items() if now - s.last_seen > horizon]
             for cid in gone:
                 del self._clients[cid]
+            for cid in [c for c in self._keys if c not in self._clients]:
+                del self._keys[cid]  # a forgotten id is free again
         return len(gone)
 
     def forget(self, client_id: str) -> None:
         """Drop a client (e.g. it said goodbye); unknown ids are ignored."""
         with self._lock:
             self._clients.pop(client_id, None)
+            self._keys.pop(client_id, None)
 
     def active(self, now: float | None = None) -> dict[str, ClientState]:
         """Copies of the states of clients seen within the window of ``now``."""

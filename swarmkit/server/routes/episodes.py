@@ -41,6 +41,9 @@ from swarmkit.swarm.state import ServerState
 from swarmkit.timelines import Timeline
 from swarmkit.timelines.render import TemplateError
 
+#: the header with which a client shows the key that holds its client id (votes, heartbeats)
+CLIENT_KEY_HEADER = "X-Swarm-Client-Key"
+
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
 
@@ -306,8 +309,9 @@ async def client_ready(request: Request) -> Response:
     ready = body.get("ready")
     if not isinstance(ready, bool):
         raise ApiError(422, "'ready' must be true or false", "invalid_field", param="ready")
+    issued = _hold_client_id(request, srv, cid)
     srv.clients.set_ready(cid, ready)
-    return JSONResponse({"client_id": cid, "ready": ready})
+    return JSONResponse({"client_id": cid, "ready": ready, **issued})
 
 
 async def client_heartbeat(request: Request) -> Response:
@@ -316,4 +320,24 @@ async def client_heartbeat(request: Request) -> Response:
     cid = request.headers.get("x-swarm-client", "")
     if not cid:
         raise ApiError(422, "missing the 'X-Swarm-Client' header", "missing_field", param="client_id")
-    return JSONResponse({"client_id": cid, "state": str(srv.state.state)})
+    if len(cid) > 128:
+        raise ApiError(422, "'X-Swarm-Client' must be at most 128 characters", "invalid_field", param="client_id")
+    issued = _hold_client_id(request, srv, cid)
+    return JSONResponse({"client_id": cid, "state": str(srv.state.state), **issued})
+
+
+def _hold_client_id(request: Request, srv: Any, cid: str) -> dict[str, str]:
+    """Votes and heartbeats speak for a client id only with the key that holds it.
+
+    The first vote or heartbeat of an id binds it to the key it shows (``X-Swarm-Client-Key``)
+    or to a fresh key, answered as ``client_key`` (the SDK keeps it, on disk too); later ones
+    must show that key: 403 ``client_key_mismatch``, so one client cannot vote in another's name.
+    The id is free again once the server has forgotten the client (silent for 10 activity windows).
+    """
+    try:
+        issued = srv.clients.bind(cid, request.headers.get(CLIENT_KEY_HEADER.lower()) or None)
+    except PermissionError:
+        raise ApiError(403, f"client id '{cid}' is held by another client (a different {CLIENT_KEY_HEADER}); "
+                       "use your own client id, or the key the server answered to its first vote or heartbeat "
+                       "(the SDK keeps it)", "client_key_mismatch", param="client_id") from None
+    return {"client_key": issued} if issued else {}
