@@ -105,7 +105,8 @@ def test_demonstrations_are_refused_by_an_algorithm_with_a_value_head():
 
 
 def test_the_engine_gradient_on_demonstrations_is_the_nll_gradient(monkeypatch):
-    """The gradient the engine steps with on a demonstration equals the gradient of the mean token NLL."""
+    """The gradient the engine steps with on a demonstration equals the gradient of the mean token NLL,
+    and the step reports that NLL (``sft_nll``)."""
     from swarmkit.models import tiny_model_dir
     from swarmkit_plugins.algo_rl.grpo import GRPO
     from swarmkit_plugins.optim_fsdp.engine import FSDPEngine
@@ -124,7 +125,7 @@ def test_the_engine_gradient_on_demonstrations_is_the_nll_gradient(monkeypatch):
 
     monkeypatch.setattr(engine, "_optimizer_step", capture)
     reference = {n: p.detach().clone() for n, p in engine.policy.named_parameters()}
-    engine.train_step([sample])
+    out = engine.train_step([sample])
     # the same model, plain NLL of the trained tokens (positions 2.. predicted from 1..)
     from transformers import AutoModelForCausalLM
 
@@ -136,7 +137,9 @@ def test_the_engine_gradient_on_demonstrations_is_the_nll_gradient(monkeypatch):
             own[key].copy_(p)
     x = torch.tensor([ids])
     lp = torch.log_softmax(ref(x).logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None])[:, 0]
-    (-lp[1:].mean()).backward()
+    nll = -lp[1:].mean()
+    nll.backward()
+    assert out["sft_nll"] == pytest.approx(float(nll), rel=1e-4)  # the supervised loss is reported as such
     compared = 0
     for n, g in grads.items():
         key = next(k for k in own if n.endswith(k))

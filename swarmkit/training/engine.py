@@ -288,13 +288,17 @@ class TrainingEngine(OptimEngine):
         Returns metrics: ``loss`` (mean over the optimizer steps of the full
         mini-batch loss), ``tokens`` (packed tokens forwarded, all ranks, one
         epoch), ``trained_tokens``, ``samples``, ``micro_batches``, ``grad_norm``,
-        ``lr``, ``optimizer_steps``, ``step_time_s`` and the algorithm's metrics.
+        ``lr``, ``optimizer_steps``, ``step_time_s``, the algorithm's metrics, and with
+        demonstrations ``sft_nll`` (their tokens' mean negative logprob before the step: the
+        supervised loss, which the policy-gradient ``loss`` at ratio 1 does not show).
         """
         t0 = time.perf_counter()
-        prepared = [p for p in (prepare_sample(s) for s in batch) if p.k > 0]
+        pairs = [(s, p) for s in batch if (p := prepare_sample(s)).k > 0]
+        prepared = [p for _, p in pairs]
         if not prepared:
             return {"skipped": 1.0, "samples": 0.0, "trained_tokens": 0.0, "step_time_s": time.perf_counter() - t0}
         self._prepass(prepared)
+        sft = sft_nll([p for s, p in pairs if s.demonstration])
         self._set_lr_scale(self._step_lr_scale(batch))
         mode = self.algo.loss_agg
         epochs = self.algo.ppo_epochs
@@ -363,6 +367,8 @@ class TrainingEngine(OptimEngine):
             nonfinite_skipped=float(skipped),
             step_time_s=time.perf_counter() - t0,
         )
+        if sft is not None:
+            out["sft_nll"] = sft
         if self.device.type == "cpu":
             release_freed_memory()
         return out
@@ -480,3 +486,12 @@ def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:
 
     return f
 
+
+
+def sft_nll(demos: Sequence[Prepared]) -> float | None:
+    """Mean negative logprob of demonstrated tokens (their ``old_logprobs``, scored before the
+    step), or None without demonstrations."""
+    tokens = sum(p.k for p in demos)
+    if not tokens:
+        return None
+    return -float(sum(float(p.old_logprobs.sum()) for p in demos)) / tokens
