@@ -234,3 +234,29 @@ def test_think_kept_inside_a_tool_loop_merges_under_token(tok):
     assert flat(t2.blocks[:-1]) == ref_ids(tok, msgs2, template=THINK_TEMPLATE)
     assert merge([t1, t2], "token").survivors == [1]
     assert merge([t1, t2], "text").survivors == [1]
+
+
+_LOOP = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, provable", [
+    (None, True), (SMOL_TEMPLATE, True), (THINK_TEMPLATE, True),
+    (_LOOP + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}.", False),  # text after it
+    (_LOOP + "{% if add_generation_prompt %}{{ '<|im_start|>' + messages[-1]['role'] }}\n{% endif %}", False),
+    (_LOOP.replace("{% for", "{% if not add_generation_prompt %}x{% endif %}{% for")
+     + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", False),  # read elsewhere too
+    ("{% set head = '<|im_start|>' %}" + _LOOP + "{% if add_generation_prompt %}{{ head }}assistant\n{% endif %}",
+     False),  # a variable the template sets
+], ids=["tiny", "smol", "think", "trailing-text", "reads-messages", "read-twice", "assigned-variable"])
+def test_the_generation_prompt_is_cut_off_only_where_provably_fixed(tok, template, provable):
+    """Where the template provably writes the generation prompt last from its options alone, the
+    render without it is cut from the render with it (2 renders per new turn instead of 3); every
+    other template is rendered both ways. The ids equal apply_chat_template either way."""
+    r = ChatRenderer(tok, chat_template=template)
+    msgs = [m for m in conversation(True) if not m.get("tool_calls") and m["role"] != "tool"]
+    for n in range(1, len(msgs) + 1):
+        before = r.stats["renders"]
+        assert flat(r.render_prompt(msgs[:n])) == ref_ids(tok, msgs[:n], None, template), n
+        if n > 2:  # one new message (after the first calls): the full render, plus the render without it
+            assert r.stats["renders"] - before == (1 if provable else 2), n
+    assert (r._gen_prompt[False] is not None) == provable

@@ -81,6 +81,18 @@ class Block:
             if self.author != "llm" and any(self.loss_mask):
                 raise ValueError(f"only 'llm' blocks may have a non-zero loss mask (author {self.author!r})")
 
+    @classmethod
+    def prompt(cls, author: str, text: str, token_ids: list[int]) -> Block:
+        """A prompt block (logprobs 0.0, loss mask 0) built without the checks: for the renderer,
+        which makes thousands per second from ids it owns (``token_ids`` is taken, not copied)."""
+        if author not in _AUTHOR_SET or author == "llm":
+            raise ValueError(f"a prompt block's author is one of {AUTHORS[1:]}, got {author!r}")
+        block = cls.__new__(cls)
+        n = len(token_ids)
+        block.author, block.text, block.token_ids = author, text, token_ids
+        block.logprobs, block.loss_mask = [0.0] * n, [0] * n
+        return block
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

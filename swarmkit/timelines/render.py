@@ -136,6 +136,9 @@ class ChatRenderer:
         self._tok_cache: dict[str, list[int]] = {}
         self._pair_cache: dict[tuple[str, str], bool] = {}
         self._compiled: dict[bool, Any] = {}
+        #: with tools or not -> the generation prompt when the template provably writes it last from
+        #: its options alone (one render then serves with and without it), else None
+        self._gen_prompt: dict[bool, str | None] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if backend is not None and hasattr(backend, "encode") else None
         specials = []
@@ -297,6 +300,34 @@ class ChatRenderer:
             self._compiled[with_tools] = compiled
         return compiled
 
+    def _without_generation_prompt(self, full: str, messages: list[dict[str, Any]],
+                                   tools: list[dict[str, Any]] | None) -> str | None:
+        """``render(messages, add_generation_prompt=False)``: cut from ``full`` when the template
+        provably writes the generation prompt last and from its options alone, else rendered."""
+        gp = self._fixed_generation_prompt(tools)
+        if gp is not None and full.endswith(gp):
+            return full[: len(full) - len(gp)]
+        return self._render(messages, tools, False)
+
+    def _fixed_generation_prompt(self, tools: list[dict[str, Any]] | None) -> str | None:
+        with_tools = tools is not None
+        if with_tools in self._gen_prompt:
+            return self._gen_prompt[with_tools]
+        found = None
+        if tools is None or all(isinstance(t, dict) for t in tools):  # the compiled template renders it
+            try:
+                source = self.tokenizer.get_chat_template(self.chat_template, [{}] if with_tools else None)
+                constants = {*self.template_kwargs, *self.tokenizer.special_tokens_map}
+                if generation_prompt_is_last(self._template(with_tools).environment.parse(source), constants):
+                    probe = [{"role": "user", "content": "x"}]
+                    with_gp, without = self._render(probe, tools, True), self._render(probe, tools, False)
+                    if with_gp is not None and without is not None and with_gp.startswith(without):
+                        found = with_gp[len(without):]
+            except Exception:  # noqa: BLE001 - a template this cannot analyse is simply rendered twice
+                found = None
+        self._gen_prompt[with_tools] = found
+        return found
+
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 add_generation_prompt: bool) -> str | None:
         """The template's text, or None when the template refuses these messages."""
@@ -366,7 +397,7 @@ class ChatRenderer:
             self.stats["reused_messages"] += keep
         start = len(pieces)
         # split points of the new messages: ends of prefix renders that `full` starts with
-        no_gp = self._render(messages, tools, False) if start < n else None
+        no_gp = self._without_generation_prompt(full, messages, tools) if start < n else None
         for k in range(start + 1, n + 1):
             pk = no_gp if k == n else self._render(messages[:k], tools, False)
             if pk is not None and len(pk) >= bounds[-1] and full.startswith(pk):
@@ -541,9 +572,29 @@ class ChatRenderer:
         return out
 
     def _block(self, p: _Piece, replayed: list[int] | None = None) -> Block:
-        ids = replayed if replayed is not None else list(self._encode(p.rendered))
-        n = len(ids)
-        return Block(p.author, p.text, ids, [0.0] * n, [0] * n)
+        return Block.prompt(p.author, p.text, replayed if replayed is not None else list(self._encode(p.rendered)))
+
+
+def generation_prompt_is_last(template: Any, constants: set[str]) -> bool:
+    """Whether a parsed chat template (``jinja2.nodes.Template``) writes the generation prompt
+    last and from constants alone: its last top-level node is the only ``if`` that reads
+    ``add_generation_prompt``, and that ``if`` reads no variable but ``constants`` (the template's
+    options and special tokens) that the template never assigns. Then the render without the
+    generation prompt is the render with it, less the prompt's (fixed) text."""
+    from jinja2 import nodes
+
+    if not template.body or not isinstance(template.body[-1], nodes.If):
+        return False
+    last = template.body[-1]
+    reads = [n for n in last.find_all(nodes.Name)]
+    if not any(n.name == "add_generation_prompt" for n in reads):
+        return False
+    everywhere = [n for n in template.find_all(nodes.Name) if n.name == "add_generation_prompt"]
+    if len(everywhere) != sum(n.name == "add_generation_prompt" for n in reads):
+        return False  # read elsewhere too: the rest of the render may depend on it
+    allowed = constants | {"add_generation_prompt"}
+    assigned = {n.name for n in template.find_all(nodes.Name) if n.ctx in ("store", "param")}
+    return all(n.name in allowed and n.name not in assigned for n in reads)
 
 
 class TokenText:
