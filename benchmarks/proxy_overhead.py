@@ -130,9 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     tok = build_tiny_tokenizer()
     backend = ScriptedBackend(tok, replies=[REPLY])
     cfg = validate_config(compose(["model=tiny", "model.max_context=100000"]), get_registry())
-    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench", "run_dir": "runs/bench-proxy",
+    # a fresh run dir and no training: a step (or a journal left by an earlier run) must not answer 503 mid-timing
+    import tempfile
+
+    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench",
+                                             "run_dir": tempfile.mkdtemp(prefix="bench-proxy-"),
                                              "episode_timeout_s": 3600}},
-                                 config=cfg, backend_factory=lambda c: backend)
+                                 config=cfg, backend_factory=lambda c: backend, train=False)
     admin = Conn(handle.url)
     admin.post("/api/v1/admin/start", {}, "bench")
     while handle.swarm.state.state != "ROLLING":
