@@ -187,6 +187,11 @@ def test_chaos_sigkilled_clients_lose_nothing_and_never_stall_training(server):
     lost = acknowledged - set(journal)
     assert not lost, f"{len(lost)} acknowledged episodes are not in the journal"
     assert {journal[e][2] for e in acknowledged} == set(tasks)
+    kills = len(logs) - len(tasks)
+    print(f"chaos: {kills} client SIGKILLs, {len(abandoned)} episodes abandoned (all ended: {outcome.count('deadline')} "
+          f"at their deadline, {outcome.count('drain deadline')} by a drain), {len(acknowledged)} acknowledged "
+          f"accepted, {len(acknowledged & set(journal))} of them in the journal, "
+          f"{int(st['global_step']) - step0} steps, longest drain {max(m['drain_s'] for m in chaos_steps):.2f} s")
 
 
 def test_a_server_that_reached_its_step_limit_says_so_and_refuses_training_episodes(tmp_path):
