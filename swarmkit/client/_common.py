@@ -158,6 +158,28 @@ def load_client_key(url: str, client_id: str) -> str | None:
         return None
 
 
+class HoldsClientId:
+    """What both clients do to speak for their ``client_id`` in votes and heartbeats: show the key
+    that holds the id on the server (the one answered to this client, else one kept on disk by an
+    earlier run of the same client), and keep a key the server answers."""
+
+    url: str
+    client_id: str
+    _client_key: str | None = None
+
+    def _key_header(self) -> dict[str, str]:
+        if self._client_key is None:
+            self._client_key = load_client_key(self.url, self.client_id)
+        return {CLIENT_KEY_HEADER: self._client_key} if self._client_key else {}
+
+    def _kept_key(self, answer: dict[str, Any]) -> dict[str, Any]:
+        key = answer.get("client_key")
+        if isinstance(key, str) and key and key != self._client_key:
+            self._client_key = key
+            save_client_key(self.url, self.client_id, key)
+        return answer
+
+
 def save_client_key(url: str, client_id: str, key: str) -> None:
     """Keep the key (best effort: a client that cannot write its cache still votes until it restarts)."""
     path = client_key_file(url, client_id)

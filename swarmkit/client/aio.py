@@ -25,10 +25,10 @@ import httpx
 
 from swarmkit.client._common import (
     CLIENT_HEADER,
-    CLIENT_KEY_HEADER,
     LIFECYCLE_TIMEOUT_S,
     TRANSIENT_ERRORS,
     EpisodeInfo,
+    HoldsClientId,
     Retry,
     RetryCallback,
     ServerUnavailable,
@@ -43,11 +43,9 @@ from swarmkit.client._common import (
     demonstration_body,
     is_lost_report_ack,
     json_object,
-    load_client_key,
     prepare_body,
     register_body,
     report_body,
-    save_client_key,
     timelines_of,
     transport_error,
 )
@@ -109,7 +107,7 @@ class AsyncEpisode(EpisodeInfo):
         return await self._client._call("GET", self._path(), key=self.api_key)
 
 
-class AsyncSwarmClient:
+class AsyncSwarmClient(HoldsClientId):
     """Talks to one swarm server from asyncio code; the parameters of :class:`~swarmkit.client.SwarmClient`.
 
     ``async with AsyncSwarmClient(url) as client`` (or ``await client.close()``).
@@ -237,19 +235,6 @@ class AsyncSwarmClient:
         """Tell the server this client is alive (any request does too)."""
         return self._kept_key(await self._call("POST", "/api/v1/clients/heartbeat", key=self._sampling_key(),
                                                extra_headers=self._key_header()))
-
-    def _key_header(self) -> dict[str, str]:
-        """The key that holds this client id on the server (see :meth:`SwarmClient._key_header`)."""
-        if self._client_key is None:
-            self._client_key = load_client_key(self.url, self.client_id)
-        return {CLIENT_KEY_HEADER: self._client_key} if self._client_key else {}
-
-    def _kept_key(self, answer: dict[str, Any]) -> dict[str, Any]:
-        key = answer.get("client_key")
-        if isinstance(key, str) and key and key != self._client_key:
-            self._client_key = key
-            save_client_key(self.url, self.client_id, key)
-        return answer
 
     # ------------------------------------------------------------------ episodes
     async def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

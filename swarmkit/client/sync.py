@@ -17,10 +17,10 @@ import httpx
 
 from swarmkit.client._common import (
     CLIENT_HEADER,
-    CLIENT_KEY_HEADER,
     LIFECYCLE_TIMEOUT_S,
     TRANSIENT_ERRORS,
     EpisodeInfo,
+    HoldsClientId,
     Retry,
     RetryCallback,
     ServerUnavailable,
@@ -35,11 +35,9 @@ from swarmkit.client._common import (
     demonstration_body,
     is_lost_report_ack,
     json_object,
-    load_client_key,
     prepare_body,
     register_body,
     report_body,
-    save_client_key,
     timelines_of,
     transport_error,
 )
@@ -106,7 +104,7 @@ class Episode(EpisodeInfo):
         return self._client._call("GET", self._path(), key=self.api_key)
 
 
-class SwarmClient:
+class SwarmClient(HoldsClientId):
     """Talks to one swarm server.
 
     :param url: the server's address, e.g. ``http://127.0.0.1:8000``.
@@ -244,20 +242,6 @@ class SwarmClient:
         """Tell the server this client is alive (any request does too)."""
         return self._kept_key(self._call("POST", "/api/v1/clients/heartbeat", key=self._sampling_key(),
                                               extra_headers=self._key_header()))
-
-    def _key_header(self) -> dict[str, str]:
-        """The key that holds this client id on the server (votes and heartbeats show it): the one
-        this client was answered, else one kept on disk by an earlier run of the same client."""
-        if self._client_key is None:
-            self._client_key = load_client_key(self.url, self.client_id)
-        return {CLIENT_KEY_HEADER: self._client_key} if self._client_key else {}
-
-    def _kept_key(self, answer: dict[str, Any]) -> dict[str, Any]:
-        key = answer.get("client_key")
-        if isinstance(key, str) and key and key != self._client_key:
-            self._client_key = key
-            save_client_key(self.url, self.client_id, key)
-        return answer
 
     # ------------------------------------------------------------------ episodes
     def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
