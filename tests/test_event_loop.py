@@ -73,13 +73,27 @@ def test_a_prompt_longer_than_any_context_is_refused_before_rendering(server):
         ep.report(0.0)
 
 
-def test_a_large_prompt_is_rendered_off_the_event_loop(server):
+def test_a_large_prompt_is_rendered_off_the_event_loop(server, monkeypatch):
     h, client = server
+    threads: list[tuple[int, int]] = []  # (characters rendered, thread) of every render
+    renderer = h.swarm.renderer
+    render = renderer.render_prompt
+
+    def traced(messages, *args, **kwargs):
+        threads.append((sum(len(str(m.get("content") or "")) for m in messages), threading.get_ident()))
+        return render(messages, *args, **kwargs)
+
+    monkeypatch.setattr(renderer, "render_prompt", traced)
     with client.episode("large") as ep:
+        small = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        httpx.post(f"{ep.base_url}/chat/completions", json=small, headers={"Authorization": f"Bearer {ep.api_key}"},
+                   timeout=60).raise_for_status()
         body = {"messages": [{"role": "user", "content": "word " * 25_000}], "max_tokens": 2}  # 125 kB, 50k tokens
         r, took, lat = _while_polling_health(h.url, lambda: httpx.post(
             f"{ep.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {ep.api_key}"},
             timeout=120))
+        loop_thread = h.thread.ident
+        assert [t == loop_thread for n, t in threads] == [True, False], threads  # small on the loop, large off it
         assert r.status_code == 200, r.text[:300]
         assert r.json()["usage"]["prompt_tokens"] > 40_000
         print(f"render {took:.2f} s, health max {max(lat) * 1000:.0f} ms over {len(lat)} polls")
