@@ -12,12 +12,20 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from swarmkit.server.errors import EXCEPTION_HANDLERS
 from swarmkit.server.middleware import BodySizeLimit, UnexpectedErrors
+from swarmkit.server.openapi import openapi_document
 from swarmkit.server.routes import admin, chat, completions, episodes, messages, openai, responses
 from swarmkit.swarm.server import SwarmServer
+
+
+async def openapi_json(request: Request) -> Response:
+    """``GET /openapi.json``: the API's OpenAPI description; public (it describes routes, holds no secrets)."""
+    return JSONResponse(openapi_document())
 
 
 def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
@@ -39,6 +47,7 @@ def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
 
     routes = [
         Route("/", admin.root, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/v1/models", openai.list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
         Route("/v1/models/{model_id:path}", openai.get_model, methods=["GET"]),

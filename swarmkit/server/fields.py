@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from swarmkit.errors import ApiError
 
@@ -97,17 +98,39 @@ def unknown_fields(body: dict[str, object], table: FieldTable, *, strict: bool) 
     return unknown
 
 
+#: unknown names already logged, per endpoint; at most _MAX_LOGGED (clients can make up any number)
 _logged: set[tuple[str, str]] = set()
+_MAX_LOGGED = 1000
+#: the longest X-Swarm-Ignored-Fields value (clients parse response headers with size limits)
+MAX_HEADER_CHARS = 1024
+
+
+def quoted(name: str) -> str:
+    """A field name as it appears in the header and the log: percent-encoded UTF-8 outside letters,
+    digits and ``_.-~`` (a name may hold any character; an HTTP header value may not)."""
+    return quote(name, safe="")
 
 
 def _log_once(endpoint: str, names: list[str]) -> None:
-    new = [n for n in names if (endpoint, n) not in _logged]
+    new = [n for n in names if (endpoint, n) not in _logged][:_MAX_LOGGED - len(_logged)]
     if new:
         _logged.update((endpoint, n) for n in new)
         log.warning("%s: ignoring unknown request field(s) %s (answered in the %s header; server.strict_fields: "
-                    "true refuses them)", endpoint, ", ".join(new), IGNORED_HEADER)
+                    "true refuses them)%s", endpoint, ", ".join(map(quoted, new)), IGNORED_HEADER,
+                    "; further new names are not logged" if len(_logged) >= _MAX_LOGGED else "")
 
 
 def ignored_header(unknown: list[str]) -> dict[str, str]:
-    """The response header naming the unknown fields (empty when there are none)."""
-    return {IGNORED_HEADER: ",".join(unknown)} if unknown else {}
+    """The response header naming the unknown fields, comma-separated and percent-encoded (:func:`quoted`);
+    names past :data:`MAX_HEADER_CHARS` are counted as ``+N more``. Empty when there are none."""
+    if not unknown:
+        return {}
+    names: list[str] = []
+    size = 0
+    for name in map(quoted, unknown):
+        if size + len(name) + 1 > MAX_HEADER_CHARS:
+            names.append(f"+{len(unknown) - len(names)} more")
+            break
+        names.append(name)
+        size += len(name) + 1
+    return {IGNORED_HEADER: ",".join(names)}

@@ -1,0 +1,642 @@
+"""The OpenAPI 3.1 description of a swarm server's HTTP API, served at ``GET /openapi.json``.
+
+Written by hand from the routes (``swarmkit/server/routes/``), so it says what the
+code accepts: required fields, enums and bounds are those the handlers check.
+Unknown request fields are allowed (the server names them in ``X-Swarm-Ignored-Fields``
+unless ``server.strict_fields`` refuses them), so request objects stay open.
+``tests/test_openapi.py`` fails when a route of ``app.py`` is not described here, and
+fuzzes every operation with schemathesis. The prose reference is docs/server_api.md.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from swarmkit import __version__
+
+Schema = dict[str, Any]
+
+Security = list[dict[str, list[str]]]
+
+#: security requirements, by who may call
+ADMIN: Security = [{"adminToken": []}]
+EPISODE: Security = [{"episodeKey": []}]
+EPISODE_OR_ADMIN: Security = [{"episodeKey": []}, {"adminToken": []}]
+ANTHROPIC: Security = [{"episodeKey": []}, {"anthropicApiKey": []}]
+CLIENT: Security = [{}, {"clientToken": []}]  # open unless the server has a client token
+PUBLIC: Security = []
+
+#: the largest max_tokens / max_output_tokens a request may name
+MAX_TOKENS = 10**7
+
+
+# --------------------------------------------------------------------------- small helpers
+def ref(name: str) -> Schema:
+    """A reference to ``components.schemas[name]``."""
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), *, closed: bool = False,
+        description: str | None = None) -> Schema:
+    """An object schema (open to other fields unless ``closed``)."""
+    out: Schema = {"type": "object", "properties": properties}
+    if required:
+        out["required"] = list(required)
+    if closed:
+        out["additionalProperties"] = False
+    if description:
+        out["description"] = description
+    return out
+
+
+def string(description: str | None = None, *, min_length: int | None = None, max_length: int | None = None,
+           pattern: str | None = None, enum: list[str] | None = None) -> Schema:
+    out: Schema = {"type": "string"}
+    for key, value in (("minLength", min_length), ("maxLength", max_length), ("pattern", pattern), ("enum", enum)):
+        if value is not None:
+            out[key] = value
+    if description:
+        out["description"] = description
+    return out
+
+
+def number(lo: float | None = None, hi: float | None = None, description: str | None = None) -> Schema:
+    out: Schema = {"type": "number"}
+    if lo is not None:
+        out["minimum"] = lo
+    if hi is not None:
+        out["maximum"] = hi
+    if description:
+        out["description"] = description
+    return out
+
+
+def integer(lo: int | None = None, hi: int | None = None, description: str | None = None) -> Schema:
+    out = number(lo, hi, description)
+    out["type"] = "integer"
+    return out
+
+
+def enum(*values: str, description: str | None = None) -> Schema:
+    return string(description, enum=list(values))
+
+
+def nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def array(items: Schema, *, min_items: int = 0, max_items: int | None = None, description: str | None = None) -> Schema:
+    out: Schema = {"type": "array", "items": items}
+    if min_items:
+        out["minItems"] = min_items
+    if max_items is not None:
+        out["maxItems"] = max_items
+    if description:
+        out["description"] = description
+    return out
+
+
+BOOL: Schema = {"type": "boolean"}
+ANY_OBJECT: Schema = {"type": "object"}
+
+
+def json_body(schema: Schema, *, required: bool = True) -> Schema:
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
+def answer(description: str, schema: Schema | None = None, *, stream: bool = False,
+           headers: dict[str, Schema] | None = None) -> Schema:
+    """A success response: JSON (and ``text/event-stream`` when the request may ask for a stream)."""
+    content: Schema = {"application/json": {"schema": schema or ANY_OBJECT}}
+    if stream:
+        content["text/event-stream"] = {"schema": string("server-sent events, ended as the protocol ends them")}
+    out: Schema = {"description": description, "content": content}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+#: what each error status means, for the response descriptions
+_ERRORS = {
+    400: "invalid request: malformed JSON, an invalid or unsupported field (the protocol's own 400)",
+    401: "no token, or a key that names no episode",
+    403: "a token of the wrong kind, or another episode's key",
+    404: "unknown episode, response, model or route",
+    409: "conflict: the episode ended or is prepared, the server is already started, ...",
+    410: "the episode passed its deadline",
+    413: "body over server.max_body_bytes",
+    422: "a field of the swarm API is missing or invalid (every problem named)",
+    429: "a quota: running episodes, calls per episode",
+    503: "busy (a training step, booting, offline): retry after Retry-After seconds",
+}
+
+_RETRY_HEADERS = {
+    "Retry-After": {"description": "whole seconds to wait (at least 1)", "schema": {"type": "integer"}},
+    "X-Swarm-Retry-After-Ms": {"description": "the expected wait itself, in milliseconds",
+                               "schema": {"type": "integer"}},
+}
+
+#: the error statuses every operation may answer (the body-size limit is checked before any route)
+_ALWAYS = (413,)
+
+
+def errors(*codes: int, anthropic: bool = False) -> dict[str, Schema]:
+    """Error responses with the protocol's error shape (Anthropic's under ``/v1/messages``)."""
+    schema = ref("AnthropicError" if anthropic else "Error")
+    out: dict[str, Schema] = {}
+    for code in sorted(set(codes) | set(_ALWAYS)):
+        resp: Schema = {"description": _ERRORS[code], "content": {"application/json": {"schema": schema}}}
+        if code in (429, 503):
+            resp["headers"] = _RETRY_HEADERS
+        out[str(code)] = resp
+    return out
+
+
+def op(summary: str, tag: str, security: Security, responses: dict[str, Schema], *,
+       body: Schema | None = None, parameters: list[Schema] | None = None, description: str | None = None,
+       operation_id: str) -> Schema:
+    """One operation object."""
+    out: Schema = {"operationId": operation_id, "summary": summary, "tags": [tag], "security": security,
+                   "responses": responses}
+    if description:
+        out["description"] = description
+    if body is not None:
+        out["requestBody"] = body
+    if parameters:
+        out["parameters"] = parameters
+    return out
+
+
+def param(name: str, where: str, schema: Schema, *, required: bool = False, description: str | None = None) -> Schema:
+    out: Schema = {"name": name, "in": where, "required": required or where == "path", "schema": schema}
+    if description:
+        out["description"] = description
+    return out
+
+
+EPISODE_ID = param("episode_id", "path", string(min_length=1),
+                   description="the episode's id (``ep-...``), as registration answered it")
+CLIENT_HEADER = param("X-Swarm-Client", "header", {"type": "string"},
+                      description="the client id of the caller (the SDK sends a stable one per client); at most 128 "
+                                  "characters where it names the client (register, votes; a body's client_id "
+                                  "replaces it), its first 128 elsewhere")
+CLIENT_KEY_HEADER = param("X-Swarm-Client-Key", "header", {"type": "string"},
+                          description="the key that holds the client id (issued by its first vote or heartbeat)")
+IGNORED_HEADERS = {"X-Swarm-Ignored-Fields": {
+    "description": "the request's unknown fields, percent-encoded and comma-separated; past 1024 characters "
+                   "the rest are counted as '+N more' (absent when there are none)",
+    "schema": {"type": "string"}}}
+
+
+# --------------------------------------------------------------------------- shared schemas
+def _components() -> Schema:
+    text_part = obj({"type": enum("text", "input_text", "output_text", "refusal"), "text": string(),
+                     "refusal": string()}, ("type",),
+                    description="a text content part (image, audio and file parts are refused with 400)")
+    tool_call = obj({"id": string(), "type": enum("function"),
+                     "function": obj({"name": string(), "arguments": {"anyOf": [string(), ANY_OBJECT]}},
+                                     ("name",))}, ("function",))
+    chat_message = obj({
+        "role": enum("system", "developer", "user", "assistant", "tool"),
+        "content": {"anyOf": [string(), array(text_part), {"type": "null"}],
+                    "description": "null only for an assistant message with tool_calls"},
+        "name": string(),
+        "tool_calls": nullable(array(tool_call)),
+        "tool_call_id": string(),
+        "reasoning_content": string("an assistant turn's reasoning (thinking models)"),
+    }, ("role",))
+    function = obj({"name": string(), "description": string(), "parameters": ANY_OBJECT,
+                    "strict": {"anyOf": [{"const": False}, {"type": "null"}],
+                               "description": "strict function calling is refused (400)"}}, ("name",))
+    chat_tool = obj({"type": enum("function"), "function": function}, ("function",))
+    chat_tool_choice = {"anyOf": [enum("none", "auto", "required"),
+                                  obj({"type": enum("function"), "function": obj({"name": string()}, ("name",))},
+                                      ("function",))]}
+    response_format = obj({"type": enum("text", "json_object", "json_schema"),
+                           "json_schema": obj({"name": string(), "schema": ANY_OBJECT, "strict": BOOL}),
+                           "schema": ANY_OBJECT}, ("type",),
+                          description="structured output: honoured on engines with guided decoding (vllm), "
+                                      "else 400; json_schema needs a schema object (in json_schema, or beside type)")
+    stop = {"anyOf": [string(), array(string(), max_items=16)]}
+    error = obj({"error": obj({"message": string(), "type": string(), "code": nullable(string()),
+                               "param": nullable(string())}, ("message", "type"))}, ("error",),
+                description="every error outside /v1/messages (OpenAI's shape)")
+    anthropic_error = obj({"type": enum("error"), "error": obj({"type": string(), "message": string()},
+                                                               ("type", "message"))}, ("type", "error"),
+                          description="every error under /v1/messages (Anthropic's shape)")
+    episode = obj({
+        "episode_id": string(), "task_id": string(), "eval": BOOL, "client_id": nullable(string()),
+        "status": enum("running", "prepared", "committing", "finished", "aborted"),
+        "roles": nullable(array(string())), "created": number(), "deadline": number(), "ended": nullable(number()),
+        "reward": nullable(number()), "rewards": nullable({"type": "object"}), "abort_reason": nullable(string()),
+        "n_calls": integer(), "n_timelines": integer(), "policy_version": integer(), "accepted": nullable(BOOL),
+        "meta": ANY_OBJECT}, ("episode_id", "status"))
+    reward = {"anyOf": [number(-1e6, 1e6), {"type": "object", "additionalProperties": number(-1e6, 1e6)}],
+              "description": "a finite number, or one per role (every role); at most server.max_abs_reward "
+                             "(1e6) in size"}
+    result = obj({"episode_id": string(), "status": string(), "reward": nullable(number()),
+                  "rewards": nullable(ANY_OBJECT), "accepted": nullable(BOOL), "n_timelines": integer(),
+                  "not_accepted": string("why a training episode was not accepted")},
+                 ("episode_id", "status"))
+    return {
+        "securitySchemes": {
+            "adminToken": {"type": "http", "scheme": "bearer",
+                           "description": "the admin token (server.admin_token, $SWARMKIT_ADMIN_TOKEN, or the file "
+                                          "<run_dir>/admin_token): 401 without it, 403 with a wrong one"},
+            "episodeKey": {"type": "http", "scheme": "bearer",
+                           "description": "an episode key (api_key or a role's key from registration); every route "
+                                          "also reads it from x-api-key or api-key when there is no Authorization"},
+            "anthropicApiKey": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                "description": "an episode key as the Anthropic SDK sends it"},
+            "clientToken": {"type": "http", "scheme": "bearer",
+                            "description": "the client token (server.client_token or $SWARMKIT_CLIENT_TOKEN), or "
+                                           "the admin token; needed only when the server has one"},
+        },
+        "schemas": {
+            "Error": error, "AnthropicError": anthropic_error,
+            "TextPart": text_part, "ToolCall": tool_call, "ChatMessage": chat_message, "ChatTool": chat_tool,
+            "ChatToolChoice": chat_tool_choice, "ResponseFormat": response_format, "Stop": stop,
+            "Episode": episode, "Reward": reward, "EpisodeResult": result,
+            "LogitBias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                          "additionalProperties": number(-100, 100),
+                          "description": "token id -> bias (where the engine honours it)"},
+        },
+    }
+
+
+def _sampling() -> dict[str, Schema]:
+    """Fields the OpenAI endpoints share (``swarmkit/server/routes/openai.py::sampling_params``)."""
+    return {
+        "model": string("accepted and ignored: the server serves one model"),
+        "temperature": number(0, 2), "top_p": number(0, 1),
+        "max_tokens": integer(1, MAX_TOKENS, "clipped to the context left"),
+        "n": integer(1, 128), "stop": ref("Stop"), "seed": integer(), "stream": BOOL,
+        "stream_options": obj({"include_usage": BOOL}),
+        "logit_bias": ref("LogitBias"),
+        "frequency_penalty": number(-2, 2), "presence_penalty": number(-2, 2),
+        "top_k": integer(-1, 10**6), "min_p": number(0, 1), "repetition_penalty": number(1e-6, 10),
+        "user": string("ignored"),
+    }
+
+
+def _chat_body() -> Schema:
+    return obj({
+        "messages": array(ref("ChatMessage"), min_items=1),
+        **_sampling(),
+        "max_completion_tokens": integer(1, MAX_TOKENS),
+        "tools": nullable(array(ref("ChatTool"))), "tool_choice": ref("ChatToolChoice"),
+        "parallel_tool_calls": nullable(BOOL),
+        "logprobs": nullable(BOOL), "top_logprobs": integer(0, 20, "needs logprobs: true"),
+        "response_format": nullable(ref("ResponseFormat")),
+        "chat_template_kwargs": nullable({"type": "object", "maxProperties": 16,
+                                          "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                                          "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
+                                          "description": "extra chat template variables (e.g. enable_thinking)"}),
+        "reasoning_effort": {"description": "refused (400): this model has no reasoning-effort setting"},
+        "metadata": ANY_OBJECT, "store": BOOL,
+    }, ("messages",))
+
+
+def _completions_body() -> Schema:
+    ids = array(integer(0), min_items=1)
+    return obj({
+        "prompt": {"anyOf": [string(min_length=1), ids, array({"anyOf": [string(min_length=1), ids]}, min_items=1)],
+                   "description": "text, token ids, or a list of either (no chat template)"},
+        **_sampling(),
+        "max_tokens": integer(1, MAX_TOKENS, "default 16"),
+        "logprobs": nullable(integer(0, 5)),
+        "echo": {"anyOf": [{"const": False}, {"type": "null"}], "description": "echo is refused (400)"},
+        "best_of": nullable(integer(1, 1)),
+    }, ("prompt",))
+
+
+def _anthropic_bodies() -> tuple[Schema, Schema]:
+    text_block = obj({"type": enum("text"), "text": string()}, ("type", "text"))
+    block = {"anyOf": [
+        text_block,
+        obj({"type": enum("tool_use"), "id": string(), "name": string(), "input": ANY_OBJECT},
+            ("type", "id", "name")),
+        obj({"type": enum("tool_result"), "tool_use_id": string(min_length=1),
+             "content": {"anyOf": [string(), array(text_block), {"type": "null"}]}, "is_error": BOOL},
+            ("type", "tool_use_id")),
+        obj({"type": enum("thinking"), "thinking": string(), "signature": string()}, ("type", "thinking")),
+    ]}
+    message = obj({"role": enum("user", "assistant"), "content": {"anyOf": [string(), array(block)]}},
+                  ("role", "content"))
+    tool = obj({"name": string(), "description": string(), "input_schema": ANY_OBJECT,
+                "type": enum("custom")}, ("name", "input_schema"),
+               description="a client tool (server tools are refused with 400)")
+    shared = {
+        "model": string("accepted and ignored"),
+        "messages": array(message, min_items=1),
+        "system": {"anyOf": [string(), array(text_block)]},
+        "tools": nullable(array(tool)),
+        "tool_choice": obj({"type": enum("auto", "any", "tool", "none"), "name": string(),
+                            "disable_parallel_tool_use": BOOL}, ("type",)),
+        "thinking": obj({"type": enum("adaptive", "disabled")}, ("type",),
+                        description="a thinking budget (enabled) is refused"),
+        "output_config": obj({"format": ref("ResponseFormat")}, closed=True,
+                             description="structured output (vllm); effort is refused"),
+        "metadata": ANY_OBJECT,
+    }
+    messages = obj({
+        **shared,
+        "max_tokens": integer(1, MAX_TOKENS),
+        "stop_sequences": array(string()),
+        "temperature": number(0, 1), "top_p": number(0, 1), "top_k": integer(-1, 10**6),
+        "stream": BOOL,
+    }, ("messages", "max_tokens"))
+    return messages, obj(shared, ("messages",))
+
+
+def _responses_body() -> Schema:
+    part = obj({"type": enum("input_text", "output_text", "text", "refusal"), "text": string(),
+                "refusal": string()}, ("type",))
+    content = {"anyOf": [string(), array(part)]}
+    item = {"anyOf": [
+        obj({"type": enum("message"), "role": enum("user", "system", "developer", "assistant"),
+             "content": content}, ("role",)),
+        obj({"type": enum("function_call"), "call_id": string(), "name": string(), "arguments": string()},
+            ("type", "call_id", "name")),
+        obj({"type": enum("function_call_output"), "call_id": string(), "output": content},
+            ("type", "call_id")),
+        obj({"type": enum("item_reference"), "id": string()}, ("type", "id")),
+        obj({"type": enum("reasoning"), "content": array(obj({"type": string(), "text": string()}, ("text",))),
+             "summary": array(obj({"type": string(), "text": string()}, ("text",)))}, ("type",)),
+    ]}
+    tool = obj({"type": enum("function"), "name": string(), "description": string(), "parameters": ANY_OBJECT,
+                "strict": {"anyOf": [{"const": False}, {"type": "null"}]}}, ("type", "name"),
+               description="a function tool (built-in tools are refused with 400)")
+    return obj({
+        "model": string("accepted and ignored"),
+        "input": {"anyOf": [string(), array(item)]},
+        "instructions": nullable(string()),
+        "tools": nullable(array(tool)),
+        "tool_choice": {"anyOf": [enum("none", "auto", "required"),
+                                  obj({"type": enum("function"), "name": string()}, ("type", "name"))]},
+        "parallel_tool_calls": nullable(BOOL),
+        "max_output_tokens": nullable(integer(1, MAX_TOKENS)),
+        "temperature": nullable(number(0, 2)), "top_p": nullable(number(0, 1)),
+        "top_logprobs": nullable(integer(0, 20)),
+        "include": nullable(array(enum("message.output_text.logprobs"))),
+        "stream": nullable(BOOL), "previous_response_id": nullable(string()), "store": nullable(BOOL),
+        "text": obj({"format": nullable(ref("ResponseFormat")), "verbosity": nullable(enum("medium"))},
+                    closed=True),
+        "truncation": nullable(enum("disabled")),
+        "metadata": ANY_OBJECT, "user": string(),
+    }, ("input",))
+
+
+# --------------------------------------------------------------------------- the paths
+def _inference_paths() -> dict[str, Schema]:
+    messages_body, count_body = _anthropic_bodies()
+    call_errors = (400, 401, 403, 409, 410, 429, 503)
+    chat_answer = obj({"id": string(), "object": enum("chat.completion"), "model": string(),
+                       "choices": array(ANY_OBJECT), "usage": ANY_OBJECT}, ("id", "choices"))
+    completion_answer = obj({"id": string(), "object": enum("text_completion"), "model": string(),
+                             "choices": array(ANY_OBJECT), "usage": ANY_OBJECT}, ("id", "choices"))
+    model = obj({"id": string(), "object": enum("model"), "created": integer(), "owned_by": string(),
+                 "policy_version": integer()}, ("id", "object"))
+    message = obj({"id": string(), "type": enum("message"), "role": enum("assistant"), "content": array(ANY_OBJECT),
+                   "stop_reason": string(), "usage": ANY_OBJECT}, ("id", "type", "content"))
+    response = obj({"id": string(), "object": enum("response"), "status": string(), "output": array(ANY_OBJECT),
+                    "usage": nullable(ANY_OBJECT)}, ("id", "object", "status"))
+    tag = "inference"
+    return {
+        "/v1/chat/completions": {"post": op(
+            "OpenAI Chat Completions", tag, EPISODE, operation_id="chatCompletions", body=json_body(_chat_body()),
+            responses={"200": answer("a chat completion (SSE chunks with stream: true)", chat_answer, stream=True,
+                                     headers=IGNORED_HEADERS), **errors(*call_errors)})},
+        "/v1/completions": {"post": op(
+            "OpenAI Completions (raw prompts, no chat template)", tag, EPISODE, operation_id="completions",
+            body=json_body(_completions_body()),
+            responses={"200": answer("a text completion", completion_answer, stream=True, headers=IGNORED_HEADERS),
+                       **errors(*call_errors)})},
+        "/v1/messages": {"post": op(
+            "Anthropic Messages", tag, ANTHROPIC, operation_id="messages", body=json_body(messages_body),
+            responses={"200": answer("a message (Anthropic's events with stream: true)", message, stream=True,
+                                     headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
+        "/v1/messages/count_tokens": {"post": op(
+            "Anthropic token count: the length of the prompt the same request would generate from", tag, ANTHROPIC,
+            operation_id="countTokens", body=json_body(count_body),
+            responses={"200": answer("the prompt length", obj({"input_tokens": integer(0)}, ("input_tokens",)),
+                                     headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
+        "/v1/responses": {"post": op(
+            "OpenAI Responses", tag, EPISODE, operation_id="createResponse", body=json_body(_responses_body()),
+            responses={"200": answer("a response (its events with stream: true)", response, stream=True,
+                                     headers=IGNORED_HEADERS), **errors(*call_errors)})},
+        "/v1/responses/{response_id}": {"get": op(
+            "A response this episode stored", tag, EPISODE, operation_id="getResponse",
+            parameters=[param("response_id", "path", {"type": "string", "minLength": 1})],
+            responses={"200": answer("the stored response", response), **errors(401, 403, 404, 409, 410, 429, 503)})},
+        "/v1/models": {"get": op(
+            "The served model", tag, EPISODE_OR_ADMIN, operation_id="listModels",
+            responses={"200": answer("a list of one model", obj({"object": enum("list"), "data": array(model)},
+                                                                ("object", "data"))), **errors(401, 403)})},
+        "/v1/models/{model_id}": {"get": op(
+            "The served model under its name (any other name: 404)", tag, EPISODE_OR_ADMIN,
+            operation_id="getModel", parameters=[param("model_id", "path", {"type": "string", "minLength": 1},
+                                                       description="the model's name (it may hold slashes)")],
+            responses={"200": answer("the model", model), **errors(401, 403, 404)})},
+        "/tokenize": {"post": op(
+            "Tokenize a prompt, or a chat rendered with the template (vLLM's shape)", tag, EPISODE_OR_ADMIN,
+            operation_id="tokenize",
+            body=json_body({**obj({"prompt": string(), "messages": array(ref("ChatMessage"), min_items=1),
+                                   "tools": nullable(array(ref("ChatTool")))}),
+                            "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}),
+            responses={"200": answer("the token ids", obj({"count": integer(0), "tokens": array(integer(0)),
+                                                           "max_model_len": nullable(integer())},
+                                                          ("count", "tokens"))), **errors(400, 401, 403, 503)})},
+        "/detokenize": {"post": op(
+            "Token ids back to text", tag, EPISODE_OR_ADMIN, operation_id="detokenize",
+            body=json_body(obj({"tokens": array(integer(0))}, ("tokens",))),
+            responses={"200": answer("the text", obj({"prompt": string()}, ("prompt",))),
+                       **errors(400, 401, 403, 503)})},
+    }
+
+
+def _controller_paths() -> dict[str, Schema]:
+    tag = "controller"
+    state = obj({"state": enum("OFFLINE", "BOOTING", "ROLLING", "ROLLING_POST", "WEIGHT_SYNCING")}, ("state",))
+    configure = {
+        **obj({"config": {"type": "object", "description": "a full or partial training config (laid over the "
+                                                           "packaged defaults)"},
+               "overrides": array(string(), description="Hydra overrides, as on the command line"),
+               "yaml": string("the text of a YAML config")}),
+        "oneOf": [{"required": ["config"]}, {"required": ["overrides"]}, {"required": ["yaml"]}],
+        "description": "exactly one of config, overrides or yaml",
+    }
+    status = obj({"state": string(), "since": number(), "last_error": nullable(string()), "global_step": integer(),
+                  "policy_version": integer(), "configured": BOOL, "model": nullable(string()),
+                  "training_finished": nullable(string()), "episodes": ANY_OBJECT, "pool": ANY_OBJECT,
+                  "clients": ANY_OBJECT, "calls": integer(), "tokens_generated": integer(), "uptime_s": number()},
+                 ("state",))
+    return {
+        "/api/v1/health": {"get": op(
+            "State and step; no token (load balancers, waiting clients)", tag, PUBLIC, operation_id="health",
+            responses={"200": answer("the state", obj({"state": string(), "global_step": integer()},
+                                                      ("state", "global_step")))})},
+        "/api/v1/status": {"get": op(
+            "The whole status", tag, ADMIN, operation_id="status",
+            responses={"200": answer("the status", status), **errors(401, 403)})},
+        "/api/v1/admin/configure": {"post": op(
+            "Set the training config (applies at the next start/restart while running)", tag, ADMIN,
+            operation_id="configure", body=json_body(configure),
+            responses={"200": answer("the config as validated (tokens redacted)",
+                                     obj({"state": string(), "config": ANY_OBJECT, "note": nullable(string())},
+                                         ("state", "config"))), **errors(400, 401, 403, 422)})},
+        "/api/v1/admin/start": {"post": op(
+            "Load the model and start serving (poll the status for ROLLING)", tag, ADMIN, operation_id="start",
+            responses={"202": answer("booting", state), **errors(401, 403, 409)})},
+        "/api/v1/admin/stop": {"post": op(
+            "Stop serving: running episodes are aborted", tag, ADMIN, operation_id="stop",
+            responses={"200": answer("stopped", state), **errors(401, 403)})},
+        "/api/v1/admin/restart": {"post": op(
+            "Stop, then start with the latest config", tag, ADMIN, operation_id="restart",
+            responses={"202": answer("booting", state), **errors(401, 403, 409)})},
+        "/api/v1/admin/checkpoint": {"post": op(
+            "Save config, status (and trainer state) under <run_dir>/checkpoints/step_<n>", tag, ADMIN,
+            operation_id="checkpoint",
+            responses={"200": answer("where it was saved", obj({"path": string(), "global_step": integer(),
+                                                                "weights": BOOL}, ("path", "global_step"))),
+                       **errors(401, 403, 409)})},
+        "/api/v1/episodes": {
+            "get": op("Summaries of running episodes (and the last N ended ones)", tag, ADMIN,
+                      operation_id="listEpisodes",
+                      parameters=[param("ended", "query", integer(), description="how many ended episodes to add")],
+                      responses={"200": answer("the summaries", obj({"running": array(ref("Episode")),
+                                                                     "ended": array(ref("Episode"))},
+                                                                    ("running", "ended"))),
+                                 **errors(401, 403, 422)}),
+            "post": _register(),
+        },
+    }
+
+
+def _register() -> Schema:
+    body = obj({
+        "task_id": {"anyOf": [string(min_length=1, max_length=256), integer()],
+                    "description": "the task (an integer is read as its text)"},
+        "eval": BOOL,
+        "timeout_s": number(description="seconds until the server aborts it (default server.episode_timeout_s)"),
+        "roles": array(string(min_length=1, max_length=256), min_items=1, max_items=64,
+                       description="one key per role (no repeats)"),
+        "meta": {"type": "object", "description": "at most server.max_meta_bytes as JSON"},
+        "client_id": string(max_length=128, description="instead of the X-Swarm-Client header"),
+    }, ("task_id",))
+    registered = obj({"episode_id": string(), "base_url": string(), "anthropic_base_url": string(),
+                      "api_key": string(), "keys": nullable({"type": "object", "additionalProperties": string()}),
+                      "roles": nullable(array(string())), "task_id": string(), "eval": BOOL, "deadline": number(),
+                      "timeout_s": number(), "policy_version": integer(), "model": nullable(string())},
+                     ("episode_id", "base_url", "api_key"))
+    return op("Register an episode: its id, base URLs and keys", "episodes", CLIENT, operation_id="registerEpisode",
+              body=json_body(body), parameters=[CLIENT_HEADER],
+              responses={"201": answer("registered", registered), **errors(400, 401, 403, 409, 422, 429, 503)})
+
+
+def _episode_paths() -> dict[str, Schema]:
+    tag = "episodes"
+    params = [EPISODE_ID, CLIENT_HEADER]
+    primary = obj({"url": string(min_length=1, max_length=2048, pattern="^https?://"),
+                   "episode_id": string(min_length=1, max_length=2048),
+                   "api_key": string(min_length=1, max_length=2048)}, ("url", "episode_id", "api_key"), closed=True,
+                  description="the episode whose commit decides this one (absent on the primary)")
+    end_errors = (400, 401, 403, 404, 409, 410, 422, 503)
+    prepared = obj({"episode_id": string(), "status": enum("prepared"), "reward": number(),
+                    "rewards": nullable(ANY_OBJECT), "deadline": number()}, ("episode_id", "status"))
+    timelines = obj({"episode_id": string(), "status": string(), "task_id": string(),
+                     "timelines": array(ANY_OBJECT, description="Timeline.to_dict(): blocks, role, meta")},
+                    ("episode_id", "timelines"))
+    demonstration = obj({"messages": array(ref("ChatMessage"), min_items=1,
+                                           description="a conversation ending with the assistant turns to learn"),
+                         "tools": nullable(array(ref("ChatTool")))}, ("messages",))
+    e = "/api/v1/episodes/{episode_id}"
+    return {
+        e: {"get": op("An episode's summary", tag, EPISODE_OR_ADMIN, operation_id="getEpisode", parameters=params,
+                      responses={"200": answer("the summary", ref("Episode")), **errors(401, 403, 404)})},
+        f"{e}/report": {"post": op(
+            "End the episode with its reward (a training episode goes to the pool first)", tag, EPISODE,
+            operation_id="reportEpisode", parameters=params,
+            body=json_body(obj({"reward": ref("Reward"), "meta": ANY_OBJECT}, ("reward",))),
+            responses={"200": answer("finished", ref("EpisodeResult")), **errors(*end_errors)})},
+        f"{e}/abort": {"post": op(
+            "End the episode without a sample", tag, EPISODE, operation_id="abortEpisode", parameters=params,
+            body=json_body(obj({"reason": string()}), required=False),
+            responses={"200": answer("aborted", obj({"episode_id": string(), "status": string(),
+                                                     "reason": nullable(string())}, ("episode_id", "status"))),
+                       **errors(400, 401, 403, 404, 409, 410, 422)})},
+        f"{e}/prepare": {"post": op(
+            "First phase of a multi-server end: keep the reward, wait for commit", tag, EPISODE,
+            operation_id="prepareEpisode", parameters=params,
+            body=json_body(obj({"reward": ref("Reward"), "meta": ANY_OBJECT, "primary": nullable(primary)},
+                               ("reward",))),
+            responses={"200": answer("prepared", prepared), **errors(*end_errors)})},
+        f"{e}/commit": {"post": op(
+            "Second phase: a prepared episode goes to the pool (a repeated commit answers the same)", tag, EPISODE,
+            operation_id="commitEpisode", parameters=params,
+            responses={"200": answer("finished", ref("EpisodeResult")), **errors(401, 403, 404, 409, 410, 503)})},
+        f"{e}/demonstration": {"post": op(
+            "Record a demonstrated conversation; its assistant turns train with a supervised loss", tag, EPISODE,
+            operation_id="demonstration", parameters=params, body=json_body(demonstration),
+            responses={"201": answer("recorded", obj({"episode_id": string(), "tokens": integer(0),
+                                                      "trained_tokens": integer(0)}, ("tokens", "trained_tokens"))),
+                       **errors(400, 401, 403, 404, 409, 410)})},
+        f"{e}/timelines": {"get": op(
+            "The episode's timelines (one per model call and choice)", tag, EPISODE_OR_ADMIN,
+            operation_id="episodeTimelines", parameters=params,
+            responses={"200": answer("the timelines", timelines), **errors(401, 403, 404)})},
+        "/api/v1/clients/ready": {"post": op(
+            "A client's vote for the batching policy (C4/C5)", tag, CLIENT, operation_id="clientReady",
+            parameters=[CLIENT_HEADER, CLIENT_KEY_HEADER],
+            body=json_body(obj({"ready": BOOL, "client_id": string(max_length=128)}, ("ready",))),
+            description="Speaks for the client id of X-Swarm-Client (or client_id) only with the key that holds it: "
+                        "the first vote or heartbeat of an id binds it to X-Swarm-Client-Key or to a fresh key, "
+                        "answered as client_key; another key is a 403 client_key_mismatch.",
+            responses={"200": answer("the vote", obj({"client_id": string(), "ready": BOOL, "client_key": string()},
+                                                     ("client_id", "ready"))), **errors(400, 401, 403, 422)})},
+        "/api/v1/clients/heartbeat": {"post": op(
+            "A client is alive (active for batching)", tag, CLIENT, operation_id="clientHeartbeat",
+            parameters=[{**CLIENT_HEADER, "required": True, "schema": string(min_length=1, max_length=128)},
+                        CLIENT_KEY_HEADER],
+            responses={"200": answer("alive", obj({"client_id": string(), "state": string(), "client_key": string()},
+                                                  ("client_id", "state"))), **errors(401, 403, 422)})},
+    }
+
+
+def _meta_paths() -> dict[str, Schema]:
+    return {
+        "/": {"get": op("The server's name and state", "meta", PUBLIC, operation_id="root",
+                        responses={"200": answer("who this is", obj({"name": string(), "state": string(),
+                                                                     "openai_base_url": string(), "docs": string()},
+                                                                    ("name", "state")))})},
+        "/openapi.json": {"get": op("This document", "meta", PUBLIC, operation_id="openapi",
+                                    responses={"200": answer("the OpenAPI description")})},
+    }
+
+
+_DOCUMENT: Schema | None = None
+
+
+def openapi_document() -> Schema:
+    """The OpenAPI 3.1 document of a swarm server (a new dict each call)."""
+    global _DOCUMENT
+    if _DOCUMENT is None:
+        _DOCUMENT = {
+            "openapi": "3.1.0",
+            "info": {
+                "title": "swarmkit swarm server",
+                "version": __version__,
+                "description": "Controller, episode and inference API of one swarm server. Errors have OpenAI's "
+                               "shape (Anthropic's under /v1/messages). The prose reference is "
+                               "docs/server_api.md.",
+            },
+            "servers": [{"url": "/"}],
+            "tags": [{"name": "controller", "description": "admin token"},
+                     {"name": "episodes", "description": "sampling clients: register, end, read, vote"},
+                     {"name": "inference", "description": "OpenAI and Anthropic protocols, with an episode key"},
+                     {"name": "meta", "description": "public"}],
+            "paths": {**_meta_paths(), **_controller_paths(), **_episode_paths(), **_inference_paths()},
+            "components": _components(),
+        }
+    return copy.deepcopy(_DOCUMENT)
