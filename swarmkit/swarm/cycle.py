@@ -323,9 +323,7 @@ class TrainingCycle:
         delay = 0.05
         for attempt in range(self.journal_attempts):
             try:
-                self.pool.mark_trained(ids, step)
-                if filtered:
-                    self.pool.mark_filtered(filtered, step)
+                self._record(ids, filtered, step)
                 return True
             except Exception as exc:  # noqa: BLE001 - e.g. sqlite3.OperationalError: database or disk is full
                 error = exc
@@ -338,6 +336,12 @@ class TrainingCycle:
                            "is trained until the write succeeds (retried)")
         log.error("%s", self.last_error)
         return False
+
+    def _record(self, ids: list[str], filtered: list[str], step: int) -> None:
+        """The journal's record of one step: ``ids`` trained, ``filtered`` retired (both repeatable)."""
+        self.pool.mark_trained(ids, step)
+        if filtered:
+            self.pool.mark_filtered(filtered, step)
 
     async def _sync_weights(self, step: int) -> None:
         """Push the trainer's weights into the engine as version ``step`` (retried by :meth:`_catch_up`
@@ -355,9 +359,7 @@ class TrainingCycle:
         try:
             while self._unrecorded:
                 ids, filtered, step = self._unrecorded[0]
-                self.pool.mark_trained(ids, step)
-                if filtered:
-                    self.pool.mark_filtered(filtered, step)
+                self._record(ids, filtered, step)
                 self._unrecorded.pop(0)
                 log.info("step %d's %d episodes are now recorded as trained in the journal", step, len(ids))
             if self._unsynced is not None:

@@ -53,14 +53,13 @@ class ClientTracker:
 
         :raises PermissionError: the id is held by another key.
         """
-        given = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest() if key else None
         with self._lock:
             held = self._keys.get(client_id)
             if held is None:
                 issued = key or secrets.token_urlsafe(24)
-                self._keys[client_id] = hashlib.sha256(issued.encode("utf-8", "surrogatepass")).digest()
+                self._keys[client_id] = _digest(issued)
                 return issued
-            if given is None or not hmac.compare_digest(held, given):
+            if not key or not hmac.compare_digest(held, _digest(key)):
                 raise PermissionError(client_id)
             return None
 
@@ -106,3 +105,8 @@ class ClientTracker:
                 cid: ClientState(s.client_id, s.last_seen, s.ready)
                 for cid, s in self._clients.items()
             }
+
+
+def _digest(key: str) -> bytes:
+    """What the tracker keeps of a client key (never the key itself)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()

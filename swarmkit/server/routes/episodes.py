@@ -326,7 +326,7 @@ async def client_heartbeat(request: Request) -> Response:
     return JSONResponse({"client_id": cid, "state": str(srv.state.state), **issued})
 
 
-def _hold_client_id(request: Request, srv: Any, cid: str) -> dict[str, str]:
+def _hold_client_id(request: Request, srv: SwarmServer, cid: str) -> dict[str, str]:
     """Votes and heartbeats speak for a client id only with the key that holds it.
 
     The first vote or heartbeat of an id binds it to the key it shows (``X-Swarm-Client-Key``)
