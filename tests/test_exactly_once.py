@@ -115,7 +115,9 @@ def test_a_step_the_journal_cannot_record_is_not_trained_twice(train_cfg, tmp_pa
                 with c.episode("task-a") as ep:
                     ep.report(0.5)
                     first.append(ep.episode_id)
-            st = wait(lambda s: "journal could not record" in (s["pool"].get("last_error") or ""), "the error")
+            # the error is set while the step still runs (WEIGHT_SYNCING): wait for the step to end too
+            st = wait(lambda s: "journal could not record" in (s["pool"].get("last_error") or "")
+                      and s["state"] == "ROLLING", "the error, after the step")
             assert "not authorized" in st["pool"]["last_error"]  # SQLite's own error, not a masking one
             assert st["global_step"] == 1 and st["state"] == "ROLLING"
             time.sleep(1.0)  # the batch is not offered again while the write is pending
