@@ -158,6 +158,21 @@ def load_client_key(url: str, client_id: str) -> str | None:
         return None
 
 
+def save_client_key(url: str, client_id: str, key: str) -> None:
+    """Keep the key (best effort: a client that cannot write its cache still votes until it restarts)."""
+    path = client_key_file(url, client_id)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not keep the client key in %s (%s); a restarted client cannot vote as %r until "
+                    "the server forgets it", path, exc, client_id)
+
+
 class HoldsClientId:
     """What both clients do to speak for their ``client_id`` in votes and heartbeats: show the key
     that holds the id on the server (the one answered to this client, else one kept on disk by an
@@ -178,21 +193,6 @@ class HoldsClientId:
             self._client_key = key
             save_client_key(self.url, self.client_id, key)
         return answer
-
-
-def save_client_key(url: str, client_id: str, key: str) -> None:
-    """Keep the key (best effort: a client that cannot write its cache still votes until it restarts)."""
-    path = client_key_file(url, client_id)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("could not keep the client key in %s (%s); a restarted client cannot vote as %r until "
-                    "the server forgets it", path, exc, client_id)
 
 
 # ---------------------------------------------------------------------- retries

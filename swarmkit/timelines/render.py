@@ -586,7 +586,7 @@ def generation_prompt_is_last(template: Any, constants: set[str]) -> bool:
     if not template.body or not isinstance(template.body[-1], nodes.If):
         return False
     last = template.body[-1]
-    reads = [n for n in last.find_all(nodes.Name)]
+    reads = list(last.find_all(nodes.Name))
     if not any(n.name == "add_generation_prompt" for n in reads):
         return False
     everywhere = [n for n in template.find_all(nodes.Name) if n.name == "add_generation_prompt"]

@@ -487,7 +487,6 @@ def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:
     return f
 
 
-
 def sft_nll(demos: Sequence[Prepared]) -> float | None:
     """Mean negative logprob of demonstrated tokens (their ``old_logprobs``, scored before the
     step), or None without demonstrations."""
