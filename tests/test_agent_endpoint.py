@@ -280,6 +280,23 @@ def test_replay_works_for_streamed_turns(make, train_cfg):
     assert len(merge_timelines(_timelines(h, ep), "token")) == 1
 
 
+@pytest.mark.parametrize("match", ["token", "text"])
+def test_a_turn_cut_at_max_tokens_merges_with_the_next(make, train_cfg, match):
+    """The template closes a truncated turn with an end-of-turn token the model never generated:
+    the replayed generation is a block of its own, so it still matches the llm block it repeats."""
+    h = make(replies=("one two three four five six", "done"), config=_config(train_cfg))
+    ep = h.register()
+    messages = [{"role": "user", "content": "Count."}]
+    first = h.chat(ep["api_key"], messages=messages, max_tokens=3).json()["choices"][0]
+    assert first["finish_reason"] == "length"
+    messages += [first["message"], {"role": "user", "content": "Go on."}]
+    assert h.chat(ep["api_key"], messages=messages).status_code == 200
+    tls = _timelines(h, ep)
+    history = next(b for b in tls[1].blocks if b.author == "history")
+    assert history.token_ids == tls[0].blocks[-1].token_ids and history.text == tls[0].blocks[-1].text
+    assert len(merge_timelines(tls, match)) == 1
+
+
 def test_without_replay_a_double_encoding_template_would_break_the_merge(make, train_cfg):
     """The failure replay fixes: the Qwen2.5-style render of the JSON differs from what was generated."""
     h = make(replies=[CALL_REPLY % (2, 3)], config=_config(train_cfg, TEMPLATES["qwen2.5"]))

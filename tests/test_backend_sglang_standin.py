@@ -92,7 +92,7 @@ class StandInSGLang:
             if t in stop_ids:
                 finish = {"type": "stop", "matched": t}
             else:
-                text = self.tok.decode(out, skip_special_tokens=True)
+                text = self.tok.decode(out, skip_special_tokens=bool(sp.get("skip_special_tokens", True)))
                 hit = next((s for s in stops if s and s in text), None)
                 if hit is not None:
                     finish = {"type": "stop", "matched": hit}

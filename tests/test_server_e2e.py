@@ -103,15 +103,8 @@ def check_timeline(tl: dict, messages: list[dict], tools, reference, generated=(
     *prompt, completion = blocks
     prompt_ids = [t for b in prompt for t in b["token_ids"]]
     if prompt_ids != template_ids(tok, messages, tools):
-        # a replayed turn is the model's raw generation (special tokens it generated included)
-        replayed = []
-        for m in messages:
-            raw = next((tok.decode(g) for g in generated if m["role"] == "assistant" and not m.get("tool_calls")
-                        and tok.decode(g, skip_special_tokens=True).strip() == (m["content"] or "").strip()), None)
-            if raw is not None and raw.endswith(tok.eos_token):
-                raw = raw[: -len(tok.eos_token)]
-            replayed.append(m if raw is None else {"role": "assistant", "content": raw})
-        text = tok.apply_chat_template(replayed, tools=tools, add_generation_prompt=True, tokenize=False)
+        # a replayed turn is the model's own tokens for the same text (possibly another tokenization)
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         assert tok.decode(prompt_ids) == text, "prompt text differs from the chat template"
         for b in prompt:
             if b["token_ids"] != tok.encode(b["text"], add_special_tokens=False):
@@ -265,6 +258,38 @@ def test_sampling_fields_shape_the_sample_not_the_logprobs(server, reference):
     assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(first["logprobs"], abs=1e-6)
     for tl in tls:
         check_timeline(tl, messages, None, reference)
+
+
+def test_special_tokens_the_model_generates_come_back_and_extend_the_timeline(server, reference):
+    """The returned content keeps a special token the model generated, so the history the agent
+    sends back replays the recorded completion: the next turn extends the timeline and the two
+    merge into one sample. ``skip_special_tokens`` (a vLLM field) asks for clean text instead."""
+    from swarmkit.timelines import Timeline, merge_timelines
+
+    client, _, _ = server
+    _, tok = reference
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    messages = [{"role": "user", "content": "Say something."}]
+    with client.episode(task_id="special-1") as ep:
+        llm = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        r = llm.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                        logit_bias={str(special): 100})
+        assert r.choices[0].message.content == "<|im_start|>" * 3
+        clean = llm.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                            logit_bias={str(special): 100}, extra_body={"skip_special_tokens": True})
+        assert clean.choices[0].message.content in ("", None)
+        with pytest.raises(openai.BadRequestError, match="skip_special_tokens"):
+            llm.chat.completions.create(model="tiny", messages=messages, max_tokens=1,
+                                        extra_body={"skip_special_tokens": "yes"})
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "Again?"}]
+        llm.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        ep.report(0.0)
+        first, _, second = ep.timelines()
+    ids = [[t for b in tl["blocks"] for t in b["token_ids"]] for tl in (first, second)]
+    assert first["blocks"][-1]["token_ids"] == [special] * 3
+    assert ids[1][: len(ids[0])] == ids[0], "the second turn does not extend the first"
+    assert len(merge_timelines([Timeline.from_dict(first), Timeline.from_dict(second)])) == 1
 
 
 def test_concurrent_episodes_keep_separate_timelines(server, reference):

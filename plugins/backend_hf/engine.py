@@ -66,7 +66,13 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.config.schema import ModelConfig
-from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.contract import (
+    GenerationOutput,
+    InferenceBackend,
+    SamplingParams,
+    StreamChunk,
+    decode_generated,
+)
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
@@ -565,8 +571,7 @@ class HFBackend(InferenceBackend):
 
     def _decode_text(self, seq: _Seq) -> str:
         ids = seq.out_ids[:-1] if seq.hide_last else seq.out_ids
-        skip = getattr(seq.req.params, "skip_special_tokens", True)
-        return self._worker_tok.decode(ids, skip_special_tokens=skip)
+        return decode_generated(self._worker_tok, ids, seq.req.params)
 
     def _append(self, seq: _Seq, tok: int, lp: float, top: dict[int, float] | None) -> None:
         if seq.req.cancelled:

@@ -20,8 +20,8 @@ Endpoints used
 --------------
 - ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``stop_token_ids``, ``sampling_seed``,
-  ``skip_special_tokens``), ``return_logprob``, ``top_logprobs_num``,
-  ``lora_path`` and ``stream``. The answer carries ``output_ids``, ``text`` and
+  ``skip_special_tokens``, ``spaces_between_special_tokens``), ``return_logprob``,
+  ``top_logprobs_num``, ``lora_path`` and ``stream``. The answer carries ``output_ids``, ``text`` and
   ``meta_info`` with ``output_token_logprobs`` (``[logprob, token_id, text]``
   triples), ``output_top_logprobs`` and ``finish_reason``
   (``{"type": "stop" | "length", ...}``). With ``stream`` the answer is
@@ -62,7 +62,13 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.config.schema import ModelConfig
-from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.contract import (
+    GenerationOutput,
+    InferenceBackend,
+    SamplingParams,
+    StreamChunk,
+    decode_generated,
+)
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
 from swarmkit.models import resolve_model_path
 from swarmkit_plugins.backend_sglang.schema import SGLangBackendConfig
@@ -216,7 +222,8 @@ class SGLangBackend(InferenceBackend):
             "max_new_tokens": int(params.max_tokens),
             "temperature": float(params.temperature),
             "top_p": float(params.top_p),
-            "skip_special_tokens": True,
+            "skip_special_tokens": bool(params.skip_special_tokens),
+            "spaces_between_special_tokens": False,
         }
         if params.stop:
             sp["stop"] = list(params.stop)
@@ -267,7 +274,7 @@ class SGLangBackend(InferenceBackend):
         kind = (finish or {}).get("type") if isinstance(finish, dict) else finish
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         hide_last = bool(ids) and ids[-1] in stop_ids
-        text = self._tokenizer.decode(ids[:-1] if hide_last else ids, skip_special_tokens=True)
+        text = decode_generated(self._tokenizer, ids[:-1] if hide_last else ids, params)
         text, hit = cut_at_stop(text, params.stop)
         if hit:
             kind = "stop"
@@ -325,7 +332,7 @@ class SGLangBackend(InferenceBackend):
         """Decoded text so far, or None once a stop id or stop string has been produced."""
         if ids and ids[-1] in (self._eos_ids | set(params.stop_token_ids)):
             return None
-        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        text = decode_generated(self._tokenizer, ids, params)
         if find_stop(text, params.stop) is not None:
             return None
         return text

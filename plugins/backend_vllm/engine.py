@@ -79,7 +79,13 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.config.schema import ModelConfig
-from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.contract import (
+    GenerationOutput,
+    InferenceBackend,
+    SamplingParams,
+    StreamChunk,
+    decode_generated,
+)
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
@@ -328,7 +334,8 @@ class VLLMBackend(InferenceBackend):
             stop_token_ids=[int(t) for t in p.stop_token_ids] or None,
             seed=None if p.seed is None else int(p.seed),
             logprobs=int(p.top_logprobs),
-            skip_special_tokens=True,
+            skip_special_tokens=bool(p.skip_special_tokens),  # vLLM's stop-string scan sees our text
+            spaces_between_special_tokens=False,
             output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY,
             **_shaping(p),
         )
@@ -428,7 +435,7 @@ class VLLMBackend(InferenceBackend):
                     return
                 if ids and ids[-1] in stop_ids:
                     continue
-                text = self._tokenizer.decode(ids, skip_special_tokens=True)
+                text = decode_generated(self._tokenizer, ids, params)
                 if find_stop(text, params.stop) is not None:
                     continue
                 if len(ids) > sent_tokens:
@@ -457,7 +464,7 @@ class VLLMBackend(InferenceBackend):
     def _text_and_reason(self, ids: list[int], params: SamplingParams, vllm_reason: str | None) -> tuple[str, str]:
         hide_last = bool(ids) and ids[-1] in (self._eos_ids | set(params.stop_token_ids)) \
             and vllm_reason == "stop"
-        text = self._tokenizer.decode(ids[:-1] if hide_last else ids, skip_special_tokens=True)
+        text = decode_generated(self._tokenizer, ids[:-1] if hide_last else ids, params)
         text, hit = cut_at_stop(text, params.stop)
         reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(vllm_reason), "length")
         if hit:

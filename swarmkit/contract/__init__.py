@@ -19,6 +19,7 @@ from swarmkit.contract.backend import (
     InferenceBackend,
     SamplingParams,
     StreamChunk,
+    decode_generated,
 )
 from swarmkit.contract.batching import (
     BatchingPolicy,
@@ -81,5 +82,6 @@ __all__ = [
     "TrainSample",
     "check_algorithm",
     "check_implementation",
+    "decode_generated",
     "scalar_reward",
 ]

@@ -22,6 +22,9 @@ class SamplingParams:
     one, and the text is cut before it. ``stop_token_ids`` end generation on
     these ids (the tokenizer's EOS ids are always added by the backend).
     ``top_logprobs`` > 0 asks for that many alternatives per generated token.
+    ``skip_special_tokens`` drops special tokens from the returned text; off by
+    default, so the text holds every token the model generated (see
+    :func:`decode_generated`) and a client that sends it back replays them.
 
     The fields after ``top_logprobs`` shape the sampling distribution further; a
     backend lists those it honours in :attr:`InferenceBackend.sampling_fields`
@@ -49,6 +52,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     top_logprobs: int = 0
+    skip_special_tokens: bool = False
     top_k: int = 0
     min_p: float = 0.0
     frequency_penalty: float = 0.0
@@ -65,6 +69,19 @@ class SamplingParams:
 #: the distribution-shaping fields of :class:`SamplingParams` and their no-op values
 SHAPING_DEFAULTS: dict[str, object] = {"top_k": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                        "repetition_penalty": 1.0, "logit_bias": {}, "response_format": None}
+
+
+def decode_generated(tokenizer: Any, token_ids: Sequence[int], params: SamplingParams) -> str:
+    """The text of generated ``token_ids`` as a client receives it.
+
+    Special tokens are kept unless ``params.skip_special_tokens`` and spaces are not
+    cleaned up, so the text a client sends back in its history re-tokenizes to the
+    tokens the model generated (a special token the model wrote mid-answer included)
+    and the next turn extends the recorded timeline instead of starting a new one.
+    The stop token that ended generation is the caller's to leave out.
+    """
+    return str(tokenizer.decode(list(token_ids), skip_special_tokens=params.skip_special_tokens,
+                                clean_up_tokenization_spaces=False))
 
 
 @dataclass

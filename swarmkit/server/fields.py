@@ -48,14 +48,14 @@ CHAT = FieldTable.of(
            "max_completion_tokens", "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options",
            "response_format", "logit_bias", "frequency_penalty", "presence_penalty", "functions", "function_call",
            "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-           "top_k", "min_p", "repetition_penalty", "chat_template_kwargs"),
+           "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "skip_special_tokens"),
     ignored=_OPENAI_METADATA,
 )
 COMPLETIONS = FieldTable.of(
     "/v1/completions",
     known=("prompt", "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream",
            "stream_options", "echo", "best_of", "suffix", "logit_bias", "frequency_penalty", "presence_penalty",
-           "top_k", "min_p", "repetition_penalty"),
+           "top_k", "min_p", "repetition_penalty", "skip_special_tokens"),
     ignored=("user",),
 )
 MESSAGES = FieldTable.of(

@@ -276,6 +276,8 @@ def _sampling() -> dict[str, Schema]:
         "logit_bias": ref("LogitBias"),
         "frequency_penalty": number(-2, 2), "presence_penalty": number(-2, 2),
         "top_k": integer(-1, 10**6), "min_p": number(0, 1), "repetition_penalty": number(1e-6, 10),
+        "skip_special_tokens": {**BOOL, "description": "drop special tokens from the returned text (default "
+                                "false: the text keeps every generated token, so sent back it replays them)"},
         "user": string("ignored"),
     }
 

@@ -48,6 +48,7 @@ CONFORMANCE_CHECKS: tuple[str, ...] = (
     "seeded_sampling",
     "top_logprobs",
     "sampling_fields",
+    "special_tokens",
     "concurrent_requests",
     "streaming",
     "weight_update",
@@ -241,7 +242,7 @@ class BackendConformance:
         for p in self.prompts[:4]:
             out = self.generate(p)[0]
             assert out.finish_reason in ("stop", "length")
-            assert out.text == self.tok.decode(self._visible_ids(out), skip_special_tokens=True)
+            assert out.text == self.tok.decode(self._visible_ids(out), clean_up_tokenization_spaces=False)
 
     def check_logprobs_match_reference(self) -> None:
         """Per-token logprobs (greedy and sampled) equal a transformers forward pass."""
@@ -286,7 +287,7 @@ class BackendConformance:
         k = full.token_ids.index(stop_id)
         assert out.token_ids == full.token_ids[: k + 1]
         assert out.finish_reason == "stop"
-        assert out.text == self.tok.decode(out.token_ids[:-1], skip_special_tokens=True)
+        assert out.text == self.tok.decode(out.token_ids[:-1], clean_up_tokenization_spaces=False)
 
     def check_max_tokens(self) -> None:
         for m in (1, 5):
@@ -360,6 +361,25 @@ class BackendConformance:
                 self.assert_matches_reference(p, out, greedy=False, what=name)
                 if repeats:  # greedy repeats a token: a strong penalty changes the continuation
                     assert out.token_ids != greedy.token_ids, f"{name}={value} changed nothing"
+
+    def check_special_tokens(self) -> None:
+        """A special token generated mid-answer stays in the text (a client that sends the text
+        back replays it), unless ``skip_special_tokens``. Forced with ``logit_bias``: a backend
+        without it has nothing to check."""
+        if "logit_bias" not in set(getattr(self.backend, "sampling_fields", ())):
+            return
+        ends = {self.tok.eos_token_id, *getattr(self.backend, "_eos_ids", ())}
+        special = next((t for t in self.tok.all_special_ids if t not in ends), None)
+        if special is None:
+            return
+        p = self.prompts[0]
+        name = self.tok.convert_ids_to_tokens(special)
+        out = self.generate(p, logit_bias={special: 100.0}, max_tokens=3)[0]
+        assert out.token_ids == [special] * 3, "logit_bias +100 did not force the special token"
+        assert out.text == name * 3, f"special token {name!r} dropped from the text: {out.text!r}"
+        assert "".join(c.text for c in self.stream(p, logit_bias={special: 100.0}, max_tokens=3)) == out.text
+        out = self.generate(p, logit_bias={special: 100.0}, max_tokens=3, skip_special_tokens=True)[0]
+        assert out.token_ids == [special] * 3 and out.text == "", "skip_special_tokens kept them"
 
     def check_concurrent_requests(self) -> None:
         """16 concurrent requests give exactly their solo results (no cross-talk)."""

@@ -13,7 +13,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.contract import (
+    GenerationOutput,
+    InferenceBackend,
+    SamplingParams,
+    StreamChunk,
+    decode_generated,
+)
 
 LOGPROB = -0.5
 
@@ -109,7 +115,7 @@ class ScriptedBackend(InferenceBackend):
             else:
                 await asyncio.sleep(0)
             last = k == len(out.token_ids) - 1
-            upto = self.tokenizer.decode(out.token_ids[: k + 1], skip_special_tokens=True)
+            upto = decode_generated(self.tokenizer, out.token_ids[: k + 1], params)
             if not out.text.startswith(upto):
                 upto = out.text if last else sent
             delta, sent = upto[len(sent):], upto

@@ -420,8 +420,31 @@ class ChatRenderer:
         flat = [p for ps in pieces for p in ps if p.rendered]
         if gen_prompt:
             flat.append(_Piece("template", gen_prompt, gen_prompt))
-        replay = {id(p): ids for p in flat if (ids := self._replayed(p, generated)) is not None}
+        replay: dict[int, list[int]] = {}
+        if generated:
+            flat = self._split_replayed(flat, generated, replay)
         return self._fix_splits(flat, replay), replay
+
+    def _split_replayed(self, flat: list[_Piece], generated: Sequence[tuple[str, Sequence[int]]],
+                        replay: dict[int, list[int]]) -> list[_Piece]:
+        """``flat`` with each history piece that replays a generation (its ids put in ``replay``)
+        split from the template text after it (e.g. the end-of-turn token of a turn cut at
+        ``max_tokens``), so its block has the text of the ``llm`` block it repeats and merges."""
+        out: list[_Piece] = []
+        for p in flat:
+            hit = self._replayed(p, generated)
+            if hit is None:
+                out.append(p)
+                continue
+            ids, rest = hit
+            if rest:  # p.text ends with p.rendered (see _generated_text), so with rest
+                out.append(p := _Piece("history", p.rendered[: -len(rest)], p.text[: -len(rest)]))
+                replay[id(p)] = ids
+                out.append(_Piece("template", rest, rest))
+            else:
+                out.append(p)
+                replay[id(p)] = ids
+        return out
 
     def _resolve_unstable(self, full: str, bounds: list[int], start: int) -> None:
         """Split points whose prefix render is not a prefix of ``full`` (history re-rendered):
@@ -508,8 +531,10 @@ class ChatRenderer:
             self._pair_cache[key] = ok
         return ok
 
-    def _replayed(self, p: _Piece, generated: Sequence[tuple[str, Sequence[int]]]) -> list[int] | None:
-        """The generated token ids a history piece replays (see ``render_prompt``), or None.
+    def _replayed(self, p: _Piece, generated: Sequence[tuple[str, Sequence[int]]]
+                  ) -> tuple[list[int], str] | None:
+        """The generated token ids a history piece replays (see ``render_prompt``) and the rendered
+        text after them, or None.
 
         A thinking model's turn that the template renders without its ``<think>`` part
         (Qwen3 drops reasoning before the last user query) replays the tokens generated
@@ -526,10 +551,8 @@ class ChatRenderer:
                     continue
                 text, ids = tail
             rest = p.rendered[len(text):]
-            if not rest:
-                return list(ids)
-            if self._safe_split(text, rest):
-                return list(ids) + self._encode(rest)
+            if not rest or self._safe_split(text, rest):
+                return list(ids), rest
         return None
 
     def _answer_tail(self, text: str, ids: Sequence[int]) -> tuple[str, list[int]] | None:

@@ -46,6 +46,14 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(value)
 
 
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field that defaults to false (anything but true, false or absent: 400)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false", "invalid_value", param=name)
+    return bool(value)
+
+
 def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
     value = body.get(name)
     if value is None:
@@ -199,6 +207,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int, backend: 
         stop=stops,
         seed=seed,
         top_logprobs=top,
+        skip_special_tokens=_flag(body, "skip_special_tokens"),
         **_shaping(body, backend, aliases or {}),
     )
     return params, want_logprobs
@@ -218,7 +227,7 @@ def turn_sampling(srv: SwarmServer, turn: Turn, body: dict[str, Any],
 def stream_flag(body: dict[str, Any]) -> bool:
     """``stream``: true, false or absent (anything else: 400)."""
     stream = body.get("stream")
-    if stream not in (None, True, False):
+    if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "invalid_value", param="stream")
     return bool(stream)
 
