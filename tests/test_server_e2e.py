@@ -360,7 +360,7 @@ def test_server_prints_url_and_writes_private_admin_token(tmp_path):
             if "admin token" in line:
                 break
         out = "".join(lines)
-        assert f"http://127.0.0.1:{port}" in out
+        assert f"http://127.0.0.1:{port}" in out and f"http://127.0.0.1:{port}/dashboard" in out
         token_file = tmp_path / "admin_token"
         assert str(token_file) in out
         assert (token_file.stat().st_mode & 0o777) == 0o600

@@ -70,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     import hydra
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("monitor", "status"):  # the two commands that are not a Hydra job
+        from swarmkit.apps.monitor import monitor_main, status_main
+
+        sys.exit((monitor_main if args[0] == "monitor" else status_main)(args[1:]))
     try:
         hargs = hydra_argv(args)
         if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith(("--cfg", "-c"))

@@ -25,6 +25,8 @@ from swarmkit.apps.serve import start_server_thread
 from swarmkit.apps.task_client import EvalResult, TrainingClient, evaluate, send_demonstrations
 from swarmkit.client import SwarmClient
 from swarmkit.config.validate import to_dict
+from swarmkit.server.run import token_hint
+from swarmkit.swarm.metrics import step_line
 from swarmkit.tasks import make_tasks
 
 console = Console()
@@ -40,22 +42,15 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _step_line(m: dict[str, Any], fill: dict[str, Any] | None) -> str:
-    fill_txt = f"{fill['current']:g}/{fill['target']:g} {fill['unit']}" if fill else "-"
-    demos = int(m.get("demonstrations", 0))
-    reward = "sft" if demos and demos == int(m.get("episodes", 0)) else f"{m.get('reward_mean', float('nan')):.3f}"
-    return (
-        f"step {int(m['step']):>3}  reward {reward:>5}  "
-        f"loss {m.get('loss', float('nan')):+.4f}  samples {int(m.get('samples', 0))}  "
-        f"tokens {int(m.get('trained_tokens', m.get('tokens', 0)))}  pool {fill_txt}  "
-        f"{m.get('cycle_time_s', 0.0):.1f}s (sync {m.get('weight_sync_s', 0.0):.2f}s)"
-    )
+    return step_line(m, pool=f"{fill['current']:g}/{fill['target']:g} {fill['unit']}" if fill else "-")
 
 
 def run_local(cfg: DictConfig) -> int:
     import logging
 
-    # one line per request is noise next to the per-step lines
-    for name in ("httpx", "httpcore", "httpx2", "swarmkit.client"):  # the client's retry lines: the status bar shows the state
+    # one line per request is noise next to the per-step lines; the client's retry lines too (the status bar
+    # shows the state), and the server's own step lines (this job prints its step lines with the pool's fill)
+    for name in ("httpx", "httpcore", "httpx2", "swarmkit.client", "swarmkit.cycle"):
         logging.getLogger(name).setLevel(logging.WARNING)
     t_start = time.time()
     run_dir = Path(cfg.server.run_dir)
@@ -65,6 +60,7 @@ def run_local(cfg: DictConfig) -> int:
         cfg.server.port = 0
     handle = start_server_thread(cfg)
     console.print(f"[bold]swarmkit[/] local swarm: server {handle.url}  run dir {run_dir}")
+    console.print(f"dashboard: {handle.url}/dashboard (admin token {token_hint(handle.swarm)})", soft_wrap=True)
     client = SwarmClient(handle.url, token=handle.admin_token, retry_for=3600)
     task = cfg.task
     batching = cfg.batching

@@ -6,8 +6,8 @@
 """
 
 from swarmkit.contract.batching import scalar_reward
-from swarmkit.pool.journal import SamplePool
+from swarmkit.pool.journal import JournalReader, SamplePool
 from swarmkit.pool.records import FILTERED, TRAINED, UNTRAINED, DuplicateEpisodeError, EpisodeRecord
 
-__all__ = ["FILTERED", "TRAINED", "UNTRAINED", "DuplicateEpisodeError", "EpisodeRecord", "SamplePool",
+__all__ = ["FILTERED", "TRAINED", "UNTRAINED", "DuplicateEpisodeError", "EpisodeRecord", "JournalReader", "SamplePool",
            "scalar_reward"]

@@ -24,6 +24,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -360,6 +361,44 @@ class SamplePool:
             "first_accepted_at": first,
             "last_accepted_at": last,
         }
+
+
+class JournalReader:
+    """Read-only access to a journal another process may be writing (``mode=ro``; never creates it).
+
+    For looking at a run from outside: the dashboard of a finished or crashed run.
+    """
+
+    def __init__(self, db_path: str | os.PathLike[str]):
+        self.db_path = os.fspath(db_path)
+        if not os.path.exists(self.db_path):
+            raise FileNotFoundError(f"no journal at {self.db_path}")
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.db_path)) + "?mode=ro"
+        self._db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def counts(self) -> dict[str, int]:
+        """Episodes by status (``untrained``, ``trained``, ``filtered``) and distinct untrained tasks."""
+        with self._lock:
+            by_status = dict(self._db.execute("SELECT status, COUNT(*) FROM episodes GROUP BY status").fetchall())
+            tasks = self._db.execute("SELECT COUNT(DISTINCT task_id) FROM episodes WHERE status=?",
+                                     (UNTRAINED,)).fetchone()[0]
+        return {UNTRAINED: by_status.get(UNTRAINED, 0), TRAINED: by_status.get(TRAINED, 0),
+                FILTERED: by_status.get(FILTERED, 0), "untrained_tasks": int(tasks)}
+
+    def newest(self, limit: int) -> list[EpisodeRecord]:
+        """The ``limit`` most recently accepted records, newest first."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_COLS} FROM episodes ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    def get(self, episode_id: str) -> EpisodeRecord | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_COLS} FROM episodes WHERE episode_id=?", (episode_id,)).fetchone()
+        return _row_to_record(row) if row is not None else None
 
 
 def _main(argv: list[str] | None = None) -> int:  # pragma: no cover - tiny tool (python -m swarmkit.pool)

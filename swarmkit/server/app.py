@@ -16,10 +16,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from swarmkit.server.dashboard.data import MetricsTail
+from swarmkit.server.dashboard.session import Sessions
+from swarmkit.server.dashboard.source import DashboardSource, LiveSource
 from swarmkit.server.errors import EXCEPTION_HANDLERS
 from swarmkit.server.middleware import BodySizeLimit, UnexpectedErrors
 from swarmkit.server.openapi import openapi_document
-from swarmkit.server.routes import admin, chat, completions, episodes, messages, openai, responses
+from swarmkit.server.prometheus import RequestTimer, ServerMetrics
+from swarmkit.server.routes import (
+    admin,
+    chat,
+    completions,
+    dashboard,
+    episodes,
+    messages,
+    openai,
+    responses,
+)
 from swarmkit.swarm.server import SwarmServer
 
 
@@ -76,9 +89,28 @@ def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
         Route("/api/v1/episodes/{episode_id}/timelines", episodes.timelines, methods=["GET"]),
         Route("/api/v1/clients/ready", episodes.client_ready, methods=["POST"]),
         Route("/api/v1/clients/heartbeat", episodes.client_heartbeat, methods=["POST"]),
+        Route("/metrics", dashboard.prometheus, methods=["GET"]),
+        *dashboard.routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.swarm = srv
+    app.state.dashboard = LiveSource(srv)
+    app.state.dashboard_sessions = Sessions()
+    app.state.dashboard_metrics = MetricsTail()
+    app.state.prometheus = ServerMetrics(srv, MetricsTail())
     app.add_middleware(UnexpectedErrors)  # inner: added first
     app.add_middleware(BodySizeLimit, max_bytes=srv.max_body_bytes)
+    app.add_middleware(RequestTimer, metrics=app.state.prometheus)  # outer: times the 413s too
+    return app
+
+
+def create_monitor_app(source: DashboardSource, max_body_bytes: int = 64_000) -> Starlette:
+    """An app that serves only the dashboard, over ``source`` (e.g. a finished run's folder:
+    ``python -m swarmkit monitor RUN_DIR``)."""
+    app = Starlette(routes=dashboard.routes(), exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
+    app.state.dashboard = source
+    app.state.dashboard_sessions = Sessions()
+    app.state.dashboard_metrics = MetricsTail()
+    app.add_middleware(UnexpectedErrors)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     return app

@@ -21,6 +21,7 @@ Security = list[dict[str, list[str]]]
 
 #: security requirements, by who may call
 ADMIN: Security = [{"adminToken": []}]
+DASHBOARD: Security = [{"adminToken": []}, {"dashboardSession": []}]
 EPISODE: Security = [{"episodeKey": []}]
 EPISODE_OR_ADMIN: Security = [{"episodeKey": []}, {"adminToken": []}]
 ANTHROPIC: Security = [{"episodeKey": []}, {"anthropicApiKey": []}]
@@ -249,6 +250,8 @@ def _components() -> Schema:
                                           "also reads it from x-api-key or api-key when there is no Authorization"},
             "anthropicApiKey": {"type": "apiKey", "in": "header", "name": "x-api-key",
                                 "description": "an episode key as the Anthropic SDK sends it"},
+            "dashboardSession": {"type": "apiKey", "in": "cookie", "name": "swarmkit_session",
+                                 "description": "the session a dashboard login sets (HttpOnly, SameSite=Strict)"},
             "clientToken": {"type": "http", "scheme": "bearer",
                             "description": "the client token (server.client_token or $SWARMKIT_CLIENT_TOKEN), or "
                                            "the admin token; needed only when the server has one"},
@@ -620,6 +623,70 @@ def _meta_paths() -> dict[str, Schema]:
 _DOCUMENT: Schema | None = None
 
 
+def _html(description: str, headers: dict[str, Schema] | None = None) -> Schema:
+    out: Schema = {"description": description, "content": {"text/html": {"schema": string()}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+def _dashboard_paths() -> dict[str, Schema]:
+    tag = "dashboard"
+    unauthorized = {"401": {"description": "no admin token and no live session (or a wrong token)",
+                            "content": {"application/json": {"schema": ref("Error")}}}}
+    see_other = {"303": {"description": "back to /dashboard", "headers": {
+        "Location": {"schema": string()}, "Set-Cookie": {"schema": string()}}}}
+    filters = [param(name, "query", schema, description=text) for name, schema, text in (
+        ("task", string(), "a substring of the task id"), ("role", string(), "a role the episode played"),
+        ("client", string(), "a substring of the client id"), ("status", string(), "running, finished, aborted, ..."),
+        ("kind", string(), "train or eval"), ("min_reward", number(), "least reward"),
+        ("max_reward", number(), "greatest reward"), ("limit", integer(0, 10**9), "at most this many (200)"))]
+    return {
+        "/metrics": {"get": op(
+            "Prometheus metrics (text format 0.0.4): state, pool, episodes, tokens, step and request durations",
+            tag, DASHBOARD, operation_id="prometheus_metrics",
+            responses={"200": {"description": "the metrics", "content": {"text/plain": {"schema": string()}}},
+                       **unauthorized, **errors()})},
+        "/dashboard": {"get": op(
+            "The dashboard page when signed in, else its login form", tag, PUBLIC, operation_id="dashboard",
+            responses={"200": _html("the page or the login form"), **errors()})},
+        "/dashboard/login": {"post": op(
+            "Log in with the admin token: sets the session cookie", tag, PUBLIC, operation_id="dashboard_login",
+            body={"required": True, "content": {"application/x-www-form-urlencoded": {
+                "schema": obj({"token": string("the admin token")}, ("token",))}}},
+            responses={**see_other, "400": _html("the login form again: the form could not be read"),
+                       "401": _html("the login form again: not the admin token"), **errors()})},
+        "/dashboard/logout": {"post": op(
+            "End the session", tag, PUBLIC, operation_id="dashboard_logout", responses={**see_other, **errors()})},
+        "/dashboard/static/{name}": {"get": op(
+            "The page's script or style", tag, DASHBOARD, operation_id="dashboard_static",
+            parameters=[param("name", "path", string(enum=["app.js", "app.css"]))],
+            responses={"200": {"description": "the file", "content": {
+                "text/javascript": {"schema": string()}, "text/css": {"schema": string()}}},
+                **unauthorized, **errors(404)})},
+        "/api/v1/dashboard/overview": {"get": op(
+            "Status, state spans, running episodes, clients and the metrics rows after the first `after`",
+            tag, DASHBOARD, operation_id="dashboard_overview",
+            parameters=[param("after", "query", integer(0, 10**9), description="metrics rows the caller has")],
+            responses={"200": answer("the overview", obj({
+                "now": number(), "status": ANY_OBJECT, "states": array(ANY_OBJECT), "running": array(ANY_OBJECT),
+                "clients": array(ANY_OBJECT), "metrics": obj({"total": integer(), "rows": array(ANY_OBJECT)})},
+                ("now", "status", "states", "running", "clients", "metrics"))), **unauthorized, **errors(422)})},
+        "/api/v1/dashboard/episodes": {"get": op(
+            "Running and recently ended episodes, newest first, filtered", tag, DASHBOARD,
+            operation_id="dashboard_episodes", parameters=filters,
+            responses={"200": answer("the rows", obj({"episodes": array(ANY_OBJECT), "total": integer()},
+                                                     ("episodes", "total"))), **unauthorized, **errors(422)})},
+        "/api/v1/dashboard/episodes/{episode_id}": {"get": op(
+            "One episode token by token ([text, id, logprob, trained] per token) and its training samples",
+            tag, DASHBOARD, operation_id="dashboard_episode", parameters=[EPISODE_ID],
+            responses={"200": answer("the episode", obj({
+                "episode": ANY_OBJECT, "match": string(), "timelines": array(ANY_OBJECT),
+                "samples": array(ANY_OBJECT)}, ("episode", "match", "timelines", "samples"))),
+                **unauthorized, **errors(404)})},
+    }
+
+
 def openapi_document() -> Schema:
     """The OpenAPI 3.1 document of a swarm server (a new dict each call)."""
     global _DOCUMENT
@@ -637,8 +704,10 @@ def openapi_document() -> Schema:
             "tags": [{"name": "controller", "description": "admin token"},
                      {"name": "episodes", "description": "sampling clients: register, end, read, vote"},
                      {"name": "inference", "description": "OpenAI and Anthropic protocols, with an episode key"},
-                     {"name": "meta", "description": "public"}],
-            "paths": {**_meta_paths(), **_controller_paths(), **_episode_paths(), **_inference_paths()},
+                     {"name": "meta", "description": "public"},
+                     {"name": "dashboard", "description": "the web dashboard: admin token or its login session"}],
+            "paths": {**_meta_paths(), **_controller_paths(), **_episode_paths(), **_inference_paths(),
+                      **_dashboard_paths()},
             "components": _components(),
         }
     return copy.deepcopy(_DOCUMENT)

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -43,15 +44,20 @@ def _uvicorn_server(app: Any, log_level: str = "warning") -> Any:
     return uvicorn.Server(config)
 
 
-def _announce(srv: SwarmServer, file: Any = None) -> None:
-    file = file or sys.stdout
-    where = {
+def token_hint(srv: SwarmServer) -> str:
+    """Where the server's admin token comes from (never the token itself)."""
+    return {
         "config": "from server.admin_token",
         "env": "from $SWARMKIT_ADMIN_TOKEN",
     }.get(srv.admin_token_source, f"in {srv.admin_token_source}")
+
+
+def _announce(srv: SwarmServer, file: Any = None) -> None:
+    file = file or sys.stdout
     print(f"swarmkit server listening on {srv.url} (state {srv.state.state})", file=file, flush=True)
     print(f"  OpenAI-compatible endpoint: {srv.url}/v1 (one api_key per episode)", file=file, flush=True)
-    print(f"  admin token: {where}", file=file, flush=True)
+    print(f"  dashboard: {srv.url}/dashboard (log in with the token below)", file=file, flush=True)
+    print(f"  admin token: {token_hint(srv)}", file=file, flush=True)
     if srv.run_dir is not None:
         print(f"  run dir: {srv.run_dir}", file=file, flush=True)
 
@@ -62,6 +68,20 @@ def _write_server_json(srv: SwarmServer) -> None:
     srv.run_dir.mkdir(parents=True, exist_ok=True)
     info = {"url": srv.url, "pid": os.getpid(), "admin_token_source": srv.admin_token_source}
     (srv.run_dir / "server.json").write_text(json.dumps(info, indent=2))
+
+
+def serve_app(app: Starlette, host: str, port: int, announce: Callable[[str], None]) -> int:
+    """Serve any app in the foreground on ``host:port`` (0: a free port); ``announce(url)`` once it
+    is bound. Returns the exit status."""
+    try:
+        sock = _bind(host, port)
+    except OSError as exc:
+        print(f"error: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 2
+    bound = sock.getsockname()[1]
+    announce(f"http://{'[' + host + ']' if ':' in host else host}:{bound}")
+    _uvicorn_server(app).run(sockets=[sock])
+    return 0
 
 
 def run_forever(srv: SwarmServer, app: Starlette) -> int:

@@ -35,7 +35,7 @@ from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.families import step_family_metrics
-from swarmkit.swarm.metrics import MetricsWriter, finite_or_none
+from swarmkit.swarm.metrics import MetricsWriter, finite_or_none, step_line
 from swarmkit.swarm.state import ServerState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -297,6 +297,7 @@ class TrainingCycle:
                 self.last_error = None
             if self.metrics is not None:
                 self.metrics.write(step, metrics)
+            log.info("%s", step_line(self.last_metrics, trigger=_trigger(self.policy_name, decision)))
             self._notify(step, metrics, sync_s)
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
@@ -386,3 +387,10 @@ class TrainingCycle:
         if self.metrics is not None:
             self.metrics.close()
         self.pool.close()
+
+
+def _trigger(policy: str | None, decision: Any) -> str:
+    """What fired a step, for its console line: ``c2 2/2 tasks``."""
+    current, target, unit = (getattr(decision, k, None) for k in ("current", "target", "unit"))
+    fill = f" {current:g}/{target:g} {unit}" if isinstance(current, int | float) and isinstance(target, int | float) else ""
+    return f"{policy or 'policy'}{fill}"

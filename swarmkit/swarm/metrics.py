@@ -53,6 +53,31 @@ def finite_or_none(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
 
+def step_line(m: dict[str, Any], *, trigger: str | None = None, pool: str | None = None) -> str:
+    """One console line for a training step's metrics ``m`` (with its ``step``): what fired it,
+    reward (``sft`` for a step of demonstrations only), loss, samples, merge ratio, trained tokens,
+    pool fill after it, step time (and the drain before it, when it took a while) and weight-sync time."""
+    demos = int(m.get("demonstrations") or 0)
+    reward = m.get("reward_mean")
+    reward_txt = "sft" if demos and demos == int(m.get("episodes") or 0) else (
+        f"{reward:.3f}" if isinstance(reward, int | float) else "-")
+    loss = m.get("loss")
+    parts = [f"step {int(m.get('step') or 0):>3}"]
+    if trigger:
+        parts.append(f"trigger {trigger}")
+    parts += [f"reward {reward_txt:>5}", f"loss {loss:+.4f}" if isinstance(loss, int | float) else "loss -",
+              f"samples {int(m.get('samples') or 0)}"]
+    if isinstance(m.get("merge_ratio"), int | float):
+        parts.append(f"merge {m['merge_ratio']:.2f}")
+    parts.append(f"tokens {int(m.get('trained_tokens', m.get('tokens')) or 0)}")
+    if pool:
+        parts.append(f"pool {pool}")
+    drain = m.get("drain_s") or 0.0
+    parts.append(f"{m.get('cycle_time_s') or 0.0:.1f}s ("
+                 + (f"drain {drain:.1f}s, " if drain >= 0.05 else "") + f"sync {m.get('weight_sync_s') or 0.0:.2f}s)")
+    return "  ".join(parts)
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():

@@ -16,6 +16,7 @@ import asyncio
 import inspect
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -50,6 +51,8 @@ from swarmkit.timelines.render import ChatRenderer, TokenText
 from swarmkit.timelines.track import ContextTracker
 
 log = logging.getLogger("swarmkit.server")
+#: the run dir's record of state moves: one ``{"time", "state"}`` JSON line per move
+STATES_FILE = "states.jsonl"
 
 SLOW_STOP_S = 20.0
 """A stop that takes longer logs every thread's stack (a hung engine shows where it hangs)."""
@@ -192,6 +195,15 @@ class SwarmServer:
         self._reaper: asyncio.Task | None = None
         self.reaper_interval_s = 0.25
         self.cycle.attach(self)
+        if self.run_dir is not None:
+            self.state.add_listener(self._record_state)
+
+    def _record_state(self, old: ServerState, new: ServerState) -> None:
+        """Append the move to ``<run_dir>/states.jsonl`` (the dashboard of a finished run reads it)."""
+        assert self.run_dir is not None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / STATES_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": self.state.since, "state": str(new)}) + "\n")
 
     # ------------------------------------------------------------------ properties
     @property
@@ -496,10 +508,18 @@ class SwarmServer:
         """
         deadline = time.time() + (self.drain_timeout_s if timeout_s is None else timeout_s)
         idle_aborted = 0
+        announce_at = time.time() + 1.0  # a drain that takes a while says what it waits for, once
         while time.time() < deadline:
             left = [e for e in self.episodes.running() if include_eval or not e.eval]
             if not left:
                 return idle_aborted
+            if time.time() >= announce_at:
+                announce_at = math.inf
+                names = ", ".join(f"{e.id} ({e.task_id}, {e.client_id or 'no client'})" for e in left[:3])
+                more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+                log.info("draining before the step: still waiting for %d running episode(s): %s%s; new "
+                         "registrations answer 503 until then (idle ones are aborted after %gs, the rest in %.0fs)",
+                         len(left), names, more, self.drain_idle_s, deadline - time.time())
             now = time.time()
             for ep in left:  # a client that went quiet (dead, or stuck) does not hold the step
                 if ep.running and ep.idle_for(now) > self.drain_idle_s:

@@ -1,0 +1,173 @@
+"""Watching runs from outside: ``python -m swarmkit monitor RUN_DIR`` and ``python -m swarmkit status``.
+
+``monitor`` serves the dashboard of a run folder (finished, crashed or still
+running elsewhere), read-only, from its ``metrics.jsonl``, ``states.jsonl`` and
+``journal.sqlite``. ``status`` prints a server's status once, or, with
+``--watch``, as a live view in a terminal (plain lines when piped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from swarmkit.swarm.auth import ADMIN_TOKEN_FILE, ENV_ADMIN_TOKEN
+
+
+def monitor_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m swarmkit monitor",
+        description="Serve the dashboard of a run folder (finished, crashed or running elsewhere), read-only, "
+                    "from its metrics.jsonl, states.jsonl and journal.sqlite.")
+    parser.add_argument("run_dir", help="the run folder (server.run_dir of the run)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8765, help="port (0: any free one; default 8765)")
+    parser.add_argument("--model", default=None,
+                        help="model folder (or builtin:NAME) whose tokenizer splits tokens; default: the model "
+                             "named in the run's newest checkpoint")
+    args = parser.parse_args(list(argv))
+    from swarmkit.server.app import create_monitor_app
+    from swarmkit.server.dashboard.source import RunDirSource
+    from swarmkit.server.run import serve_app
+
+    token, where = _monitor_token(Path(args.run_dir))
+    try:
+        source = RunDirSource(args.run_dir, token, model_path=args.model)
+    except (FileNotFoundError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    if source.token_text() is None:  # load the tokenizer now, not on the first page
+        print("  (no tokenizer for per-token text: pass --model; episodes show whole blocks)", flush=True)
+
+    def announce(url: str) -> None:
+        print(f"dashboard of {args.run_dir}: {url}/dashboard", flush=True)
+        print(f"  log in with the admin token {where}", flush=True)
+
+    return serve_app(create_monitor_app(source), args.host, args.port, announce)
+
+
+def _monitor_token(run_dir: Path) -> tuple[str, str]:
+    """The token that guards a monitor: $SWARMKIT_ADMIN_TOKEN, else the run's own token file, else a
+    fresh one written to a new private file (never printed)."""
+    env = os.environ.get(ENV_ADMIN_TOKEN)
+    if env:
+        return env, f"from ${ENV_ADMIN_TOKEN}"
+    own = run_dir / ADMIN_TOKEN_FILE
+    try:
+        text = own.read_text().strip()
+    except OSError:
+        text = ""
+    if text:
+        return text, f"in {own}"
+    token = secrets.token_urlsafe(32)
+    fd, path = tempfile.mkstemp(prefix="swarmkit-monitor-", suffix=".token")
+    os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)
+    os.write(fd, (token + "\n").encode())
+    os.close(fd)
+    return token, f"in {path} (made for this monitor)"
+
+
+# --------------------------------------------------------------------------- status
+def status_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m swarmkit status",
+        description="Print a swarm server's status; --watch keeps a live view (a terminal) or prints a line "
+                    "per refresh (a pipe).")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    parser.add_argument("--token", default=None, help=f"admin token (default: ${ENV_ADMIN_TOKEN})")
+    parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    parser.add_argument("--json", action="store_true", help="print the raw status JSON once")
+    args = parser.parse_args(list(argv))
+    token = args.token or os.environ.get(ENV_ADMIN_TOKEN)
+    if not token:
+        print(f"error: give the admin token with --token or ${ENV_ADMIN_TOKEN}", file=sys.stderr)
+        return 2
+    from swarmkit.client import SwarmClient
+    from swarmkit.errors import SwarmkitError
+
+    with SwarmClient(args.url, token=token, retry_for=0) as client:
+        try:
+            if args.json:
+                import json
+
+                print(json.dumps(client.status(), indent=2))
+                return 0
+            if not args.watch:
+                print(status_text(client.status()))
+                return 0
+            return _watch(client, max(0.2, args.interval))
+        except SwarmkitError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+
+def status_line(st: dict[str, Any]) -> str:
+    """One line: state, step, policy version, pool fill, episodes, clients, the last step's reward."""
+    pool = st.get("pool") or {}
+    fill = pool.get("fill")
+    fill_txt = f"{fill['current']:g}/{fill['target']:g} {fill['unit']}" if isinstance(fill, dict) else "-"
+    eps = st.get("episodes") or {}
+    last = pool.get("last_step") or {}
+    reward = last.get("reward_mean")
+    parts = [f"{st.get('state', '?'):<14}", f"step {st.get('global_step', 0):>4}", f"policy v{st.get('policy_version', 0)}",
+             f"pool {fill_txt} ({pool.get('episodes', 0)} episodes)", f"running {eps.get('running', 0)}",
+             f"finished {eps.get('finished', 0)}", f"aborted {eps.get('aborted', 0)}",
+             f"clients {(st.get('clients') or {}).get('active', 0)}"]
+    if isinstance(reward, int | float):
+        parts.append(f"reward {reward:.3f}")
+    return "  ".join(parts)
+
+
+def status_text(st: dict[str, Any]) -> str:
+    """The status as a few labelled lines (the non-watch answer)."""
+    pool = st.get("pool") or {}
+    last = pool.get("last_step") or {}
+    lines = [status_line(st), f"model {st.get('model', '-')}  uptime {st.get('uptime_s', 0):.0f}s  "
+             f"calls {st.get('calls', 0)}  tokens generated {st.get('tokens_generated', 0)}"]
+    if last:
+        lines.append("last step: " + "  ".join(f"{k} {last[k]:.4g}" for k in
+                                              ("reward_mean", "loss", "samples", "cycle_time_s", "weight_sync_s")
+                                              if isinstance(last.get(k), int | float)))
+    for key in ("training_finished", "last_error"):
+        if st.get(key):
+            lines.append(f"{key.replace('_', ' ')}: {st[key]}")
+    return "\n".join(lines)
+
+
+def _watch(client: Any, interval: float) -> int:
+    from swarmkit.errors import SwarmkitError
+
+    if not sys.stdout.isatty():
+        try:
+            while True:
+                try:
+                    print(time.strftime("%H:%M:%S ") + status_line(client.status()), flush=True)
+                except SwarmkitError as exc:
+                    print(time.strftime("%H:%M:%S ") + f"unreachable: {exc}", flush=True)
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return 0
+    from rich.live import Live
+    from rich.panel import Panel
+
+    try:
+        with Live(refresh_per_second=4, screen=False) as live:
+            while True:
+                try:
+                    body = status_text(client.status())
+                except SwarmkitError as exc:
+                    body = f"unreachable: {exc}"
+                live.update(Panel(body, title=f"swarmkit {client.url}  {time.strftime('%H:%M:%S')}"))
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,157 @@
+"""What the dashboard shows, as JSON-ready dicts.
+
+Pure views over a server's state (:class:`~swarmkit.swarm.server.SwarmServer`),
+the rows of its ``metrics.jsonl`` and its episodes: no I/O here but reading the
+metrics file (:class:`MetricsTail`). Times are ``time.time()`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from swarmkit.swarm.episodes import Episode
+from swarmkit.timelines import Timeline, merge_timelines
+
+#: ``token id -> its text``
+TokenText = Callable[[int], str]
+#: at most this many state spans and episodes in one answer
+MAX_SPANS = 300
+MAX_EPISODES = 200
+
+
+def state_spans(history: Sequence[tuple[float, Any]], now: float, limit: int = MAX_SPANS) -> list[dict[str, Any]]:
+    """One ``{state, start, seconds}`` per stay in a state, oldest first; the last is still open.
+
+    ``history``: ``(time entered, state)`` pairs in order (``StateMachine.history``).
+    """
+    recent = history[-limit:]
+    spans = []
+    for k, (start, state) in enumerate(recent):
+        end = recent[k + 1][0] if k + 1 < len(recent) else now
+        spans.append({"state": str(state), "start": start, "seconds": max(0.0, end - start)})
+    return spans
+
+
+def generated_tokens(ep: Episode) -> int:
+    """Tokens the model generated for an episode (the trainable ones of its timelines)."""
+    return sum(sum(b.loss_mask) for tl in ep.timelines for b in tl.blocks if b.author == "llm")
+
+
+def episode_row(ep: Episode, now: float) -> dict[str, Any]:
+    """The summary line of an episode in the dashboard's tables."""
+    roles = sorted({tl.role for tl in ep.timelines if tl.role} | set(ep.roles))
+    return {
+        "episode_id": ep.id,
+        "task_id": ep.task_id,
+        "family": ep.meta.get("task_family") if isinstance(ep.meta, dict) else None,
+        "eval": ep.eval,
+        "client_id": ep.client_id,
+        "status": ep.status,
+        "roles": roles,
+        "age_s": (ep.ended or now) - ep.created,
+        "created": ep.created,
+        "calls": ep.n_calls,
+        "timelines": len(ep.timelines),
+        "tokens": generated_tokens(ep),
+        "reward": _finite(ep.reward),
+        "rewards": {k: _finite(v) for k, v in ep.rewards.items()} or None,
+        "policy_version": ep.policy_version,
+        "accepted": ep.accepted,
+        "abort_reason": ep.abort_reason,
+    }
+
+
+def client_rows(clients: dict[str, Any], now: float, window_s: float) -> list[dict[str, Any]]:
+    """``ClientTracker.all()`` as rows: seconds since last seen, ready vote, active or not."""
+    rows = [{"client_id": cid, "last_seen_s": now - s.last_seen, "ready": s.ready,
+             "active": now - s.last_seen <= window_s} for cid, s in clients.items()]
+    return sorted(rows, key=lambda r: r["last_seen_s"])
+
+
+def find_episodes(episodes: Iterable[Episode], now: float, *, task: str = "", role: str = "", client: str = "",
+                  status: str = "", kind: str = "", min_reward: float | None = None,
+                  max_reward: float | None = None, limit: int = MAX_EPISODES) -> list[dict[str, Any]]:
+    """Rows of the episodes that pass every filter given, newest first.
+
+    ``task`` / ``client``: substrings of the task id / client id; ``role``: a role the
+    episode played; ``status``: running, finished, aborted, …; ``kind``: ``train`` or
+    ``eval``; rewards: bounds on the episode's reward (episodes without one fail them).
+    """
+    out = []
+    for ep in sorted(episodes, key=lambda e: e.created, reverse=True):
+        if task and task not in ep.task_id or client and client not in ep.client_id:
+            continue
+        if status and ep.status != status or kind and (kind == "eval") != ep.eval:
+            continue
+        row = episode_row(ep, now)
+        if role and role not in row["roles"]:
+            continue
+        r = row["reward"]
+        if (min_reward is not None or max_reward is not None) and r is None:
+            continue
+        if min_reward is not None and r < min_reward or max_reward is not None and r > max_reward:
+            continue
+        out.append(row)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def timeline_view(tl: Timeline, token_text: TokenText | None) -> dict[str, Any]:
+    """A timeline token by token: each block's author and ``[text, id, logprob, trained]`` per token.
+
+    Without ``token_text`` (no tokenizer loaded) a block is one piece: its text, no id.
+    """
+    blocks = []
+    for b in tl.blocks:
+        if token_text is None:
+            tokens = [[b.text, None, None, int(any(b.loss_mask))]]
+        else:
+            tokens = [[token_text(t), t, _finite(lp) if m else None, m]
+                      for t, lp, m in zip(b.token_ids, b.logprobs, b.loss_mask, strict=True)]
+        blocks.append({"author": b.author, "tokens": tokens})
+    meta = {k: v for k, v in tl.meta.items() if isinstance(v, str | int | float | bool) or v is None}
+    return {"role": tl.role, "meta": meta, "blocks": blocks}
+
+
+def episode_view(ep: Episode, now: float, token_text: TokenText | None, match: str = "text") -> dict[str, Any]:
+    """An episode for the trajectory viewer: its row, its timelines (one per call) and the
+    training samples they merge into under ``match`` (what the trainer would build)."""
+    samples = merge_timelines(list(ep.timelines), match) if ep.timelines else []
+    return {
+        "episode": episode_row(ep, now),
+        "match": match,
+        "timelines": [timeline_view(tl, token_text) for tl in ep.timelines],
+        "samples": [timeline_view(tl, token_text) for tl in samples if isinstance(tl, Timeline)],
+    }
+
+
+class MetricsTail:
+    """The rows of a run's ``metrics.jsonl``, re-read only when the file changed size."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Path, int] | None = None
+        self._rows: list[dict[str, Any]] = []
+
+    def rows(self, run_dir: str | Path | None) -> list[dict[str, Any]]:
+        path = Path(run_dir) / "metrics.jsonl" if run_dir else None
+        if path is None or not path.exists():
+            return []
+        key = (path, path.stat().st_size)
+        if key != self._key:
+            rows = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line being written
+                    break
+            self._rows, self._key = rows, key
+        return self._rows
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None

@@ -1,0 +1,289 @@
+// swarmkit dashboard: polls the server's dashboard API and draws plain DOM and SVG.
+// No dependencies; every text from the server goes through textContent (never innerHTML).
+"use strict";
+
+const POLL_MS = 2000;
+const COLORS = ["#1565c0", "#2e7d32", "#c62828", "#6a1b9a", "#ef6c00", "#00838f", "#5d4037", "#ad1457"];
+const STATE_COLORS = { OFFLINE: "#9e9e9e", BOOTING: "#8e24aa", ROLLING: "#2e7d32", ROLLING_POST: "#f9a825",
+  WEIGHT_SYNCING: "#1565c0" };
+const metrics = [];  // every metrics.jsonl row seen so far
+let timer = null;
+
+// ------------------------------------------------------------------ helpers
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) if (c !== null && c !== undefined) node.append(c);
+  return node;
+}
+function svg(tag, attrs) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  return node;
+}
+function fmt(x, digits = 3) {
+  if (x === null || x === undefined || Number.isNaN(x)) return "–";
+  if (typeof x !== "number") return String(x);
+  if (Number.isInteger(x)) return String(x);
+  const a = Math.abs(x);
+  return a !== 0 && (a < 1e-3 || a >= 1e5) ? x.toExponential(2) : x.toFixed(digits);
+}
+function secs(s) {
+  if (s < 60) return s.toFixed(1) + " s";
+  if (s < 3600) return (s / 60).toFixed(1) + " min";
+  return (s / 3600).toFixed(1) + " h";
+}
+async function api(path) {
+  const r = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
+  if (r.status === 401) { location.reload(); throw new Error("signed out"); }
+  if (!r.ok) throw new Error(path + ": HTTP " + r.status);
+  return r.json();
+}
+function table(columns, rows, empty) {
+  if (!rows.length) return el("div", { class: "empty", text: empty });
+  const head = el("tr", {}, ...columns.map(c => el("th", { text: c[0] })));
+  const body = rows.map(r => el("tr", {}, ...columns.map(c => {
+    const v = c[1](r);
+    const cell = el("td", typeof v === "number" ? { class: "num" } : {});
+    cell.append(v instanceof Node ? v : fmt(v));
+    return cell;
+  })));
+  return el("table", {}, el("thead", {}, head), el("tbody", {}, ...body));
+}
+function kv(pairs) {
+  const dl = el("dl", { class: "kv" });
+  for (const [k, v] of pairs) dl.append(el("dt", { text: k }), el("dd", { text: fmt(v) }));
+  return dl;
+}
+function replace(id, node) { const box = document.getElementById(id); box.replaceChildren(node); }
+
+// ------------------------------------------------------------------ charts
+// series: [{name, points: [[x, y], ...]}]; draws lines with min/max labels and a legend
+function lineChart(title, series, xLabel = "step") {
+  const W = 360, H = 170, L = 46, R = 8, T = 8, B = 22;
+  const box = el("div", { class: "chart" }, el("h3", { text: title }));
+  const pts = series.flatMap(s => s.points).filter(p => p[1] !== null && Number.isFinite(p[1]));
+  if (!pts.length) { box.append(el("div", { class: "empty", text: "no data yet" })); return box; }
+  let [x0, x1] = [Math.min(...pts.map(p => p[0])), Math.max(...pts.map(p => p[0]))];
+  let [y0, y1] = [Math.min(...pts.map(p => p[1])), Math.max(...pts.map(p => p[1]))];
+  if (x0 === x1) { x0 -= 1; x1 += 1; }
+  if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
+  const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R), sy = y => T + (y1 - y) / (y1 - y0) * (H - T - B);
+  const g = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img", "aria-label": title });
+  g.append(svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#ccd" }),
+    svg("line", { x1: L, y1: T, x2: L, y2: H - B, stroke: "#ccd" }));
+  const label = (x, y, text, anchor) => { const t = svg("text", { x, y, "font-size": 10, fill: "#5b6475",
+    "text-anchor": anchor }); t.textContent = text; g.append(t); };
+  label(L - 4, T + 8, fmt(y1), "end"); label(L - 4, H - B, fmt(y0), "end");
+  label(L, H - 6, fmt(x0), "start"); label(W - R, H - 6, fmt(x1) + " " + xLabel, "end");
+  const legend = el("div", { class: "legend" });
+  series.forEach((s, i) => {
+    const color = COLORS[i % COLORS.length];
+    const good = s.points.filter(p => p[1] !== null && Number.isFinite(p[1]));
+    if (!good.length) return;
+    const d = good.map((p, k) => (k ? "L" : "M") + sx(p[0]).toFixed(1) + " " + sy(p[1]).toFixed(1)).join(" ");
+    g.append(svg("path", { d, fill: "none", stroke: color, "stroke-width": 1.6, "vector-effect": "non-scaling-stroke" }));
+    if (good.length === 1) g.append(svg("circle", { cx: sx(good[0][0]), cy: sy(good[0][1]), r: 2.5, fill: color }));
+    const swatch = el("i");
+    swatch.style.background = color;  // CSSOM, which the page's CSP allows (style attributes it does not)
+    legend.append(el("span", {}, swatch, s.name + " " + fmt(good[good.length - 1][1])));
+  });
+  box.append(g, legend);
+  return box;
+}
+function series(name, key) {
+  return { name, points: metrics.filter(r => r.kind === "train" && r[key] !== undefined).map(r => [r.step, r[key]]) };
+}
+function families(prefix) {
+  const names = new Set();
+  for (const r of metrics) for (const k of Object.keys(r)) if (k.startsWith(prefix)) names.add(k.slice(prefix.length));
+  return [...names].sort();
+}
+
+function drawCharts() {
+  const charts = [];
+  const train = families("reward_mean/"), evals = families("eval_reward/");
+  charts.push(lineChart("Reward per task family (train)",
+    train.length ? train.map(f => series(f, "reward_mean/" + f)) : [series("all", "reward_mean")]));
+  charts.push(lineChart("Reward per task family (eval, held out)", evals.map(f => series(f, "eval_reward/" + f))));
+  charts.push(lineChart("Loss", [series("loss", "loss"), series("pg loss", "pg_loss"), series("sft nll", "sft_nll")]));
+  charts.push(lineChart("KL, entropy, clip fraction", [series("approx KL", "approx_kl"), series("entropy", "entropy"),
+    series("clip frac", "clip_frac")]));
+  charts.push(lineChart("Gradient norm", [series("grad norm", "grad_norm")]));
+  const rate = [], epm = [];
+  for (let i = 1; i < metrics.length; i++) {
+    const a = metrics[i - 1], b = metrics[i], dt = b.time - a.time;
+    if (dt > 0) { rate.push([b.step, (b.trained_tokens ?? b.tokens ?? 0) / dt]); epm.push([b.step, (b.episodes ?? 0) / dt * 60]); }
+  }
+  charts.push(lineChart("Throughput", [{ name: "trained tokens/s", points: rate }, { name: "episodes/min", points: epm }]));
+  charts.push(lineChart("Step time split (s)", [series("waiting (drain)", "drain_s"), series("merging", "build_time_s"),
+    series("training", "train_time_s"), series("weight sync", "weight_sync_s")]));
+  document.getElementById("charts").replaceChildren(...charts);
+}
+
+function drawStates(spans, now) {
+  if (!spans.length) return el("div", { class: "empty", text: "no history" });
+  const W = 1000, H = 34, t0 = spans[0].start, span = Math.max(now - t0, 1e-3);
+  const g = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", class: "states" });
+  for (const s of spans) {
+    const x = (s.start - t0) / span * W, w = Math.max(s.seconds / span * W, 0.8);
+    const r = svg("rect", { x, y: 2, width: w, height: H - 4, fill: STATE_COLORS[s.state] || "#999" });
+    const tip = svg("title", {}); tip.textContent = `${s.state}: ${secs(s.seconds)}`; r.append(tip); g.append(r);
+  }
+  const legend = el("div", { class: "legend" });
+  const totals = {};
+  for (const s of spans) totals[s.state] = (totals[s.state] || 0) + s.seconds;
+  for (const [state, total] of Object.entries(totals)) {
+    const i = el("i"); i.style.background = STATE_COLORS[state] || "#999";
+    legend.append(el("span", {}, i, `${state} ${secs(total)}`));
+  }
+  return el("div", {}, g, legend);
+}
+
+// ------------------------------------------------------------------ overview
+async function refreshOverview() {
+  const o = await api("/api/v1/dashboard/overview?after=" + metrics.length);
+  if (o.metrics.total < metrics.length) { metrics.length = 0; }  // a new run: start over
+  metrics.push(...o.metrics.rows);
+  const s = o.status;
+  const badge = document.getElementById("state");
+  badge.textContent = s.state; badge.className = "badge s-" + s.state;
+  document.getElementById("headline").textContent =
+    `${s.model || "no model"} · step ${s.global_step} · policy v${s.policy_version} · up ${secs(s.uptime_s || 0)}` +
+    (s.training_finished ? " · training finished: " + s.training_finished : "") + (s.last_error ? " · error: " + s.last_error : "") +
+    (o.live ? "" : " · " + (s.source || "not live"));
+  replace("states", drawStates(o.states, o.now));
+  const pool = s.pool || {}, fill = pool.fill;
+  const poolBox = el("div");
+  if (fill) {
+    const bar = el("div", { class: "fill" }, el("div"));
+    bar.firstChild.style.width = Math.min(100, 100 * fill.current / Math.max(fill.target, 1)) + "%";
+    poolBox.append(el("div", { text: `${pool.policy || "policy"}: ${fill.current} of ${fill.target} ${fill.unit}` +
+      (pool.ready ? " (ready: training next)" : "") }), bar);
+  }
+  poolBox.append(kv([["episodes in pool", pool.episodes], ["tasks in pool", pool.tasks], ["reserved", pool.reserved],
+    ["trained", pool.trained], ["filtered", pool.filtered], ["clients active", s.clients?.active],
+    ["ready votes", s.clients?.ready]]));
+  replace("pool", poolBox);
+  const e = s.episodes || {};
+  replace("counts", kv([["running", e.running], ["train / eval running", `${e.running_train} / ${e.running_eval}`],
+    ["registered", e.registered], ["finished", e.finished], ["eval finished", e.eval_finished],
+    ["aborted", e.aborted], ["reaped", e.reaped], ["calls", s.calls], ["tokens generated", s.tokens_generated]]));
+  const last = pool.last_step || {};
+  replace("laststep", kv([["step", last.step], ["reward", last.reward_mean], ["loss", last.loss],
+    ["samples", last.samples], ["merge ratio", last.merge_ratio], ["step time (s)", last.cycle_time_s],
+    ["weight sync (s)", last.weight_sync_s]]));
+  drawCharts();
+  replace("running", table([["episode", r => link(r)], ["task", r => r.task_id], ["kind", r => r.eval ? "eval" : "train"],
+    ["roles", r => r.roles.join(", ")], ["client", r => r.client_id], ["age", r => secs(r.age_s)],
+    ["calls", r => r.calls], ["tokens", r => r.tokens]], o.running, "no episode is running"));
+  replace("clients", table([["client", r => r.client_id], ["last seen", r => secs(r.last_seen_s) + " ago"],
+    ["active", r => r.active ? "yes" : "no"], ["ready vote", r => r.ready ? "yes" : "no"]], o.clients, "no client yet"));
+}
+function link(r) { return el("a", { href: "#/episode/" + encodeURIComponent(r.episode_id), text: r.episode_id }); }
+
+// ------------------------------------------------------------------ episodes
+async function refreshEpisodes() {
+  const q = new URLSearchParams();
+  for (const [k, v] of new FormData(document.getElementById("filters"))) if (v) q.set(k, v);
+  const out = await api("/api/v1/dashboard/episodes?" + q);
+  const ticked = new Set();
+  const compare = document.getElementById("compare");
+  compare.disabled = true;
+  const tick = r => el("input", { type: "checkbox", onchange: ev => {
+    ev.target.checked ? ticked.add(r.episode_id) : ticked.delete(r.episode_id);
+    compare.disabled = ticked.size !== 2;
+    compare.onclick = () => { location.hash = "#/compare/" + [...ticked].map(encodeURIComponent).join("/"); };
+  } });
+  replace("episode-list", table([["", tick], ["episode", link], ["task", r => r.task_id],
+    ["kind", r => r.eval ? "eval" : "train"], ["status", r => r.status], ["roles", r => r.roles.join(", ")],
+    ["client", r => r.client_id], ["reward", r => r.reward], ["calls", r => r.calls], ["tokens", r => r.tokens],
+    ["policy", r => r.policy_version]], out.episodes, "no episode matches"));
+}
+
+// ------------------------------------------------------------------ trajectories
+function heat(lp) {  // probability 0 -> red, 1 -> green
+  const p = Math.exp(lp);
+  return `hsl(${(120 * p).toFixed(0)} 75% 80%)`;
+}
+function timelineCard(tl, title, version) {
+  const box = el("div", { class: "tokens" });
+  for (const b of tl.blocks) {
+    for (const [text, id, lp, trained] of b.tokens) {
+      const span = el("span", { class: `tok a-${b.author}` + (trained ? " trained" : ""), text });
+      const tip = [b.author, id === null ? null : "id " + id, lp === null ? null : "logprob " + lp.toFixed(3),
+        lp === null ? null : "p " + Math.exp(lp).toFixed(3), trained ? "trained" : "not trained",
+        version === undefined ? null : "policy v" + version].filter(x => x !== null);
+      span.title = tip.join(" · ");
+      if (trained && lp !== null) span.style.background = heat(lp);
+      box.append(span);
+    }
+  }
+  const meta = Object.entries(tl.meta || {}).filter(([k]) => ["call", "choice", "policy_version"].includes(k))
+    .map(([k, v]) => `${k} ${v}`).join(" · ");
+  return el("div", { class: "timeline" }, el("h3", { text: `${title}${tl.role ? " · role " + tl.role : ""}${meta ? " · " + meta : ""}` }), box);
+}
+function colourKey() {
+  const key = el("div", { class: "legend key" });
+  for (const a of ["user", "env", "history", "template", "llm"]) {
+    const i = el("i", { class: "a-" + a }); key.append(el("span", {}, i, a));
+  }
+  key.append(el("span", {}, " trained tokens: underlined, shaded by p ", el("span", { class: "heat" }), " 0 → 1"));
+  return key;
+}
+async function episodePanel(id) {
+  const v = await api("/api/v1/dashboard/episodes/" + encodeURIComponent(id));
+  const e = v.episode;
+  const panel = el("div", { class: "episode", "data-episode": e.episode_id });
+  panel.append(el("div", { class: "episode-head" }, el("h2", { text: e.episode_id }),
+    el("span", { text: `task ${e.task_id}` }), el("span", { text: e.eval ? "eval" : "train" }),
+    el("span", { text: `status ${e.status}` }), el("span", { text: `reward ${fmt(e.reward)}` }),
+    el("span", { text: `client ${e.client_id}` }), el("span", { text: `${e.calls} calls, ${e.tokens} generated tokens` })));
+  const body = el("div");
+  const show = which => {
+    const list = which === "samples" ? v.samples : v.timelines;
+    const name = which === "samples" ? "sample" : "timeline";
+    body.replaceChildren(...(list.length ? list.map((tl, k) => timelineCard(tl, `${name} ${k + 1} of ${list.length}`,
+      tl.meta?.policy_version ?? e.policy_version)) : [el("div", { class: "empty", text: "nothing recorded" })]));
+    for (const b of toggle.children) b.classList.toggle("on", b.dataset.which === which);
+  };
+  const toggle = el("div", { class: "toggle" },
+    el("button", { type: "button", "data-which": "timelines", text: `Timelines (${v.timelines.length})`, onclick: () => show("timelines") }),
+    el("button", { type: "button", "data-which": "samples", text: `Training samples (${v.samples.length}, ${v.match} match)`, onclick: () => show("samples") }));
+  panel.append(toggle, colourKey(), body);
+  show("timelines");
+  return panel;
+}
+
+// ------------------------------------------------------------------ routing
+async function route() {
+  clearInterval(timer);
+  const parts = location.hash.replace(/^#\/?/, "").split("/").filter(Boolean).map(decodeURIComponent);
+  const views = { overview: "view-overview", episodes: "view-episodes", episode: "view-episode", compare: "view-episode" };
+  const name = parts[0] || "overview";
+  for (const id of new Set(Object.values(views))) document.getElementById(id).hidden = id !== views[name];
+  try {
+    if (name === "episodes") { await refreshEpisodes(); }
+    else if (name === "episode" || name === "compare") {
+      const panels = await Promise.all(parts.slice(1, 3).map(episodePanel));
+      replace("view-episode", panels.length > 1 ? el("div", { class: "compare" }, ...panels) : panels[0]);
+    } else {
+      await refreshOverview();
+      timer = setInterval(() => refreshOverview().catch(console.warn), POLL_MS);
+    }
+  } catch (err) {
+    if (err.message === "signed out") return;
+    if (views[name] === "view-episode") replace("view-episode", el("div", { class: "empty", text: String(err.message) }));
+    else console.warn(err);
+  }
+}
+document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("filters").addEventListener("submit", ev => { ev.preventDefault(); refreshEpisodes(); });
+  window.addEventListener("hashchange", route);
+  route();
+});
