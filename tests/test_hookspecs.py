@@ -36,6 +36,7 @@ def test_there_are_hookspecs_for_every_kind_and_lifecycle_event():
         "on_step_end",
         "on_weights_synced",
         "on_episode_finished",
+        "register_loggers",
     } == set(HOOKS)
 
 
@@ -148,6 +149,31 @@ def test_on_episode_finished():
     rec = Recorder()
     _hooks(rec).episode_finished(episode={"id": "e1", "status": "finished"})
     assert rec.calls == [("episode_finished", {"id": "e1", "status": "finished"})]
+
+
+def test_register_loggers_declares_names_and_what_they_need():
+    class L:
+        @hookimpl
+        def register_loggers(self, register):
+            register("mine", "writes somewhere", requires="json", extra="mine")
+            register("needs_more", "", requires="no_such_module_here", extra="more")
+
+    loggers = _hooks(L()).loggers()
+    assert loggers["mine"].description == "writes somewhere" and loggers["mine"].missing() is None
+    assert loggers["needs_more"].missing() == ("logger 'needs_more' needs the no_such_module_here package: "
+                                               "pip install 'swarmkit[more]'")
+
+
+def test_on_step_end_passes_run_dir_and_trajectories_to_who_asks():
+    seen = []
+
+    class Full:
+        @hookimpl
+        def on_step_end(self, step, metrics, run_dir, trajectories):
+            seen.append((step, run_dir, trajectories))
+
+    _hooks(Full(), Recorder()).step_end(step=4, metrics={}, run_dir="/r", trajectories=[{"episode_id": "e"}])
+    assert seen == [(4, "/r", [{"episode_id": "e"}])]
 
 
 def test_every_hookspec_has_a_test_here():

@@ -108,6 +108,8 @@ class TrainerConfig:
     #: the main job pauses sampling and evaluates every this many steps (0 = only before and after,
     #: and after a supervised warm start)
     eval_every: int = 0
+    #: episodes per step whose token-level trajectories go to the loggers (a W&B table, an MLflow artifact)
+    log_trajectories: int = 2
 
 
 @dataclass
@@ -119,6 +121,9 @@ class SwarmkitConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    #: logger plugins that get every step's metrics (tensorboard, wandb, mlflow, or a third party's):
+    #: ``logger=[tensorboard,wandb]``; ``metrics.jsonl`` is always written
+    logger: list[str] = field(default_factory=lambda: ["tensorboard"])
     #: component groups: typed by their plugin's schema at validation time
     backend: Any = None
     optim: Any = None

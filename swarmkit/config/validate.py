@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.schema import MODES, SwarmkitConfig
 from swarmkit.errors import ConfigError, UnknownComponentError
+from swarmkit.plugins.loader import get_hooks
 from swarmkit.plugins.registry import KINDS, Registry
 
 
@@ -47,6 +48,24 @@ def _check_node(schema: type, node: Any, where: str, problems: list[str]) -> Dic
     return OmegaConf.merge(base, node)
 
 
+def _check_loggers(node: Any, problems: list[str]) -> list[str]:
+    """``logger``: a list of registered logger names whose packages are installed."""
+    if node is None:
+        return ["tensorboard"]
+    names = list(node) if isinstance(node, ListConfig | list | tuple) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        problems.append(f"logger: expected a list of logger names, e.g. logger=[tensorboard,wandb]; got {node!r}")
+        return []
+    known = get_hooks().loggers()
+    for name in names:
+        info = known.get(name)
+        if info is None:
+            problems.append(f"logger: unknown logger '{name}'; installed loggers: {', '.join(sorted(known)) or 'none'}")
+        elif (why := info.missing()) is not None:
+            problems.append(f"logger: {why}")
+    return [str(n) for n in names]
+
+
 def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
     """Return the typed, validated config, or raise ConfigError listing every problem.
 
@@ -67,6 +86,9 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             continue
         node = cfg.get(f.name)
         if f.name == "mode" or f.name == "seed":
+            continue
+        if f.name == "logger":
+            result["logger"] = _check_loggers(node, problems)
             continue
         checked = _check_node(f.default_factory().__class__, node, f.name, problems)  # type: ignore[misc]
         if checked is not None:

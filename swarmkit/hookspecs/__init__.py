@@ -26,6 +26,7 @@ SPEC_MODULES = (
     "swarmkit.hookspecs.batching",
     "swarmkit.hookspecs.config",
     "swarmkit.hookspecs.lifecycle",
+    "swarmkit.hookspecs.logger",
 )
 
 __all__ = ["PROJECT", "SPEC_MODULES", "hookimpl", "hookspec"]

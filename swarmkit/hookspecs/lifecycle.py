@@ -23,20 +23,27 @@ def on_run_start(config: dict[str, Any], run_dir: str) -> None:
 
 
 @hookspec
-def on_run_end(summary: dict[str, Any]) -> None:
+def on_run_end(summary: dict[str, Any], run_dir: str) -> None:
     """A server's training run ends (stopped, finished or failed).
 
     :param summary: final numbers (``global_step``, ``episodes``, ``reason``...).
+    :param run_dir: the run folder (as ``on_run_start`` got it: the run's key).
     :returns: nothing; every implementation is called.
     """
 
 
 @hookspec
-def on_step_end(step: int, metrics: dict[str, float]) -> None:
+def on_step_end(step: int, metrics: dict[str, float], run_dir: str, trajectories: list[dict[str, Any]]) -> None:
     """An optimizer step finished.
+
+    An implementation may take any subset of the arguments (pluggy passes only those it names).
 
     :param step: the global step just taken (1 for the first step).
     :param metrics: scalar metrics of the step (loss, reward mean, tokens...).
+    :param run_dir: the run folder (as ``on_run_start`` got it: the run's key).
+    :param trajectories: a few of the step's episodes (``trainer.log_trajectories``), each
+        ``episode_id``, ``task_id``, ``reward`` and ``timelines`` (``Timeline.to_dict()``: blocks
+        with text, token ids, logprobs and loss masks).
     :returns: nothing; every implementation is called.
     """
 

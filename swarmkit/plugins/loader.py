@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -224,6 +225,26 @@ def reset() -> None:
         _state = None
 
 
+@dataclass(frozen=True)
+class LoggerInfo:
+    """A logger a plugin declared (see :mod:`swarmkit.hookspecs.logger`)."""
+
+    name: str
+    description: str
+    requires: str | None
+    extra: str | None
+    plugin: str
+
+    def missing(self) -> str | None:
+        """Why it cannot run here (its module is not importable), or None."""
+        import importlib.util
+
+        if self.requires and importlib.util.find_spec(self.requires) is None:
+            hint = f"pip install 'swarmkit[{self.extra}]'" if self.extra else f"pip install {self.requires}"
+            return f"logger '{self.name}' needs the {self.requires} package: {hint}"
+        return None
+
+
 class PluginHooks:
     """Typed facade over the notification hooks; a raising hook is logged and skipped."""
 
@@ -241,11 +262,22 @@ class PluginHooks:
     def run_start(self, config: dict[str, Any], run_dir: str) -> None:
         self._notify("on_run_start", config=config, run_dir=run_dir)
 
-    def run_end(self, summary: dict[str, Any]) -> None:
-        self._notify("on_run_end", summary=summary)
+    def run_end(self, summary: dict[str, Any], run_dir: str = "") -> None:
+        self._notify("on_run_end", summary=summary, run_dir=run_dir)
 
-    def step_end(self, step: int, metrics: dict[str, float]) -> None:
-        self._notify("on_step_end", step=step, metrics=metrics)
+    def step_end(self, step: int, metrics: dict[str, float], run_dir: str = "",
+                 trajectories: list[dict[str, Any]] | None = None) -> None:
+        self._notify("on_step_end", step=step, metrics=metrics, run_dir=run_dir, trajectories=trajectories or [])
+
+    def loggers(self) -> dict[str, LoggerInfo]:
+        """Every registered logger by name."""
+        out: dict[str, LoggerInfo] = {}
+        for impl in self._pm.hook.register_loggers.get_hookimpls():
+            def register(name: str, description: str = "", requires: str | None = None,
+                         extra: str | None = None, _plugin: str = impl.plugin_name) -> None:
+                out[name] = LoggerInfo(name, description, requires, extra, _plugin)
+            impl.function(register=register)
+        return out
 
     def weights_synced(self, step: int, seconds: float) -> None:
         self._notify("on_weights_synced", step=step, seconds=seconds)

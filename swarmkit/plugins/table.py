@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from swarmkit.errors import PluginLoadError
-from swarmkit.plugins.loader import get_registry
+from swarmkit.plugins.loader import get_hooks, get_registry
 from swarmkit.plugins.registry import Registry
 
 
@@ -26,6 +26,11 @@ def component_rows(registry: Registry) -> list[dict[str, str]]:
                 "description": ("[experimental] " if c.experimental else "") + c.description,
             }
         )
+    for info in sorted(get_hooks().loggers().values(), key=lambda i: i.name):
+        why = info.missing()
+        rows.append({"kind": "logger", "name": info.name, "plugin": info.plugin, "distribution": "",
+                     "available": "yes" if why is None else f"no ({why.split(': ', 1)[-1]})",
+                     "description": info.description})
     return rows
 
 

@@ -106,12 +106,19 @@ def json_body(schema: Schema, *, required: bool = True) -> Schema:
     return {"required": required, "content": {"application/json": {"schema": schema}}}
 
 
+#: one server-sent event of a streamed answer (the schema applies per event); the stream ends as the
+#: protocol ends it (``data: [DONE]`` for OpenAI's, ``message_stop`` / ``response.completed`` events)
+SSE_EVENT: Schema = {"type": "object", "properties": {
+    "event": {"type": "string"}, "data": {"type": "string", "description": "a JSON object, or [DONE]"},
+    "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def answer(description: str, schema: Schema | None = None, *, stream: bool = False,
            headers: dict[str, Schema] | None = None) -> Schema:
     """A success response: JSON (and ``text/event-stream`` when the request may ask for a stream)."""
     content: Schema = {"application/json": {"schema": schema or ANY_OBJECT}}
     if stream:
-        content["text/event-stream"] = {"schema": string("server-sent events, ended as the protocol ends them")}
+        content["text/event-stream"] = {"schema": SSE_EVENT}
     out: Schema = {"description": description, "content": content}
     if headers:
         out["headers"] = headers

@@ -11,6 +11,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from typing import Any
 
 from swarmkit.errors import ApiError
 
@@ -92,3 +93,15 @@ class ClientAuth:
                            f"${ENV_CLIENT_TOKEN})", "missing_client_token")
         if not (_same(str(token), self.token) or admin.is_admin(token)):
             raise ApiError(403, "wrong client token", "wrong_client_token")
+
+
+#: config keys never echoed, written or handed to a plugin: the tokens that grant access
+SECRET_KEYS = ("admin_token", "client_token")
+
+
+def redacted(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the server's tokens replaced by ``"***"`` (for answers, files and loggers)."""
+    server = cfg.get("server")
+    if not isinstance(server, dict) or not any(server.get(k) for k in SECRET_KEYS):
+        return cfg
+    return {**cfg, "server": {k: ("***" if k in SECRET_KEYS and v else v) for k, v in server.items()}}

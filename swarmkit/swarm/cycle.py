@@ -98,6 +98,8 @@ class TrainingCycle:
         self.total_steps = 0
         self.checkpoint_every = 0
         self.keep_checkpoints = 0
+        #: episodes per step handed to the loggers token by token (trainer.log_trajectories)
+        self.log_trajectories = 2
         #: attempts of a step's journal write before it is left to :meth:`_catch_up`
         self.journal_attempts = 6
         #: steps applied whose journal write failed: (episode ids, filtered ids, step)
@@ -148,6 +150,7 @@ class TrainingCycle:
         server.training_finished = None
         self.checkpoint_every = int(trainer_cfg.checkpoint_every)
         self.keep_checkpoints = int(trainer_cfg.keep_checkpoints)
+        self.log_trajectories = max(0, int(trainer_cfg.log_trajectories))
         if self.metrics is None:
             self.metrics = MetricsWriter(self.run_dir)
         if self.custom_step is None:
@@ -298,7 +301,7 @@ class TrainingCycle:
             if self.metrics is not None:
                 self.metrics.write(step, metrics)
             log.info("%s", step_line(self.last_metrics, trigger=_trigger(self.policy_name, decision)))
-            self._notify(step, metrics, sync_s)
+            self._notify(step, metrics, sync_s, records[: self.log_trajectories])
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
                 await asyncio.to_thread(self.trainer.prune_checkpoints, self.keep_checkpoints)
@@ -373,10 +376,12 @@ class TrainingCycle:
             return False
         return True
 
-    def _notify(self, step: int, metrics: dict[str, float], sync_s: float) -> None:
+    def _notify(self, step: int, metrics: dict[str, float], sync_s: float, records: list[EpisodeRecord]) -> None:
+        trajectories = [{"episode_id": r.episode_id, "task_id": r.task_id, "reward": r.reward,
+                         "timelines": r.timelines} for r in records]
         try:
             hooks = get_hooks()
-            hooks.step_end(step=step, metrics=metrics)
+            hooks.step_end(step=step, metrics=metrics, run_dir=str(self.run_dir), trajectories=trajectories)
             if self.trainer is not None:
                 hooks.weights_synced(step=step, seconds=sync_s)
         except Exception:  # noqa: BLE001

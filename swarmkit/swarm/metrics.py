@@ -1,8 +1,8 @@
-"""Per-run metrics: one JSON line per optimizer step, mirrored to TensorBoard.
+"""Per-run metrics: one JSON line per optimizer step.
 
 ``<run_dir>/metrics.jsonl`` is the record of truth (append-only, flushed per
-line); ``<run_dir>/tensorboard/`` is written when the ``tensorboard`` package
-is importable.
+line). TensorBoard, W&B and MLflow get the same metrics through the lifecycle
+hooks, from the logger plugins the config selects (``logger=[...]``).
 """
 
 from __future__ import annotations
@@ -22,30 +22,16 @@ class MetricsWriter:
         self.path = self.run_dir / "metrics.jsonl"
         self._lock = threading.Lock()
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        except Exception:  # noqa: BLE001 - tensorboard is optional
-            self._tb = None
 
     def write(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
         row = finite_or_none({"time": time.time(), "kind": kind, "step": step, **metrics})
         with self._lock:
             self._file.write(json.dumps(row, default=float) + "\n")
             self._file.flush()
-            if self._tb is not None:
-                for key, value in metrics.items():
-                    if isinstance(value, int | float) and math.isfinite(float(value)):
-                        self._tb.add_scalar(f"{kind}/{key}", float(value), step)
-                self._tb.flush()
 
     def close(self) -> None:
         with self._lock:
             self._file.close()
-            if self._tb is not None:
-                self._tb.close()
 
 
 def finite_or_none(metrics: dict[str, Any]) -> dict[str, Any]:

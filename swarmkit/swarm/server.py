@@ -34,7 +34,7 @@ from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
 from swarmkit.errors import ApiError, busy
 from swarmkit.plugins import get_hooks, get_registry
 from swarmkit.swarm.atomic import resolve_prepared
-from swarmkit.swarm.auth import AdminAuth, ClientAuth
+from swarmkit.swarm.auth import AdminAuth, ClientAuth, redacted
 from swarmkit.swarm.episodes import (
     ABORTED,
     COMMITTING,
@@ -420,7 +420,7 @@ class SwarmServer:
             self.started_at = time.time()
             self.state.transition(ServerState.ROLLING)
             try:
-                get_hooks().run_start(full, str(self.run_dir or ""))
+                get_hooks().run_start(redacted(full), str(self.run_dir or ""))
             except Exception:  # noqa: BLE001
                 log.exception("on_run_start hooks failed")
         except asyncio.CancelledError:
@@ -489,7 +489,7 @@ class SwarmServer:
             self.state.transition(ServerState.OFFLINE)
             try:
                 get_hooks().run_end({"global_step": self.global_step, "reason": reason,
-                                     "episodes": dict(self.episodes.counts)})
+                                     "episodes": dict(self.episodes.counts)}, str(self.run_dir or ""))
             except Exception:  # noqa: BLE001
                 log.exception("on_run_end hooks failed")
 

@@ -32,6 +32,7 @@ from swarmkit.config.compose import config_from_request, request_form
 from swarmkit.config.validate import to_dict
 from swarmkit.errors import ApiError, ConfigError
 from swarmkit.server.requests import bearer, read_json
+from swarmkit.swarm.auth import redacted
 from swarmkit.training.trainer import checkpoint_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,17 +70,6 @@ async def status(request: Request) -> Response:
 
 
 # --------------------------------------------------------------------------- configure
-#: config keys never echoed or written: the tokens that grant access
-SECRET_KEYS = ("admin_token", "client_token")
-
-
-def redacted(cfg: dict[str, Any]) -> dict[str, Any]:
-    """``cfg`` with the server's tokens replaced by ``"***"`` (for answers and files)."""
-    server = cfg.get("server")
-    if not isinstance(server, dict) or not any(server.get(k) for k in SECRET_KEYS):
-        return cfg
-    return {**cfg, "server": {k: ("***" if k in SECRET_KEYS and v else v) for k, v in server.items()}}
-
 def _build_locked(body: dict[str, Any], server_cfg: dict[str, Any]) -> Any:
     with _compose_lock:
         try:
