@@ -40,6 +40,10 @@ def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
     assert len(rows) >= 30 and all("reward_mean" in r and "loss" in r for r in rows)
     assert (tmp_path / "tensorboard").is_dir()
     assert "eval reward before training" in out.stdout and "step  30" in out.stdout
+    # piped: one whole line per step, none lost between two status polls, none cut at 80 columns
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in lines] == list(range(1, len(rows) + 1))
+    assert all("sync" in line and len(line) > 80 for line in lines)
 
 
 def test_calc_agent_main_job_warm_starts_then_samples_multi_turn_episodes(tmp_path):

@@ -26,10 +26,11 @@ from swarmkit.apps.task_client import EvalResult, TrainingClient, evaluate, send
 from swarmkit.client import SwarmClient
 from swarmkit.config.validate import to_dict
 from swarmkit.server.run import token_hint
-from swarmkit.swarm.metrics import step_line
+from swarmkit.swarm.metrics import read_metrics, step_line
 from swarmkit.tasks import make_tasks
 
-console = Console()
+#: soft wrap: a line piped to a file is never cut at 80 columns
+console = Console(soft_wrap=True)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -42,7 +43,7 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _step_line(m: dict[str, Any], fill: dict[str, Any] | None) -> str:
-    return step_line(m, pool=f"{fill['current']:g}/{fill['target']:g} {fill['unit']}" if fill else "-")
+    return step_line(m, pool=f"{fill['current']:g}/{fill['target']:g} {fill['unit']}" if fill else None)
 
 
 def run_local(cfg: DictConfig) -> int:
@@ -114,9 +115,13 @@ def run_local(cfg: DictConfig) -> int:
                 step = int(status["global_step"])
                 pool = status.get("pool", {})
                 last = pool.get("last_step")
-                if last and int(last["step"]) > seen:
-                    seen = int(last["step"])
-                    progress.console.print(_step_line(last, pool.get("fill")))
+                if last and int(last["step"]) > seen:  # every step's line, also of steps taken between polls
+                    new = [r for r in read_metrics(run_dir) if r.get("kind", "train") == "train"
+                           and int(r.get("step") or 0) > seen]
+                    for row in new:
+                        progress.console.print(_step_line(row, pool.get("fill") if row is new[-1] else None),
+                                               soft_wrap=True)
+                    seen = max([seen, int(last["step"]), *(int(r["step"]) for r in new)])
                 if not sampling and step >= warm_steps:
                     if n_demos:  # the warm start alone, before any sampled episode
                         midway[step] = eval_now(f"after the warm start (step {step})")

@@ -96,8 +96,11 @@ function lineChart(title, series, xLabel = "step") {
   box.append(g, legend);
   return box;
 }
-function series(name, key) {
-  return { name, points: metrics.filter(r => r.kind === "train" && r[key] !== undefined).map(r => [r.step, r[key]]) };
+// rl: the key is a policy-gradient number, meaningless on a step of demonstrations only (supervised)
+function series(name, key, rl = false) {
+  const sftOnly = r => r.demonstrations > 0 && r.demonstrations === r.episodes;
+  return { name, points: metrics.filter(r => r.kind === "train" && r[key] !== undefined && !(rl && sftOnly(r)))
+    .map(r => [r.step, r[key]]) };
 }
 function families(prefix) {
   const names = new Set();
@@ -111,9 +114,10 @@ function drawCharts() {
   charts.push(lineChart("Reward per task family (train)",
     train.length ? train.map(f => series(f, "reward_mean/" + f)) : [series("all", "reward_mean")]));
   charts.push(lineChart("Reward per task family (eval, held out)", evals.map(f => series(f, "eval_reward/" + f))));
-  charts.push(lineChart("Loss", [series("loss", "loss"), series("pg loss", "pg_loss"), series("sft nll", "sft_nll")]));
-  charts.push(lineChart("KL, entropy, clip fraction", [series("approx KL", "approx_kl"), series("entropy", "entropy"),
-    series("clip frac", "clip_frac")]));
+  charts.push(lineChart("Loss", [series("loss", "loss", true), series("pg loss", "pg_loss", true),
+    series("sft nll", "sft_nll")]));
+  charts.push(lineChart("KL, entropy, clip fraction", [series("approx KL", "approx_kl", true),
+    series("entropy", "entropy", true), series("clip frac", "clip_frac", true)]));
   charts.push(lineChart("Gradient norm", [series("grad norm", "grad_norm")]));
   const rate = [], epm = [];
   for (let i = 1; i < metrics.length; i++) {
@@ -181,9 +185,17 @@ async function refreshOverview() {
   drawCharts();
   replace("running", table([["episode", r => link(r)], ["task", r => r.task_id], ["kind", r => r.eval ? "eval" : "train"],
     ["roles", r => r.roles.join(", ")], ["client", r => r.client_id], ["age", r => secs(r.age_s)],
-    ["calls", r => r.calls], ["tokens", r => r.tokens]], o.running, "no episode is running"));
+    ["calls", r => r.calls], ["tokens", r => r.tokens]], o.running,
+    o.live ? "no episode is running" : "a live server's only (this is a run folder)"));
   replace("clients", table([["client", r => r.client_id], ["last seen", r => secs(r.last_seen_s) + " ago"],
-    ["active", r => r.active ? "yes" : "no"], ["ready vote", r => r.ready ? "yes" : "no"]], o.clients, "no client yet"));
+    ["active", r => r.active ? "yes" : "no"], ["ready vote", r => r.ready ? "yes" : "no"]], o.clients,
+    o.live ? "no client yet" : "a live server's only (this is a run folder)"));
+}
+function rewardText(e) {
+  if (e.reward === null && e.rewards) {
+    return "rewards " + Object.entries(e.rewards).map(([role, v]) => `${role} ${fmt(v)}`).join(", ");
+  }
+  return `reward ${fmt(e.reward)}`;
 }
 function link(r) { return el("a", { href: "#/episode/" + encodeURIComponent(r.episode_id), text: r.episode_id }); }
 
@@ -202,7 +214,8 @@ async function refreshEpisodes() {
   } });
   replace("episode-list", table([["", tick], ["episode", link], ["task", r => r.task_id],
     ["kind", r => r.eval ? "eval" : "train"], ["status", r => r.status], ["roles", r => r.roles.join(", ")],
-    ["client", r => r.client_id], ["reward", r => r.reward], ["calls", r => r.calls], ["tokens", r => r.tokens],
+    ["client", r => r.client_id], ["reward", r => r.reward ?? rewardText(r)], ["calls", r => r.calls],
+    ["tokens", r => r.tokens],
     ["policy", r => r.policy_version]], out.episodes, "no episode matches"));
 }
 
@@ -242,7 +255,7 @@ async function episodePanel(id) {
   const panel = el("div", { class: "episode", "data-episode": e.episode_id });
   panel.append(el("div", { class: "episode-head" }, el("h2", { text: e.episode_id }),
     el("span", { text: `task ${e.task_id}` }), el("span", { text: e.eval ? "eval" : "train" }),
-    el("span", { text: `status ${e.status}` }), el("span", { text: `reward ${fmt(e.reward)}` }),
+    el("span", { text: `status ${e.status}` }), el("span", { text: rewardText(e) }),
     el("span", { text: `client ${e.client_id}` }), el("span", { text: `${e.calls} calls, ${e.tokens} generated tokens` })));
   const body = el("div");
   const show = which => {
