@@ -134,6 +134,7 @@ def test_dashboard_data_follows_training(training):
         assert o["status"]["global_step"] >= 2 and o["metrics"]["total"] >= 2
         assert {s["state"] for s in o["states"]} >= {"ROLLING", "ROLLING_POST", "WEIGHT_SYNCING"}
         assert any(c["client_id"] == "dash-client" for c in o["clients"])
+        assert all(r["needed"] == 2 and r["episodes"] >= 1 for r in o["pool_tasks"])
         later = http.get("/api/v1/dashboard/overview", params={"after": o["metrics"]["total"]}).json()
         assert len(later["metrics"]["rows"]) == later["metrics"]["total"] - o["metrics"]["total"]
         rows = http.get("/api/v1/dashboard/episodes", params={"status": "finished", "kind": "train"}).json()["episodes"]
@@ -260,6 +261,16 @@ def test_state_spans_and_episode_filters():
     assert ids(min_reward=0.5) == ["ep-3", "ep-1"] and ids(max_reward=0.0) == ["ep-0"] and ids(limit=1) == ["ep-3"]
 
 
+def test_pool_tasks_count_what_the_trigger_counts():
+    from swarmkit.server.dashboard.data import pool_tasks
+
+    rows = pool_tasks([("a", "f", 1.0), ("b", "f", 0.0), ("a", "f", 0.0), ("b", "f", 0.0), ("a", "f", 1.0)], 4)
+    assert rows == [{"task_id": "a", "family": "f", "episodes": 3, "needed": 4, "rewards_differ": True},
+                    {"task_id": "b", "family": "f", "episodes": 2, "needed": 4, "rewards_differ": False}]
+    assert pool_tasks([("t", "g", {"civilian": 1, "spy": 0}), ("t", "g", {"spy": 0, "civilian": 1})], None) == [
+        {"task_id": "t", "family": "g", "episodes": 2, "needed": None, "rewards_differ": False}]
+
+
 def test_metrics_tail_reads_again_when_the_file_grows(tmp_path):
     from swarmkit.server.dashboard.data import MetricsTail
 
@@ -293,6 +304,7 @@ def test_monitor_serves_the_dashboard_of_a_run_folder(training):
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
             assert o["live"] is False and "not live" in o["status"]["source"]
+            assert isinstance(o["pool_tasks"], list)
             assert o["status"]["global_step"] >= live["status"]["global_step"] - 1 >= 1
             assert o["metrics"]["total"] >= 2 and {s["state"] for s in o["states"]} >= {"BOOTING", "ROLLING"}
             rows = http.get("/api/v1/dashboard/episodes", params={"status": "trained"}).json()["episodes"]

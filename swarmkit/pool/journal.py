@@ -395,6 +395,13 @@ class JournalReader:
             rows = self._db.execute(f"SELECT {_COLS} FROM episodes ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
         return [_row_to_record(r) for r in rows]
 
+    def untrained_rewards(self) -> list[tuple[str, str, Any]]:
+        """``(task_id, task_family, reward)`` of every untrained episode, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT task_id, task_family, reward FROM episodes WHERE status=? ORDER BY seq",
+                                    (UNTRAINED,)).fetchall()
+        return [(task, family, json.loads(reward)) for task, family, reward in rows]
+
     def get(self, episode_id: str) -> EpisodeRecord | None:
         with self._lock:
             row = self._db.execute(f"SELECT {_COLS} FROM episodes WHERE episode_id=?", (episode_id,)).fetchone()

@@ -677,7 +677,7 @@ def _dashboard_paths() -> dict[str, Schema]:
             parameters=[param("after", "query", integer(0, 10**9), description="metrics rows the caller has")],
             responses={"200": answer("the overview", obj({
                 "now": number(), "status": ANY_OBJECT, "states": array(ANY_OBJECT), "running": array(ANY_OBJECT),
-                "clients": array(ANY_OBJECT), "metrics": obj({"total": integer(), "rows": array(ANY_OBJECT)})},
+                "pool_tasks": array(ANY_OBJECT), "clients": array(ANY_OBJECT), "metrics": obj({"total": integer(), "rows": array(ANY_OBJECT)})},
                 ("now", "status", "states", "running", "clients", "metrics"))), **unauthorized, **errors(422)})},
         "/api/v1/dashboard/episodes": {"get": op(
             "Running and recently ended episodes, newest first, filtered", tag, DASHBOARD,

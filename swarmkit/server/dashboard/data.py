@@ -36,6 +36,23 @@ def state_spans(history: Sequence[tuple[float, Any]], now: float, limit: int = M
     return spans
 
 
+def pool_tasks(episodes: Iterable[tuple[str, str, Any]], needed: int | None,
+               limit: int = 50) -> list[dict[str, Any]]:
+    """The pool per task, fullest first: ``(task_id, family, reward)`` of each untrained episode in,
+    ``{task_id, family, episodes, needed, rewards_differ}`` out (the paper's Fig. 4: what the batching
+    trigger counts — episodes per task against ``rollouts_per_task``, tasks whose rewards differ)."""
+    by_task: dict[str, dict[str, Any]] = {}
+    for task_id, family, reward in episodes:
+        row = by_task.setdefault(task_id, {"task_id": task_id, "family": family, "episodes": 0, "needed": needed,
+                                           "_rewards": set()})
+        row["episodes"] += 1
+        row["_rewards"].add(json.dumps(reward, sort_keys=True))
+    rows = sorted(by_task.values(), key=lambda r: (-r["episodes"], r["task_id"]))[:limit]
+    for row in rows:
+        row["rewards_differ"] = len(row.pop("_rewards")) > 1
+    return rows
+
+
 def generated_tokens(ep: Episode) -> int:
     """Tokens the model generated for an episode (the trainable ones of its timelines)."""
     return sum(sum(b.loss_mask) for tl in ep.timelines for b in tl.blocks if b.author == "llm")

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from swarmkit.errors import ApiError
 from swarmkit.pool import JournalReader
 from swarmkit.pool.records import EpisodeRecord
-from swarmkit.server.dashboard.data import MetricsTail, TokenText, client_rows
+from swarmkit.server.dashboard.data import MetricsTail, TokenText, client_rows, pool_tasks
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.server import STATES_FILE, SwarmServer
 from swarmkit.timelines import Timeline
@@ -40,6 +40,7 @@ class DashboardSource(Protocol):
     def clients(self, now: float) -> list[dict[str, Any]]: ...
     def token_text(self) -> TokenText | None: ...
     def match(self) -> str: ...
+    def pool_tasks(self) -> list[dict[str, Any]]: ...
 
 
 class LiveSource:
@@ -83,6 +84,13 @@ class LiveSource:
 
     def match(self) -> str:
         return match_name(self.srv.config)
+
+    def pool_tasks(self) -> list[dict[str, Any]]:
+        pool = getattr(self.srv.cycle, "pool", None)
+        if pool is None or not hasattr(pool, "view"):
+            return []
+        return pool_tasks(((e.task_id, e.task_family, e.reward) for e in pool.view()),
+                          rollouts_per_task(self.srv.config))
 
 
 class RunDirSource:
@@ -184,6 +192,11 @@ class RunDirSource:
     def match(self) -> str:
         return match_name(self._checkpoint_config())
 
+    def pool_tasks(self) -> list[dict[str, Any]]:
+        if self._journal is None:
+            return []
+        return pool_tasks(self._journal.untrained_rewards(), rollouts_per_task(self._checkpoint_config()))
+
     def _checkpoint_config(self) -> dict[str, Any]:
         configs = sorted((self.run_dir / "checkpoints").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
         if not configs:
@@ -202,6 +215,15 @@ class RunDirSource:
     def _model_label(self) -> str:
         path = self._model_path or self._checkpoint_model_path()
         return Path(path).name if path else "-"
+
+
+def rollouts_per_task(config: Any) -> int | None:
+    """``batching.rollouts_per_task`` of a config, if it names one."""
+    try:
+        value = config["batching"]["rollouts_per_task"]
+    except (KeyError, TypeError):
+        return None
+    return int(value) if isinstance(value, int) else None
 
 
 def match_name(config: Any) -> str:

@@ -153,6 +153,7 @@ async def overview(request: Request) -> Response:
         "status": source.status(),
         "states": data.state_spans(source.state_history(), now if source.live else _last_time(source, rows)),
         "running": [data.episode_row(ep, now) for ep in source.running()],
+        "pool_tasks": source.pool_tasks(),
         "clients": source.clients(now),
         "metrics": {"total": len(rows), "rows": rows[after:]},
     })

@@ -173,6 +173,11 @@ async function refreshOverview() {
   poolBox.append(kv([["episodes in pool", pool.episodes], ["tasks in pool", pool.tasks], ["reserved", pool.reserved],
     ["trained", pool.trained], ["filtered", pool.filtered], ["clients active", s.clients?.active],
     ["ready votes", s.clients?.ready]]));
+  if (o.pool_tasks.length) {
+    poolBox.append(table([["task in the pool", r => r.task_id],
+      ["episodes", r => r.needed ? `${r.episodes} / ${r.needed}` : r.episodes],
+      ["rewards differ", r => r.rewards_differ ? "yes" : "no"]], o.pool_tasks.slice(0, 8), ""));
+  }
   replace("pool", poolBox);
   const e = s.episodes || {};
   replace("counts", kv([["running", e.running], ["train / eval running", `${e.running_train} / ${e.running_eval}`],
