@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs
@@ -187,27 +188,28 @@ async def episode(request: Request) -> Response:
     return _json(view)
 
 
-def _query_int(request: Request, name: str, default: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(422, f"'{name}' must be an integer", "invalid_field", param=name) from None
-    if not 0 <= value <= 10**9:
-        raise ApiError(422, f"'{name}' must be between 0 and 10^9", "invalid_field", param=name)
-    return value
-
-
-def _query_float(request: Request, name: str) -> float | None:
+def _query(request: Request, name: str, parse: Callable[[str], Any], what: str) -> Any:
+    """A query parameter parsed, None when absent or empty (unparsable: 422 naming ``what`` it must be)."""
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return None
     try:
-        value = float(raw)
+        return parse(raw)
     except ValueError:
-        raise ApiError(422, f"'{name}' must be a number", "invalid_field", param=name) from None
-    if not math.isfinite(value):
+        raise ApiError(422, f"'{name}' must be {what}", "invalid_field", param=name) from None
+
+
+def _query_int(request: Request, name: str, default: int) -> int:
+    value = _query(request, name, int, "an integer")
+    if value is None:
+        return default
+    if not 0 <= value <= 10**9:
+        raise ApiError(422, f"'{name}' must be between 0 and 10^9", "invalid_field", param=name)
+    return int(value)
+
+
+def _query_float(request: Request, name: str) -> float | None:
+    value = _query(request, name, float, "a number")
+    if value is not None and not math.isfinite(value):
         raise ApiError(422, f"'{name}' must be finite", "invalid_field", param=name)
     return value
