@@ -171,11 +171,14 @@ async def episodes(request: Request) -> Response:
     ``task``, ``role``, ``client``, ``status``, ``kind`` (train/eval), ``min_reward``, ``max_reward``."""
     source = _viewer(request)
     q = request.query_params
-    everything = source.all_episodes()
-    rows = data.find_episodes(
-        everything, time.time(), task=q.get("task", ""), role=q.get("role", ""), client=q.get("client", ""),
-        status=q.get("status", ""), kind=q.get("kind", ""), min_reward=_query_float(request, "min_reward"),
-        max_reward=_query_float(request, "max_reward"), limit=_query_int(request, "limit", data.MAX_EPISODES))
+    filters = {"task": q.get("task", ""), "role": q.get("role", ""), "client": q.get("client", ""),
+               "status": q.get("status", ""), "kind": q.get("kind", ""),
+               "min_reward": _query_float(request, "min_reward"), "max_reward": _query_float(request, "max_reward"),
+               "limit": _query_int(request, "limit", data.MAX_EPISODES)}
+
+    # a live server's episodes are listed on the loop that changes them; a journal's are parsed off it
+    everything = source.all_episodes() if source.live else await asyncio.to_thread(source.all_episodes)
+    rows = await asyncio.to_thread(data.find_episodes, everything, time.time(), **filters)
     return _json({"episodes": rows, "total": len(everything)})
 
 
