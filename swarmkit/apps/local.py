@@ -5,7 +5,8 @@ controller API a remote controller uses, evaluates the model on held-out
 tasks, runs the built-in task client until ``trainer.total_steps``
 optimizer steps are done (one metrics line per step), evaluates again and
 prints a summary. Everything lands in the run folder: ``metrics.jsonl``,
-``tensorboard/``, ``journal.sqlite``, ``checkpoints/``, ``summary.json``.
+``states.jsonl``, ``tensorboard/`` (the default logger), ``journal.sqlite``,
+``checkpoints/``, ``summary.json``; the dashboard's URL is printed at start.
 """
 
 from __future__ import annotations
