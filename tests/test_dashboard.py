@@ -335,3 +335,28 @@ def test_status_command_prints_and_watches(training):
                          env={k: v for k, v in _env().items() if k != "SWARMKIT_ADMIN_TOKEN"},
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "admin token" in bad.stderr
+
+
+def test_token_pieces_join_to_the_decoded_text():
+    """Each token's piece of text; together they are the block's text, even where a character spans
+    tokens (byte-level pieces of one UTF-8 character) or a merge depends on the tokens before."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from swarmkit.models import tiny_model_dir
+    from swarmkit.server.dashboard.data import token_pieces
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    for text in ["héllo wörld 日本語 🎉 ok", "<|im_start|>user\n  two  spaces<|im_end|>", "naïve café ☕☕"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = token_pieces(decode, ids)
+        assert len(pieces) == len(ids) and "".join(pieces) == decode(ids) == text
+    rnd = random.Random(0)
+    for _ in range(300):
+        ids = [rnd.randrange(len(tok)) for _ in range(rnd.randrange(1, 24))]
+        assert "".join(token_pieces(decode, ids)) == decode(ids), ids

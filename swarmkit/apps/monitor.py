@@ -45,7 +45,7 @@ def monitor_main(argv: Sequence[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    if source.token_text() is None:  # load the tokenizer now, not on the first page
+    if source.decoder() is None:  # load the tokenizer now, not on the first page
         print("  (no tokenizer for per-token text: pass --model; episodes show whole blocks)", flush=True)
 
     def announce(url: str) -> None:

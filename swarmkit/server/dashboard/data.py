@@ -16,8 +16,10 @@ from typing import Any
 from swarmkit.swarm.episodes import Episode
 from swarmkit.timelines import Timeline, merge_timelines
 
-#: ``token id -> its text``
-TokenText = Callable[[int], str]
+#: ``token ids -> their text`` (special tokens kept, no space clean-up: what the model wrote)
+Decode = Callable[[list[int]], str]
+#: tokens of left context when a token's text is cut out of a decode (merges, leading spaces)
+DECODE_WINDOW = 8
 #: at most this many state spans and episodes in one answer
 MAX_SPANS = 300
 MAX_EPISODES = 200
@@ -118,32 +120,55 @@ def find_episodes(episodes: Iterable[Episode], now: float, *, task: str = "", ro
     return out
 
 
-def timeline_view(tl: Timeline, token_text: TokenText | None) -> dict[str, Any]:
-    """A timeline token by token: each block's author and ``[text, id, logprob, trained]`` per token.
+def token_pieces(decode: Decode, ids: list[int], window: int = DECODE_WINDOW) -> list[str]:
+    """Each token's share of ``decode(ids)``: the pieces join to it.
 
-    Without ``token_text`` (no tokenizer loaded) a block is one piece: its text, no id.
+    A token's text is what it adds to the decode of the tokens before it (``window`` of them:
+    enough for a tokenizer's merges and leading spaces). A token that ends inside a UTF-8
+    character gets ``""``; the token that completes the character carries it whole.
+    """
+    pieces: list[str] = []
+    start = 0  # the first token whose text is not out yet
+    for k in range(len(ids)):
+        s = max(0, start - window)
+        upto = decode(ids[s:k + 1])
+        if upto.endswith("\ufffd") and k + 1 < len(ids):
+            pieces.append("")  # an incomplete character: the next token finishes it
+            continue
+        base = decode(ids[s:start]) if start > s else ""
+        pieces.append(upto[len(base):] if upto.startswith(base) else decode(ids[start:k + 1]))
+        start = k + 1
+    return pieces
+
+
+def timeline_view(tl: Timeline, decode: Decode | None) -> dict[str, Any]:
+    """A timeline token by token: each block's author and ``[text, id, logprob, trained]`` per token
+    (:func:`token_pieces`: a block's pieces join to what its tokens decode to).
+
+    Without ``decode`` (no tokenizer loaded) a block is one piece: its text, no id.
     """
     blocks = []
     for b in tl.blocks:
-        if token_text is None:
+        if decode is None:
             tokens = [[b.text, None, None, int(any(b.loss_mask))]]
         else:
-            tokens = [[token_text(t), t, _finite(lp) if m else None, m]
-                      for t, lp, m in zip(b.token_ids, b.logprobs, b.loss_mask, strict=True)]
+            pieces = token_pieces(decode, list(b.token_ids))
+            tokens = [[piece, t, _finite(lp) if m else None, m]
+                      for piece, t, lp, m in zip(pieces, b.token_ids, b.logprobs, b.loss_mask, strict=True)]
         blocks.append({"author": b.author, "tokens": tokens})
     meta = {k: v for k, v in tl.meta.items() if isinstance(v, str | int | float | bool) or v is None}
     return {"role": tl.role, "meta": meta, "blocks": blocks}
 
 
-def episode_view(ep: Episode, now: float, token_text: TokenText | None, match: str = "text") -> dict[str, Any]:
+def episode_view(ep: Episode, now: float, decode: Decode | None, match: str = "text") -> dict[str, Any]:
     """An episode for the trajectory viewer: its row, its timelines (one per call) and the
     training samples they merge into under ``match`` (what the trainer would build)."""
     samples = merge_timelines(list(ep.timelines), match) if ep.timelines else []
     return {
         "episode": episode_row(ep, now),
         "match": match,
-        "timelines": [timeline_view(tl, token_text) for tl in ep.timelines],
-        "samples": [timeline_view(tl, token_text) for tl in samples if isinstance(tl, Timeline)],
+        "timelines": [timeline_view(tl, decode) for tl in ep.timelines],
+        "samples": [timeline_view(tl, decode) for tl in samples if isinstance(tl, Timeline)],
     }
 
 

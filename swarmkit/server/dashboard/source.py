@@ -7,6 +7,7 @@ swarmkit monitor RUN_DIR``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 from swarmkit.errors import ApiError
 from swarmkit.pool import JournalReader
 from swarmkit.pool.records import EpisodeRecord
-from swarmkit.server.dashboard.data import MetricsTail, TokenText, client_rows, pool_tasks
+from swarmkit.server.dashboard.data import Decode, MetricsTail, client_rows, pool_tasks
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.server import STATES_FILE, SwarmServer
 from swarmkit.timelines import Timeline
@@ -38,7 +39,7 @@ class DashboardSource(Protocol):
     def all_episodes(self) -> list[Episode]: ...
     def episode(self, episode_id: str) -> Episode: ...
     def clients(self, now: float) -> list[dict[str, Any]]: ...
-    def token_text(self) -> TokenText | None: ...
+    def decoder(self) -> Decode | None: ...
     def match(self) -> str: ...
     def pool_tasks(self) -> list[dict[str, Any]]: ...
 
@@ -50,6 +51,7 @@ class LiveSource:
 
     def __init__(self, srv: SwarmServer):
         self.srv = srv
+        self._tokenizer: tuple[Any, Any] | None = None
 
     @property
     def run_dir(self) -> Path | None:
@@ -76,11 +78,16 @@ class LiveSource:
     def clients(self, now: float) -> list[dict[str, Any]]:
         return client_rows(self.srv.clients.all(), now, self.srv.clients.active_window_s)
 
-    def token_text(self) -> TokenText | None:
-        texts = self.srv.token_text
-        if texts is None:
+    def decoder(self) -> Decode | None:
+        backend = self.srv.backend
+        if backend is None:
             return None
-        return lambda token_id: texts(token_id)[0]
+        if self._tokenizer is None or self._tokenizer[0] is not backend:
+            # a private copy: the server's own is busy encoding in the render thread (a Rust tokenizer
+            # that one thread mutably borrows refuses another: "Already borrowed")
+            self._tokenizer = (backend, copy.deepcopy(backend.tokenizer))
+        tok = self._tokenizer[1]
+        return lambda ids: str(tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def match(self) -> str:
         return match_name(self.srv.config)
@@ -113,7 +120,7 @@ class RunDirSource:
         self._tail = MetricsTail()
         journal = self.run_dir / "journal.sqlite"
         self._journal = JournalReader(journal) if journal.exists() else None
-        self._texts: TokenText | None = None
+        self._decode: Decode | None = None
         self._tokenizer_tried = False
 
     def is_admin(self, token: str | None) -> bool:
@@ -172,7 +179,7 @@ class RunDirSource:
     def clients(self, now: float) -> list[dict[str, Any]]:
         return []
 
-    def token_text(self) -> TokenText | None:
+    def decoder(self) -> Decode | None:
         if not self._tokenizer_tried:
             self._tokenizer_tried = True
             path = self._model_path or self._checkpoint_model_path()
@@ -183,11 +190,11 @@ class RunDirSource:
                     from swarmkit.models import resolve_model_path
 
                     tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
-                    cache: dict[int, str] = {}
-                    self._texts = lambda t: cache.setdefault(t, tok.decode([t]))
+                    self._decode = lambda ids: str(tok.decode(ids, skip_special_tokens=False,
+                                                              clean_up_tokenization_spaces=False))
                 except Exception:  # noqa: BLE001 - per-block text is the fallback
-                    self._texts = None
-        return self._texts
+                    self._decode = None
+        return self._decode
 
     def match(self) -> str:
         return match_name(self._checkpoint_config())

@@ -187,7 +187,7 @@ async def episode(request: Request) -> Response:
     source = _viewer(request)
     ep = source.episode(request.path_params["episode_id"])
     # off the event loop: merging and per-token text of a long episode take a while
-    view = await asyncio.to_thread(lambda: data.episode_view(ep, time.time(), source.token_text(), source.match()))
+    view = await asyncio.to_thread(lambda: data.episode_view(ep, time.time(), source.decoder(), source.match()))
     return _json(view)
 
 
