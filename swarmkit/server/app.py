@@ -97,7 +97,7 @@ def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
     app.state.dashboard = LiveSource(srv)
     app.state.dashboard_sessions = Sessions()
     app.state.dashboard_metrics = MetricsTail()
-    app.state.prometheus = ServerMetrics(srv, MetricsTail())
+    app.state.prometheus = ServerMetrics(srv, app.state.dashboard_metrics)  # one reader of metrics.jsonl
     app.add_middleware(UnexpectedErrors)  # inner: added first
     app.add_middleware(BodySizeLimit, max_bytes=srv.max_body_bytes)
     app.add_middleware(RequestTimer, metrics=app.state.prometheus)  # outer: times the 413s too

@@ -18,6 +18,7 @@ from swarmkit.errors import ApiError
 from swarmkit.pool import JournalReader
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.server.dashboard.data import Decode, MetricsTail, client_rows, pool_tasks
+from swarmkit.swarm.auth import AdminAuth
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.server import STATES_FILE, SwarmServer
 from swarmkit.timelines import Timeline
@@ -115,7 +116,7 @@ class RunDirSource:
         self.run_dir = Path(run_dir)
         if not self.run_dir.is_dir():
             raise FileNotFoundError(f"no run folder at {self.run_dir}")
-        self._token = admin_token
+        self._auth = AdminAuth(admin_token, None)
         self._model_path = model_path
         self._tail = MetricsTail()
         journal = self.run_dir / "journal.sqlite"
@@ -124,9 +125,7 @@ class RunDirSource:
         self._tokenizer_tried = False
 
     def is_admin(self, token: str | None) -> bool:
-        import secrets
-
-        return bool(token) and secrets.compare_digest(str(token).encode(), self._token.encode())
+        return self._auth.is_admin(token)
 
     def status(self) -> dict[str, Any]:
         rows = [r for r in self._tail.rows(self.run_dir) if r.get("kind", "train") == "train"]
