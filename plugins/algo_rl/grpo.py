@@ -35,9 +35,13 @@ class ClippedPolicyAlgorithm(Algorithm):
             problems.append(f"algo.kl_coef must be >= 0, got {kl_coef}")
         if kl_kind not in losses.KL_KINDS:
             problems.append(f"algo.kl_kind must be one of {losses.KL_KINDS}, got {kl_kind!r}")
+        if cfg.decoupled not in (None, True, False):
+            problems.append(f"algo.decoupled must be true, false or null, got {cfg.decoupled!r}")
         if problems:
             raise ConfigError(problems)
         self.name = name
+        self.decoupled = bool(cfg.decoupled)
+        self.behav_weight_cap = float(cfg.behav_weight_cap)
         self.clip_low = float(clip_low)
         self.clip_high = float(clip_high)
         self.kl_coef = float(kl_coef)
@@ -46,6 +50,23 @@ class ClippedPolicyAlgorithm(Algorithm):
         self.loss_norm_constant = float(loss_norm_constant)
         self.ppo_epochs = int(ppo_epochs)
         self.mini_batches = int(mini_batches)
+
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the engine scores the pre-step (proximal) logprobs: the decoupled loss."""
+        return self.decoupled
+
+    def _policy_loss(self, x: LossInputs, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped surrogate: around the rollout logprobs, or (``decoupled``) around the
+        proximal ones with importance weights to the rollout policy."""
+        if not self.decoupled:
+            return losses.policy_loss(x.logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high,
+                                      self.loss_agg, self.loss_norm_constant)
+        if x.prox_logprobs is None:
+            raise ValueError(f"{type(self).__name__} with decoupled=true needs prox_logprobs (needs_proximal)")
+        return losses.decoupled_policy_loss(
+            x.logprobs, x.prox_logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high,
+            self.behav_weight_cap, self.loss_agg, self.loss_norm_constant)
 
     @property
     def needs_reference(self) -> bool:
@@ -107,9 +128,7 @@ class GRPO(ClippedPolicyAlgorithm):
         """
         x = inputs
         adv = expand_advantages(x.advantages, x.mask)
-        loss, metrics = losses.policy_loss(
-            x.logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high, self.loss_agg,
-            self.loss_norm_constant)
+        loss, metrics = self._policy_loss(x, adv)
         loss = self._add_kl(loss, metrics, x.logprobs, x.ref_logprobs, x.mask)
         metrics["loss"] = float(loss.detach().item())
         return loss, metrics

@@ -136,6 +136,59 @@ def policy_loss(
     return loss, metrics
 
 
+def decoupled_policy_loss(
+    logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+    advantages: torch.Tensor, mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+    weight_cap: float | None = 5.0, mode: str = "token-mean", norm_constant: float = 1024.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO loss for off-policy (asynchronous) samples, all inputs (B, T).
+
+    Three policies: the *behaviour* policy that sampled the tokens (``behav_logprobs``,
+    recorded by the inference engine, possibly several versions old), the *proximal*
+    policy (``prox_logprobs``: the trainer's weights before this step, scored without
+    gradient) and the policy being trained (``logprobs``). The trust region is taken
+    around the proximal policy, and the behaviour policy is corrected by importance
+    weights::
+
+        w = exp(prox - behav)                       (no gradient)
+        r = exp(logprobs - prox)
+        L = -w * min(r*A, clip(r, 1-clip_low, 1+clip_high)*A)
+
+    A token whose weight exceeds ``weight_cap`` (None or <= 0: no cap) is left out
+    of the loss (its term is 0; it still counts in the aggregation's normaliser),
+    so one very unlikely stale token cannot dominate the step. On-policy
+    (``behav == prox``) this is :func:`policy_loss`.
+
+    Metrics: ``pg_loss``, ``clip_frac``, ``approx_kl`` and ``ratio_mean`` (of ``r``,
+    as in :func:`policy_loss`), ``behav_weight_mean`` (of ``w`` over kept tokens),
+    ``behav_capped_frac`` (tokens left out by the cap) and ``behav_kl`` (the k3
+    estimate of KL(behaviour || proximal): how far off-policy the batch was).
+    """
+    on = mask.bool()
+    zeros = torch.zeros_like(logprobs)
+    behav_log_w = torch.where(on, prox_logprobs - behav_logprobs, zeros).detach()
+    weight = torch.exp(behav_log_w)
+    keep = on if weight_cap is None or weight_cap <= 0 else on & (weight <= weight_cap)
+    weight = torch.where(keep, weight, zeros)
+    log_ratio = torch.where(on, logprobs - prox_logprobs.detach(), zeros)
+    ratio = torch.exp(log_ratio)
+    surr = ratio * advantages
+    surr_clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss_mat = -weight * torch.minimum(surr, surr_clipped)
+    loss = aggregate_loss(loss_mat, mask, mode, norm_constant)
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": float(loss.item()),
+            "clip_frac": float(masked_mean((surr_clipped < surr).to(ratio.dtype), mask).item()),
+            "approx_kl": float(masked_mean((ratio - 1) - log_ratio, mask).item()),
+            "ratio_mean": float(masked_mean(ratio, mask).item()),
+            "behav_weight_mean": float(masked_mean(weight, keep.to(weight.dtype)).item()),
+            "behav_capped_frac": float(masked_mean((on & ~keep).to(weight.dtype), mask).item()),
+            "behav_kl": float(masked_mean(torch.exp(behav_log_w) - 1 - behav_log_w, mask).item()),
+        }
+    return loss, metrics
+
+
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy, (B, T).
 

@@ -53,9 +53,7 @@ class PPO(ClippedPolicyAlgorithm):
         if x.values is None or x.old_values is None or x.returns is None:
             raise ValueError("PPO's loss needs values, old_values and returns (the engine's value head)")
         adv = expand_advantages(x.advantages, x.mask)
-        loss, metrics = losses.policy_loss(
-            x.logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high, self.loss_agg,
-            self.loss_norm_constant)
+        loss, metrics = self._policy_loss(x, adv)
         vl, v_metrics = losses.value_loss(x.values, x.old_values, x.returns, x.mask, self.value_clip,
                                           self.loss_agg, self.loss_norm_constant)
         loss = loss + self.vf_coef * vl

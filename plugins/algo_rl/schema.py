@@ -22,6 +22,11 @@ class GRPOConfig:
     adv_eps: float = 1e-6
     #: KL estimator of the penalty: "k1" | "k2" | "k3"
     kl_kind: str = "k3"
+    #: decoupled PPO loss (trust region around the trainer's pre-step weights, importance weights
+    #: to the sampling policy); null = on when trainer.mode=async, off when sync
+    decoupled: bool | None = None
+    #: decoupled loss: tokens whose importance weight exceeds this are left out (<= 0: no cap)
+    behav_weight_cap: float = 5.0
 
 
 @dataclass
@@ -43,3 +48,5 @@ class PPOConfig:
     #: whiten advantages over the batch's generated tokens
     normalize_advantages: bool = True
     kl_kind: str = "k3"
+    decoupled: bool | None = None
+    behav_weight_cap: float = 5.0

@@ -44,7 +44,9 @@ Weights
 -------
 ``update_weights`` runs between two decode steps (a lock), copies tensors into
 the live parameters (no reload) and sets ``policy_version``. Sequences in flight
-keep their KV cache and report the version they *started* with.
+keep their KV cache (computed by the old weights) and go on with the new ones: an
+output's ``policy_version`` is the version it started with, ``token_versions``
+the version that sampled each token.
 ``path`` may be a folder of ``*.safetensors`` (full or partial weights) or a peft
 LoRA adapter folder (``adapter_config.json``): the adapter is merged into the
 weights (``W = W_base + scale * B @ A``); the base values of the touched
@@ -107,6 +109,7 @@ class _Seq:
     version: int
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
+    out_ver: list[int] = field(default_factory=list)  # the policy version that sampled each token
     out_top: list[dict[int, float]] | None = None
     shaped: bool = False  # the request sets a distribution-shaping field (known once, at submit)
     text: str = ""
@@ -580,6 +583,7 @@ class HFBackend(InferenceBackend):
             return
         seq.out_ids.append(tok)
         seq.out_lp.append(lp)
+        seq.out_ver.append(self.policy_version)  # constant within a step: swaps hold the weights lock
         if seq.out_top is not None:
             seq.out_top.append(top or {})
         self.stats["tokens_generated"] += 1
@@ -613,6 +617,7 @@ class HFBackend(InferenceBackend):
             text=out.push(seq.text) if seq.finish is None else out.finish(seq.text),
             finish_reason=seq.finish,
             top_logprobs=seq.out_top[seq.sent_tokens:] if seq.out_top is not None else None,
+            token_versions=seq.out_ver[seq.sent_tokens:],
         )
         seq.sent_tokens = len(seq.out_ids)
         self._deliver(seq.req, lambda q=seq.req.queue, c=chunk: q.put_nowait(c))
@@ -626,7 +631,7 @@ class HFBackend(InferenceBackend):
         outs = [
             GenerationOutput(token_ids=list(s.out_ids), logprobs=list(s.out_lp), text=s.text,
                              finish_reason=s.finish or "length", top_logprobs=s.out_top,
-                             policy_version=s.version)
+                             policy_version=s.version, token_versions=list(s.out_ver))
             for s in req.seqs
         ]
 

@@ -41,8 +41,11 @@ Semantics (the same contract as the ``hf`` backend)
   ids run up to the token that completed it and ``text`` is cut before it.
   ``text`` is decoded here from the ids (so it never depends on vLLM's
   incremental detokeniser options).
-- ``policy_version`` of an output is the version when the request was admitted.
-  Prefix-cache entries are salted with the policy version (``cache_salt``), so
+- ``policy_version`` of an output is the version when the request was admitted;
+  ``token_versions`` the version of the weights at the engine step that sampled
+  each token (every request asks for deltas: weights swap between steps, so a
+  request in flight goes on with the new weights; one on a run-time LoRA adapter
+  keeps its adapter and its version). Prefix-cache entries are salted with the policy version (``cache_salt``), so
   no request ever reuses KV computed with older weights.
 
 Weights
@@ -103,10 +106,11 @@ class _Req:
     loop: asyncio.AbstractEventLoop
     params: SamplingParams
     prompt: list[int]
-    queue: asyncio.Queue  # receives vLLM RequestOutputs (or an exception)
+    queue: asyncio.Queue  # receives (vLLM RequestOutput delta, policy version that sampled it) or an exception
     stream: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     version: int = 0
+    pinned: bool = False  # runs on a LoRA adapter loaded at run time: its tokens keep the admission version
 
 
 class VLLMBackend(InferenceBackend):
@@ -289,7 +293,8 @@ class VLLMBackend(InferenceBackend):
                             continue
                         if out.finished:
                             del self._live[out.request_id]
-                        self._deliver(req, out)
+                        # weights swap between steps (commands run here): one version per step
+                        self._deliver(req, (out, req.version if req.pinned else self.policy_version))
         finally:
             for req in list(self._live.values()):
                 self._deliver(req, RuntimeError("vllm backend closed"))
@@ -324,7 +329,6 @@ class VLLMBackend(InferenceBackend):
         from vllm.sampling_params import RequestOutputKind
 
         p = req.params
-        streaming = req.stream and p.n == 1
         sp = VSP(
             n=max(1, int(p.n)),
             temperature=float(p.temperature),
@@ -336,10 +340,12 @@ class VLLMBackend(InferenceBackend):
             logprobs=int(p.top_logprobs),
             skip_special_tokens=bool(p.skip_special_tokens),  # vLLM's stop-string scan sees our text
             spaces_between_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY,
+            # deltas, streamed or not: each step's tokens are labelled with the version that sampled them
+            output_kind=RequestOutputKind.DELTA,
             **_shaping(p),
         )
         req.version = self.policy_version
+        req.pinned = self._lora is not None
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt), cache_salt=f"v{self.policy_version}")
         self._live[req.rid] = req
         try:
@@ -388,17 +394,41 @@ class VLLMBackend(InferenceBackend):
         except asyncio.CancelledError:
             self._submit("abort", req.rid)
             raise
-        if isinstance(item, BaseException):
-            raise item
-        outs = sorted(item.outputs, key=lambda c: c.index)
+        n = max(1, int(params.n))
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[dict[int, float]] | None] = [[] if params.top_logprobs > 0 else None for _ in range(n)]
+        vers: list[list[int]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        try:
+            while True:
+                if isinstance(item, BaseException):
+                    raise item
+                out, version = item
+                for c in out.outputs:
+                    new = [int(t) for t in c.token_ids]
+                    nl, nt = self._logprobs(c.logprobs, new, params.top_logprobs)
+                    ids[c.index] += new
+                    lps[c.index] += nl
+                    vers[c.index] += [version] * len(new)
+                    top = tops[c.index]
+                    if top is not None:
+                        top += nt or []
+                    if c.finish_reason is not None:
+                        reasons[c.index] = c.finish_reason
+                if out.finished:
+                    break
+                item = await req.queue.get()
+        except asyncio.CancelledError:
+            self._submit("abort", req.rid)
+            raise
         result = []
-        for c in outs:
-            ids = [int(t) for t in c.token_ids]
-            lps, tops = self._logprobs(c.logprobs, ids, params.top_logprobs)
-            text, reason = self._text_and_reason(ids, params, c.finish_reason)
-            result.append(GenerationOutput(token_ids=ids, logprobs=lps, text=text, finish_reason=reason,
-                                           top_logprobs=tops, policy_version=req.version))
-            self.stats["tokens_generated"] += len(ids)
+        for i in range(n):
+            text, reason = self._text_and_reason(ids[i], params, reasons[i])
+            result.append(GenerationOutput(token_ids=ids[i], logprobs=lps[i], text=text, finish_reason=reason,
+                                           top_logprobs=tops[i], policy_version=req.version,
+                                           token_versions=vers[i]))
+            self.stats["tokens_generated"] += len(ids[i])
         return result
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
@@ -408,6 +438,7 @@ class VLLMBackend(InferenceBackend):
         self._submit("add", req)
         ids: list[int] = []
         lps: list[float] = []
+        vers: list[int] = []
         tops: list[dict[int, float]] | None = [] if params.top_logprobs > 0 else None
         sent_tokens = 0
         out = StreamTextBuffer(params.stop)
@@ -418,11 +449,13 @@ class VLLMBackend(InferenceBackend):
                 item = await req.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                item, version = item
                 c = item.outputs[0]
                 new = [int(t) for t in c.token_ids]
                 nl, nt = self._logprobs(c.logprobs, new, params.top_logprobs)
                 ids += new
                 lps += nl
+                vers += [version] * len(new)
                 if tops is not None:
                     tops += nt or []
                 finished = bool(item.finished)
@@ -431,7 +464,8 @@ class VLLMBackend(InferenceBackend):
                     self.stats["tokens_generated"] += len(ids)
                     yield StreamChunk(token_ids=ids[sent_tokens:], logprobs=lps[sent_tokens:],
                                       text=out.finish(text), finish_reason=reason,
-                                      top_logprobs=tops[sent_tokens:] if tops is not None else None)
+                                      top_logprobs=tops[sent_tokens:] if tops is not None else None,
+                                      token_versions=vers[sent_tokens:])
                     return
                 if ids and ids[-1] in stop_ids:
                     continue
@@ -441,7 +475,8 @@ class VLLMBackend(InferenceBackend):
                 if len(ids) > sent_tokens:
                     yield StreamChunk(token_ids=ids[sent_tokens:], logprobs=lps[sent_tokens:],
                                       text=out.push(text), finish_reason=None,
-                                      top_logprobs=tops[sent_tokens:] if tops is not None else None)
+                                      top_logprobs=tops[sent_tokens:] if tops is not None else None,
+                                      token_versions=vers[sent_tokens:])
                     sent_tokens = len(ids)
         finally:
             if not finished:

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.applications import Starlette
 
 from swarmkit.config.plain import as_dict
+from swarmkit.config.schema import TrainerConfig
 from swarmkit.server.app import create_app
 from swarmkit.swarm.cycle import StepFn, TrainingCycle
 from swarmkit.swarm.server import SwarmServer
@@ -23,8 +24,14 @@ from swarmkit.training import Trainer
 
 
 def make_trainer(cfg: dict[str, Any], run_dir: Path) -> Trainer:
-    """The trainer of a validated training config (``model``, ``optim``, ``algo``, ``match``, ``seed``)."""
-    return Trainer(cfg["model"], cfg["optim"], cfg["algo"], match=cfg["match"], run_dir=run_dir,
+    """The trainer of a validated training config (``model``, ``optim``, ``algo``, ``match``, ``seed``).
+
+    ``algo.decoupled: null`` (the default) turns on the decoupled loss when ``trainer.mode`` is async.
+    """
+    algo = dict(as_dict(cfg["algo"]))
+    if "decoupled" in algo and algo["decoupled"] is None:
+        algo["decoupled"] = TrainerConfig(**as_dict(cfg.get("trainer") or {})).mode == "async"
+    return Trainer(cfg["model"], cfg["optim"], algo, match=cfg["match"], run_dir=run_dir,
                    seed=int(cfg["seed"]))
 
 

@@ -110,6 +110,13 @@ class TrainerConfig:
     eval_every: int = 0
     #: episodes per step whose token-level trajectories go to the loggers (a W&B table, an MLflow artifact)
     log_trajectories: int = 2
+    #: "sync": every step drains the running episodes and holds calls while weights sync (the paper's
+    #: cycle); "async": the server keeps sampling while the trainer steps in the background, and new
+    #: weights are swapped into the engine between engine steps (see docs/training.md)
+    mode: str = "sync"
+    #: async: no trained token is more than this many policy versions older than the weights being
+    #: updated (new episodes wait with 503 + Retry-After while in-flight work would exceed it)
+    max_staleness: int = 2
 
 
 @dataclass
@@ -133,3 +140,5 @@ class SwarmkitConfig:
 
 
 MODES = ("local", "server", "client", "plan")
+#: values of ``trainer.mode``
+TRAINER_MODES = ("sync", "async")

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from swarmkit.chat_templates import resolve_chat_template
-from swarmkit.config.schema import MODES, SwarmkitConfig
+from swarmkit.config.schema import MODES, TRAINER_MODES, SwarmkitConfig
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins.loader import get_hooks
 from swarmkit.plugins.registry import KINDS, Registry
@@ -130,6 +130,12 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             resolve_chat_template(str(model.get("chat_template", "auto")), str(model.get("path", "")))
         except ValueError as exc:
             problems.append(str(exc))
+    trainer = result.get("trainer")
+    if trainer is not None:
+        if trainer.mode not in TRAINER_MODES:
+            problems.append(f"trainer.mode: '{trainer.mode}' is not one of {', '.join(TRAINER_MODES)}")
+        if trainer.max_staleness < 0:
+            problems.append(f"trainer.max_staleness: must be >= 0, got {trainer.max_staleness}")
     optim = result.get("optim")
     if optim is not None:
         for key in ("lr", "sft_lr"):

@@ -32,8 +32,11 @@ class LossInputs:
 
     Every tensor is (B, T): B rows (samples), T the longest trained span.
     ``mask`` is 1.0 on trained (generated) tokens. ``advantages`` is (B, T) or (B,).
-    ``ref_logprobs`` is set when the algorithm ``needs_reference``; ``values``,
-    ``old_values`` and ``returns`` when it ``needs_values``.
+    ``ref_logprobs`` is set when the algorithm ``needs_reference``; ``prox_logprobs``
+    (the logprobs of the weights before this step, scored without gradient) when it
+    ``needs_proximal``; ``values``, ``old_values`` and ``returns`` when it ``needs_values``.
+    ``old_logprobs`` are the rollout's (the behaviour policy: with asynchronous training,
+    possibly older weights).
     """
 
     logprobs: Tensor
@@ -41,6 +44,7 @@ class LossInputs:
     advantages: Tensor
     mask: Tensor
     ref_logprobs: Tensor | None = None
+    prox_logprobs: Tensor | None = None
     values: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
@@ -56,6 +60,9 @@ class Algorithm(ABC):
       :meth:`episode_advantages` once per batch.
     - ``needs_reference``: the engine keeps the frozen initial policy and fills
       ``LossInputs.ref_logprobs``.
+    - ``needs_proximal``: the engine scores the batch with the weights before the
+      step (a pre-pass) and fills ``LossInputs.prox_logprobs`` (decoupled PPO for
+      off-policy samples).
     - ``ppo_epochs`` passes over each batch, each cut into ``mini_batches``
       optimizer steps.
     - ``loss_agg``: one of :data:`LOSS_AGG_MODES`; the engine weights
@@ -65,6 +72,7 @@ class Algorithm(ABC):
     name: str = ""
     needs_values: bool = False
     needs_reference: bool = False
+    needs_proximal: bool = False
     ppo_epochs: int = 1
     mini_batches: int = 1
     loss_agg: str = "token-mean"
@@ -103,7 +111,7 @@ def check_algorithm(algo: Any) -> None:
     if not isinstance(algo, Algorithm):
         raise TypeError(f"{name} must subclass swarmkit.contract.Algorithm")
     problems = []
-    for attr in ("needs_values", "needs_reference"):
+    for attr in ("needs_values", "needs_reference", "needs_proximal"):
         if not isinstance(getattr(algo, attr), bool):
             problems.append(f"{attr} must be a bool, got {getattr(algo, attr)!r}")
     for attr in ("ppo_epochs", "mini_batches"):

@@ -91,6 +91,10 @@ class GenerationOutput:
     ``logprobs[i]`` is log p(token_ids[i] | prefix) under the model's
     unmodified distribution (log-softmax of the raw logits, no temperature),
     which is what importance ratios in training are computed against.
+    ``policy_version`` is the version of the weights the continuation started
+    with; ``token_versions[i]`` the version of the weights that sampled token
+    ``i`` (a *partial rollout* spans a weight swap and has tokens of two
+    versions). None means every token has ``policy_version``.
     """
 
     token_ids: list[int]
@@ -99,6 +103,15 @@ class GenerationOutput:
     finish_reason: str  # "stop" | "length"
     top_logprobs: list[dict[int, float]] | None = None
     policy_version: int = 0
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """``[T]`` the policy version of every generated token."""
+        if self.token_versions is None:
+            return [int(self.policy_version)] * len(self.token_ids)
+        if len(self.token_versions) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_versions)} token versions for {len(self.token_ids)} tokens")
+        return [int(v) for v in self.token_versions]
 
 
 @dataclass
@@ -110,6 +123,14 @@ class StreamChunk:
     text: str
     finish_reason: str | None = None  # set on the last chunk
     top_logprobs: list[dict[int, float]] | None = None
+    #: the policy version that sampled each token (None: the version the stream started with)
+    token_versions: list[int] | None = None
+
+    def versions(self, default: int) -> list[int]:
+        """``[T]`` the policy version of each token of the chunk (``default`` when not reported)."""
+        if self.token_versions is None:
+            return [int(default)] * len(self.token_ids)
+        return [int(v) for v in self.token_versions]
 
 
 class InferenceBackend(ABC):
@@ -153,6 +174,10 @@ class InferenceBackend(ABC):
         version: int,
     ) -> None:
         """Replace the served weights in place (no restart) and set ``policy_version``.
+
+        Called while requests run (asynchronous training): a backend swaps between two
+        engine steps, and continuations in flight go on with the new weights, their
+        tokens labelled with the version that sampled them (``token_versions``).
 
         Either ``named_tensors`` (full weights or, for LoRA, the merged weights)
         or ``path`` (a folder with safetensors / a peft adapter).

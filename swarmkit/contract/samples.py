@@ -17,6 +17,9 @@ class TrainSample:
     generated tokens, 0 elsewhere. ``reward`` is the (episode, role) reward
     (PPO puts it on the last generated token). ``demonstration`` marks a
     supervised sample (a demonstrated conversation, see ``build_samples``).
+    ``versions[t]`` is the policy version that sampled token ``t`` (meaningful
+    where ``loss_mask[t] == 1``; None: all ``policy_version``); a partial
+    rollout has several.
     """
 
     input_ids: list[int]
@@ -29,6 +32,13 @@ class TrainSample:
     role: str | None = None
     reward: float = 0.0
     demonstration: bool = False
+    versions: list[int] | None = None
+
+    def token_versions(self) -> list[int]:
+        """``[T]`` the policy version of every token (``policy_version`` where none was recorded)."""
+        if self.versions is None:
+            return [int(self.policy_version)] * len(self.input_ids)
+        return [int(v) for v in self.versions]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

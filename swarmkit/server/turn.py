@@ -341,6 +341,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
     n = params.n
     ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
+    vers: list[list[int]] = [[] for _ in range(n)]
     tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
     texts: list[list[str]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
@@ -361,7 +362,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
         srv.end_call(ep)
         outputs = [
             GenerationOutput(token_ids=ids[i], logprobs=lps[i], text="", finish_reason=finish[i] or "abort",
-                             top_logprobs=tops[i] or None, policy_version=version)
+                             top_logprobs=tops[i] or None, policy_version=version, token_versions=vers[i])
             for i in range(n)
         ]
         if ep.running and any(ids):
@@ -383,6 +384,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
         async for i, ch in choice_streams(srv, turn.prompt_ids, params):
             ids[i].extend(ch.token_ids)
             lps[i].extend(ch.logprobs)
+            vers[i].extend(ch.versions(version))
             texts[i].append(ch.text)
             if ch.top_logprobs:
                 tops[i].extend(ch.top_logprobs)

@@ -36,6 +36,7 @@ from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.families import step_family_metrics
 from swarmkit.swarm.metrics import MetricsWriter, finite_or_none, step_line
+from swarmkit.swarm.staleness import admission_capacity
 from swarmkit.swarm.state import ServerState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -107,6 +108,17 @@ class TrainingCycle:
         #: a step applied whose weights the engine does not serve yet
         self._unsynced: int | None = None
         self._retry_at = 0.0
+        #: "sync" or "async" (trainer.mode) and the async staleness bound (trainer.max_staleness)
+        self.mode = "sync"
+        self.max_staleness = 0
+        #: the step under way in the background (async mode), since when, and how long the last took
+        self._training_task: asyncio.Task | None = None
+        self._training_since: float | None = None
+        self.last_step_s: float | None = None
+        #: the last step the trainer applied (the batch is spent from then on)
+        self._applied_step = 0
+        #: held while the trainer steps, syncs or saves (a controller's checkpoint waits for it)
+        self._trainer_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._server: SwarmServer | None = None
@@ -131,6 +143,8 @@ class TrainingCycle:
     def status(self) -> dict[str, Any]:
         stats = self.pool.stats(self.policy, self.server.clients.all(), time.time()) if self.policy else self.pool.stats()
         stats["policy"] = self.policy_name or None
+        if self._server is not None:
+            stats["trainer"] = self.trainer_status()
         if self.last_error:
             stats["last_error"] = self.last_error
         if self.last_metrics:
@@ -151,6 +165,8 @@ class TrainingCycle:
         self.checkpoint_every = int(trainer_cfg.checkpoint_every)
         self.keep_checkpoints = int(trainer_cfg.keep_checkpoints)
         self.log_trajectories = max(0, int(trainer_cfg.log_trajectories))
+        self.mode = str(trainer_cfg.mode)
+        self.max_staleness = int(trainer_cfg.max_staleness)
         if self.metrics is None:
             self.metrics = MetricsWriter(self.run_dir)
         if self.custom_step is None:
@@ -174,6 +190,14 @@ class TrainingCycle:
                  step, put_back, extra)
 
     async def before_stop(self) -> None:
+        for task in (self._training_task, self._task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+        self._training_task = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -192,12 +216,17 @@ class TrainingCycle:
             except Exception:  # noqa: BLE001 - stopping must always succeed
                 log.exception("closing the trainer failed")
 
-    def checkpoint(self, path: str) -> dict[str, Any] | None:
-        """Save the trainer into ``path`` (the controller's checkpoint folder); None without a trainer."""
+    async def checkpoint(self, path: str) -> dict[str, Any] | None:
+        """Save the trainer into ``path`` (the controller's checkpoint folder); None without a trainer.
+
+        Waits for a step under way (async mode) and its own checkpoint: a checkpoint is never
+        taken of a trainer in the middle of a step.
+        """
         if self.trainer is None:
             return None
-        folder = self.trainer.save_checkpoint(path, extra={"pool": self.pool.stats()})
-        return {"path": str(folder), "global_step": self.trainer.global_step}
+        async with self._trainer_lock:
+            folder = await asyncio.to_thread(self.trainer.save_checkpoint, path, {"pool": self.pool.stats()})
+            return {"path": str(folder), "global_step": self.trainer.global_step}
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
@@ -210,12 +239,16 @@ class TrainingCycle:
             srv = self.server
             if srv.state.state is not ServerState.ROLLING or self.policy is None:
                 continue
+            if self.training_in_progress:
+                continue  # async: one step at a time; the pool fills meanwhile
             if (self._unrecorded or self._unsynced is not None) and not await self._catch_up():
                 continue
             if self._limit_reached():
                 continue
             decision = self.pool.decide(self.policy, srv.clients.all(), time.time())
-            if decision.fire and decision.selected:
+            if decision.fire and decision.selected and self.mode == "async":
+                self._start_background_step(decision)
+            elif decision.fire and decision.selected:
                 try:
                     await self.train_once(decision)
                 except asyncio.CancelledError:
@@ -238,7 +271,7 @@ class TrainingCycle:
         return True
 
     async def train_once(self, decision: Any) -> dict[str, float]:
-        """One ROLLING → ROLLING_POST → WEIGHT_SYNCING → ROLLING cycle for ``decision``.
+        """One ROLLING → ROLLING_POST → WEIGHT_SYNCING → ROLLING cycle for ``decision`` (sync mode).
 
         Exactly once: from the moment the trainer has applied the update, the batch is spent. Its
         bookkeeping is written to the journal before the new weights are served (retried; if the
@@ -246,12 +279,33 @@ class TrainingCycle:
         any further step), and ``global_step`` never goes back.
         """
         srv = self.server
-        step = srv.global_step + 1
         srv.enter_rolling_post()
         t_drain = time.perf_counter()
         aborted = await srv.drain()
-        drain_s = time.perf_counter() - t_drain
+        drain = {"drained_aborted": float(aborted), "drain_s": time.perf_counter() - t_drain}
         srv.enter_weight_syncing()
+        reached = srv.global_step
+        try:
+            metrics, reached = await self._step(decision, drain)
+            return metrics
+        finally:
+            srv.resume_rolling(max(reached, self._applied_step))
+            self._limit_reached()
+
+    async def _step(self, decision: Any, extra: dict[str, float]) -> tuple[dict[str, float], int]:
+        """Take ``decision``'s batch, train one step on it, journal it, serve the new weights, log it.
+
+        Returns the metrics and the step reached. Shared by both modes: sync calls it with the
+        server drained and calls held (``WEIGHT_SYNCING``), async while the server keeps sampling
+        (the engine swaps the weights between two of its steps).
+        """
+        async with self._trainer_lock:
+            return await self._step_locked(decision, extra)
+
+    async def _step_locked(self, decision: Any, extra: dict[str, float]) -> tuple[dict[str, float], int]:
+        srv = self.server
+        step = srv.global_step + 1
+        self._applied_step = srv.global_step
         filtered = list(decision.detail.get("filtered") or [])
         records = self.pool.take(decision.selected)
         ids = [r.episode_id for r in records]
@@ -265,32 +319,38 @@ class TrainingCycle:
                     result = await result
                 metrics = dict(result or {})
                 applied = True
+                self._applied_step = step
                 await self._journal_step(ids, filtered, step)
                 sync_s = 0.0
             else:
-                metrics = await asyncio.to_thread(self.trainer.step, records)
+                if self.mode == "async":  # tokens staler than the bound are left out of the loss
+                    metrics = await asyncio.to_thread(self.trainer.step, records, self.max_staleness)
+                else:
+                    metrics = await asyncio.to_thread(self.trainer.step, records)
                 if self.trainer.global_step == srv.global_step and metrics.get("nonfinite_skipped"):
                     # nothing was applied (a non-finite loss or gradient): drop the batch, keep the weights
                     self.pool.mark_filtered(ids, srv.global_step)
                     self.last_error = (f"a step on {len(ids)} episodes was skipped: non-finite loss or gradient "
                                        "(the episodes were dropped, the weights are unchanged)")
                     log.warning("%s", self.last_error)
-                    applied, step = True, srv.global_step
-                    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+                    applied = True
+                    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, srv.global_step
                 step = self.trainer.global_step
                 applied = True
+                self._applied_step = step
                 recorded = await self._journal_step(ids, filtered, step)
                 t_sync = time.perf_counter()
                 await self._sync_weights(step)
                 sync_s = time.perf_counter() - t_sync
                 if not recorded:
                     metrics["journal_pending"] = 1.0
+            if self.mode == "async":
+                srv.global_step = step  # the served version moves on; the server never left ROLLING
             metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+            metrics.update(extra)
             metrics.update(
                 weight_sync_s=sync_s,
                 cycle_time_s=time.perf_counter() - t0,
-                drained_aborted=float(aborted),
-                drain_s=drain_s,
                 pool_left=float(self.pool.stats()["episodes"]),
             )
             metrics.update(step_family_metrics(records))
@@ -305,7 +365,7 @@ class TrainingCycle:
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
                 await asyncio.to_thread(self.trainer.prune_checkpoints, self.keep_checkpoints)
-            return metrics
+            return metrics, step
         except Exception as exc:
             self.steps_failed += 1
             if self.last_error is None or not applied:
@@ -314,9 +374,94 @@ class TrainingCycle:
         finally:
             if not applied:
                 self.pool.release(ids)
-                step = srv.global_step
-            srv.resume_rolling(step)
+
+    # ------------------------------------------------------------------ async mode
+    def _start_background_step(self, decision: Any) -> None:
+        """Train ``decision``'s batch in the background while the server keeps sampling (async mode)."""
+        self._training_since = time.time()
+        self._training_task = asyncio.get_running_loop().create_task(self._background_step(decision))
+
+    async def _background_step(self, decision: Any) -> None:
+        t0 = time.time()
+        try:
+            await self._step(decision, {"staleness_bound": float(self.max_staleness)})
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the server keeps running
+            log.exception("training step failed")
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.steps_failed, 6)))
+        finally:
+            if self._applied_step > self.server.global_step:  # applied, then failed before serving it
+                self.server.global_step = self._applied_step
+            self.last_step_s = time.time() - t0
+            self._training_since = None
             self._limit_reached()
+            self._wake.set()
+
+    @property
+    def training_in_progress(self) -> bool:
+        """A background step is under way (async mode)."""
+        return self._training_task is not None and not self._training_task.done()
+
+    def pacing(self) -> tuple[str, float] | None:
+        """Why a new training episode must wait, and for about how long (async mode's staleness
+        bound); None: admit it. See :func:`swarmkit.swarm.staleness.admission_capacity`."""
+        if self.mode != "async" or self.policy is None:
+            return None
+        srv = self.server
+        in_flight = self.in_flight()
+        running = in_flight - len(self.pool.view())
+        capacity = self.capacity()
+        if in_flight < capacity:
+            return None
+        if not self.training_in_progress and running == 0:
+            return None  # only the pool is waiting and the policy cannot release it: never deadlock
+        wait = 1.0
+        if self._training_since is not None and self.last_step_s:
+            wait = max(0.05, self.last_step_s - (time.time() - self._training_since))
+        return (f"staleness bound: {in_flight} training episodes are under way or waiting and the weights "
+                f"served (version {srv.policy_version}) may be updated by at most trainer.max_staleness="
+                f"{self.max_staleness} more steps before their tokens are too old; retry when the step under "
+                "way is done", wait)
+
+    def in_flight(self) -> int:
+        """Training episodes running or waiting in the pool (not yet in a step)."""
+        running = sum(1 for e in self.server.episodes.running() if not e.eval)
+        return running + len(self.pool.view())
+
+    def capacity(self) -> int:
+        """How many training episodes may be in flight under the staleness bound."""
+        srv = self.server
+        per_step = int(self.policy.batch_size) * int(self.policy.rollouts_per_task)
+        return admission_capacity(srv.policy_version, srv.global_step, self.training_in_progress,
+                                  self.max_staleness, per_step)
+
+    def ready_batches(self, limit: int = 8) -> int:
+        """Batches the batching policy could release from the pool now (at most ``limit``)."""
+        if self.policy is None:
+            return 0
+        view = self.pool.view()
+        clients = self.server.clients.all()
+        n = 0
+        while n < limit:
+            d = self.policy.decide(view, clients, time.time())
+            if not (d.fire and d.selected):
+                break
+            n += 1
+            taken = set(d.selected) | set(d.detail.get("filtered") or [])
+            view = [e for e in view if e.episode_id not in taken]
+        return n
+
+    def trainer_status(self) -> dict[str, Any]:
+        """What the trainer is doing, for ``status()["pool"]["trainer"]``."""
+        out: dict[str, Any] = {"mode": self.mode, "global_step": self.server.global_step,
+                               "policy_version": self.server.policy_version}
+        if self.mode == "async":
+            out.update(max_staleness=self.max_staleness, training=self.training_in_progress,
+                       training_since=self._training_since, ready_batches=self.ready_batches(),
+                       in_flight=self.in_flight() if self.policy is not None else 0,
+                       capacity=self.capacity() if self.policy is not None else 0)
+        return out
 
     async def _journal_step(self, ids: list[str], filtered: list[str], step: int) -> bool:
         """Write that ``step`` trained ``ids`` (and retired ``filtered``), retrying for a few seconds.

@@ -52,6 +52,7 @@ CONFORMANCE_CHECKS: tuple[str, ...] = (
     "concurrent_requests",
     "streaming",
     "weight_update",
+    "partial_rollout",
     "lora_adapter",
 )
 
@@ -441,6 +442,36 @@ class BackendConformance:
             self.update(original)
         restored = self.generate(p)[0]
         self.assert_same_greedy(before, restored, "after restoring the weights")
+
+    def check_partial_rollout(self) -> None:
+        """Weights pushed while a continuation is being generated (asynchronous training): it goes
+        on, and every token reports the version that sampled it (old ones first, then the new)."""
+        p = self.prompts[1]
+        ends = {self.tok.eos_token_id, *getattr(self.backend, "_eos_ids", ())}
+        bias = {int(t): -100.0 for t in ends if t is not None}  # keep generating past the swap
+        old = self.backend.policy_version
+        weights = self._state()  # the same weights under a new version: outputs stay comparable
+        new = old + 1
+
+        async def run() -> list[Any]:
+            chunks: list[Any] = []
+            swapped = False
+            params = SamplingParams(max_tokens=24, temperature=0.0, logit_bias=bias)
+            async for chunk in self.backend.stream(list(p), params):
+                chunks.append(chunk)
+                if not swapped and sum(len(c.token_ids) for c in chunks) >= 3:
+                    await self.backend.update_weights(weights, version=new)
+                    swapped = True
+            return chunks
+
+        chunks = self.harness.run(run())
+        self._version = new
+        ids = [t for c in chunks for t in c.token_ids]
+        versions = [v for c in chunks for v in c.versions(-1)]
+        assert len(versions) == len(ids) == 24, (len(versions), len(ids))
+        assert versions[0] == old and versions[-1] == new, versions
+        assert versions == sorted(versions), f"versions must never go back: {versions}"
+        assert set(versions) == {old, new}, versions
 
     def check_lora_adapter(self) -> None:
         """A peft LoRA adapter folder passed as ``path`` is served (merged or applied)."""

@@ -44,6 +44,10 @@ class Block:
         (0.0 for prompt tokens). Default: zeros.
     :param loss_mask: ``[T]`` of 0/1, 1 only on trainable (``llm``) tokens.
         Default: ones for ``llm`` blocks, zeros otherwise.
+    :param versions: ``[T]`` the policy version that sampled each token of a
+        generated block (a partial rollout spans a weight swap: two versions in
+        one block); None where unknown (prompt blocks, demonstrations, records
+        written before versions were kept: the episode's ``policy_version`` then).
     :raises ValueError: unknown author, lengths that differ, a mask value other
         than 0/1, or a non-zero mask on a non-``llm`` block.
     """
@@ -53,6 +57,7 @@ class Block:
     token_ids: list[int]
     logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.author not in _AUTHOR_SET:
@@ -70,10 +75,13 @@ class Block:
             self.loss_mask = [1 if self.author == "llm" else 0] * n
         elif type(self.loss_mask) is not list:
             self.loss_mask = list(self.loss_mask)
-        if len(self.logprobs) != n or len(self.loss_mask) != n:
+        if self.versions is not None and type(self.versions) is not list:
+            self.versions = list(self.versions)
+        if len(self.logprobs) != n or len(self.loss_mask) != n or (self.versions is not None and len(self.versions) != n):
             raise ValueError(
                 f"block lengths differ: {n} token ids, {len(self.logprobs)} logprobs, "
                 f"{len(self.loss_mask)} loss-mask entries"
+                + (f", {len(self.versions)} versions" if self.versions is not None else "")
             )
         if n:
             if not set(self.loss_mask) <= {0, 1}:
@@ -90,7 +98,7 @@ class Block:
         block = cls.__new__(cls)
         n = len(token_ids)
         block.author, block.text, block.token_ids = author, text, token_ids
-        block.logprobs, block.loss_mask = [0.0] * n, [0] * n
+        block.logprobs, block.loss_mask, block.versions = [0.0] * n, [0] * n, None
         return block
 
     def __len__(self) -> int:
@@ -103,17 +111,21 @@ class Block:
 
     def copy(self) -> Block:
         """A copy with its own lists."""
-        return Block(self.author, self.text, list(self.token_ids), list(self.logprobs), list(self.loss_mask))
+        return Block(self.author, self.text, list(self.token_ids), list(self.logprobs), list(self.loss_mask),
+                     None if self.versions is None else list(self.versions))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict (lists of ints / floats)."""
-        return {
+        """JSON-safe dict (lists of ints / floats); ``versions`` only when known."""
+        out: dict[str, Any] = {
             "author": self.author,
             "text": self.text,
             "token_ids": list(self.token_ids),
             "logprobs": [float(x) for x in self.logprobs],
             "loss_mask": list(self.loss_mask),
         }
+        if self.versions is not None:
+            out["versions"] = list(self.versions)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Block:
@@ -124,6 +136,7 @@ class Block:
             token_ids=[int(x) for x in data["token_ids"]],
             logprobs=[float(x) for x in data.get("logprobs") or [0.0] * len(data["token_ids"])],
             loss_mask=None if data.get("loss_mask") is None else [int(x) for x in data["loss_mask"]],
+            versions=None if data.get("versions") is None else [int(x) for x in data["versions"]],
         )
 
 
@@ -171,6 +184,10 @@ class Timeline:
     def loss_mask(self) -> list[int]:
         """``[T_total]`` per-token loss mask, blocks concatenated."""
         return [x for b in self.blocks for x in b.loss_mask]
+
+    def versions(self, default: int = 0) -> list[int]:
+        """``[T_total]`` per-token policy versions; ``default`` where a block has none."""
+        return [x for b in self.blocks for x in (b.versions if b.versions is not None else [default] * len(b))]
 
     def num_tokens(self) -> int:
         """Total number of tokens."""

@@ -72,11 +72,11 @@ def _absorb_block(target: Block, source: Block) -> Block:
     """``target`` after absorbing the generated block ``source`` (a new block).
 
     Built without re-validation: ``source`` is a valid block, and the result has
-    its lengths, author ``llm`` and ``source``'s loss mask (ones, except tokens the
-    server forced into the turn). The ``token_ids``, ``logprobs`` and ``loss_mask``
-    lists are ``source``'s own: shared, as untouched blocks are (copying ~100
-    scattered int objects per block was most of the merge's time); the merge never
-    mutates a list.
+    its lengths, author ``llm``, ``source``'s loss mask (ones, except tokens the
+    server forced into the turn) and its per-token policy versions. The
+    ``token_ids``, ``logprobs``, ``loss_mask`` and ``versions`` lists are
+    ``source``'s own: shared, as untouched blocks are (copying ~100 scattered int
+    objects per block was most of the merge's time); the merge never mutates a list.
     """
     new = object.__new__(Block)
     new.author = "llm"
@@ -84,6 +84,7 @@ def _absorb_block(target: Block, source: Block) -> Block:
     new.token_ids = source.token_ids
     new.logprobs = source.logprobs
     new.loss_mask = source.loss_mask
+    new.versions = source.versions
     return new
 
 

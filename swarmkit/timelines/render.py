@@ -259,16 +259,20 @@ class ChatRenderer:
         return prefix if name is None else prefix + name + between
 
     def completion_block(self, token_ids: Sequence[int], logprobs: Sequence[float],
-                         forced: Sequence[int] = ()) -> Block:
+                         forced: Sequence[int] = (), versions: Sequence[int] | None = None) -> Block:
         """The generated tokens (including the EOS, if any) as an ``llm`` block.
 
         ``forced`` are tokens the server put at the start of the model's turn (e.g. the
         opening of a tool call that ``tool_choice`` requires): part of the turn's text
         and tokens, logprob 0.0 and loss mask 0, so they are never trained.
+        ``versions``: the policy version of each generated token (forced ones get the first).
         """
         ids = [*forced, *token_ids]
+        vers = None
+        if versions is not None:
+            vers = [int(versions[0]) if versions else 0] * len(forced) + [int(v) for v in versions]
         return Block("llm", self.decode(ids), ids, [0.0] * len(forced) + list(logprobs),
-                     [0] * len(forced) + [1] * len(token_ids))
+                     [0] * len(forced) + [1] * len(token_ids), vers)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Decode keeping special tokens and spaces as generated (the text of an ``llm`` block)."""

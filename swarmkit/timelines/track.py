@@ -66,7 +66,10 @@ class ContextTracker:
         now = time.time()
         made = []
         for choice, out in enumerate(outputs):
-            completion = self.renderer.completion_block(list(out.token_ids), list(out.logprobs), forced)
+            versions = out.versions()
+            if forced and not versions:
+                versions = None  # nothing generated: forced tokens alone carry no version
+            completion = self.renderer.completion_block(list(out.token_ids), list(out.logprobs), forced, versions)
             self.tokens_generated += len(out.token_ids)
             info = {
                 "episode_id": episode.id,

@@ -84,6 +84,7 @@ class TrainingEngine(OptimEngine):
         self.train_steps = 0  # train_step calls that updated the model
         self.needs_values = algo.needs_values
         self.needs_reference = algo.needs_reference
+        self.needs_proximal = bool(getattr(algo, "needs_proximal", False))
         chunk = int(self.cfg.logit_chunk_elements or DEFAULT_LOGIT_CHUNK_ELEMENTS)
 
         torch.manual_seed(self.seed)
@@ -212,26 +213,31 @@ class TrainingEngine(OptimEngine):
 
     @torch.no_grad()
     def _prepass(self, prepared: list[Prepared]) -> None:
-        """Fill missing rollout logprobs, reference logprobs and PPO values/advantages.
+        """Fill missing rollout logprobs, proximal logprobs (the weights before the step, for the
+        decoupled loss), reference logprobs and PPO values/advantages.
 
         Every rank scores every sample (same number of collective forwards on all
         ranks); cheap next to training, and only run when needed.
         """
         missing = any(torch.isnan(p.old_logprobs).any() for p in prepared)
         want_ref = self.needs_reference
-        if not (missing or want_ref or self.needs_values):
+        want_prox = self.needs_proximal
+        if not (missing or want_ref or want_prox or self.needs_values):
             return
         plan = plan_micro_batches([len(p.input_ids) for p in prepared], self.token_budget, 1)
         for bin_ in plan.per_rank[0]:
             mb = micro_batch_tensors(prepared, bin_, self.device, self.pad_id)
             with self._autocast():
                 lp, values = self._forward(mb)
-            if missing or self.needs_values:
+            if missing or want_prox or self.needs_values:
                 for i, x, v in zip(bin_, mb.split(lp), mb.split(values) if values is not None else [None] * len(bin_), strict=True):
                     p = prepared[i]
+                    scored = x.float().cpu()
                     nan = torch.isnan(p.old_logprobs)
                     if nan.any():
-                        p.old_logprobs = torch.where(nan, x.float().cpu(), p.old_logprobs)
+                        p.old_logprobs = torch.where(nan, scored, p.old_logprobs)
+                    if want_prox:
+                        p.prox_logprobs = scored
                     if v is not None:
                         p.old_values = v.float().cpu()
             if want_ref:
@@ -275,7 +281,7 @@ class TrainingEngine(OptimEngine):
                 loss = loss + values.sum() * 0.0
             return loss, {}
         inputs = LossInputs(logprobs=mb.scatter(lp), old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                            mask=mb.mask, ref_logprobs=mb.ref_logprobs)
+                            mask=mb.mask, ref_logprobs=mb.ref_logprobs, prox_logprobs=mb.prox_logprobs)
         if self.needs_values:
             assert values is not None, "an algorithm that needs values gets a value head"
             inputs.values, inputs.old_values, inputs.returns = mb.scatter(values), mb.old_values, mb.returns

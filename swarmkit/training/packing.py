@@ -86,6 +86,7 @@ class Prepared:
     advantages: torch.Tensor  # (k,)
     reward: float = 0.0
     ref_logprobs: torch.Tensor | None = None  # (k,)
+    prox_logprobs: torch.Tensor | None = None  # (k,) the weights before the step (decoupled loss)
     old_values: torch.Tensor | None = None  # (k,)
     returns: torch.Tensor | None = None  # (k,)
 
@@ -131,6 +132,7 @@ class MicroBatch:
     sample_index: list[int]
     tokens: int  # real (non-pad) tokens; 0 for a dummy
     ref_logprobs: torch.Tensor | None = None  # (B, T)
+    prox_logprobs: torch.Tensor | None = None  # (B, T)
     old_values: torch.Tensor | None = None  # (B, T)
     returns: torch.Tensor | None = None  # (B, T)
 
@@ -225,7 +227,7 @@ def micro_batch_tensors(prepared: Sequence[Prepared], index: Sequence[int], devi
         rows=lt(rows), cols=lt(cols), mask=mask.to(device),
         old_logprobs=_pad([p.old_logprobs for p in items], t).to(device),
         advantages=_pad([p.advantages for p in items], t).to(device), sample_index=list(index),
-        tokens=real, ref_logprobs=opt("ref_logprobs"), old_values=opt("old_values"),
+        tokens=real, ref_logprobs=opt("ref_logprobs"), prox_logprobs=opt("prox_logprobs"), old_values=opt("old_values"),
         returns=opt("returns"),
     )
 

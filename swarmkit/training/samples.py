@@ -111,7 +111,7 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
                     input_ids=ids, loss_mask=mask, old_logprobs=lps,
                     advantages=[adv if m else 0.0 for m in mask], episode_id=str(rec.episode_id),
                     task_id=str(rec.task_id), policy_version=int(rec.policy_version),
-                    role=role, reward=value))
+                    role=role, reward=value, versions=merged.versions(default=int(rec.policy_version))))
     if demos and algo.needs_values:
         raise ValueError("demonstrations (supervised warm start) need an algorithm without a value head "
                          f"(e.g. algo=grpo); {type(algo).__name__} needs values")
@@ -142,7 +142,8 @@ def _rescored(timeline: Timeline) -> Timeline:
     blocks = list(timeline.blocks)
     last = blocks[-1]
     if last.author == "llm":
-        blocks[-1] = Block(last.author, last.text, last.token_ids, [math.nan] * len(last.token_ids), last.loss_mask)
+        blocks[-1] = Block(last.author, last.text, last.token_ids, [math.nan] * len(last.token_ids), last.loss_mask,
+                           last.versions)
     return Timeline(blocks, timeline.role, dict(timeline.meta))
 
 
@@ -150,4 +151,46 @@ def is_demonstration(timeline: Timeline) -> bool:
     """Whether a timeline came from ``POST /episodes/{id}/demonstration`` (trained supervised)."""
     return bool(timeline.meta.get("demonstration"))
 
+
+def bound_staleness(samples: Sequence[TrainSample], current_version: int,
+                    max_staleness: int | None = None) -> dict[str, float]:
+    """Staleness of the generated tokens of ``samples``; with ``max_staleness`` also enforce it.
+
+    A token's staleness is ``current_version - version``: how many optimizer steps older
+    the weights that sampled it are than the weights being updated. With
+    ``max_staleness`` set, every generated token staler than that is taken out of the
+    loss (``loss_mask`` and advantage set to 0, in place) and counted; a sample left
+    without a trained token trains nothing.
+
+    Returns ``staleness_mean`` / ``staleness_max`` over the tokens kept,
+    ``stale_tokens_dropped``, ``stale_samples`` (samples that lost tokens) and
+    ``partial_rollouts`` (samples whose kept tokens come from more than one version).
+    """
+    total = kept = dropped = stale_samples = partial = 0
+    worst = 0
+    for s in samples:
+        if s.demonstration:
+            continue
+        versions = s.token_versions()
+        lost = False
+        seen: set[int] = set()
+        for t, m in enumerate(s.loss_mask):
+            if not m:
+                continue
+            age = int(current_version) - versions[t]
+            if max_staleness is not None and age > max_staleness:
+                s.loss_mask[t] = 0
+                s.advantages[t] = 0.0
+                dropped += 1
+                lost = True
+                continue
+            kept += 1
+            total += age
+            worst = max(worst, age)
+            seen.add(versions[t])
+        stale_samples += lost
+        partial += len(seen) > 1
+    return {"staleness_mean": total / kept if kept else 0.0, "staleness_max": float(worst),
+            "stale_tokens_dropped": float(dropped), "stale_samples": float(stale_samples),
+            "partial_rollouts": float(partial)}
 

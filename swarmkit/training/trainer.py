@@ -28,7 +28,7 @@ from swarmkit.models import resolve_model_path
 from swarmkit.plugins import get_registry, load_component
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.training.config import EngineConfig
-from swarmkit.training.samples import build_samples
+from swarmkit.training.samples import bound_staleness, build_samples
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,12 @@ class Trainer:
         """:meth:`step` calls that updated the model (= global_step with 1 epoch × 1 mini-batch)."""
         return int(self.engine.train_steps)
 
-    def step(self, records: Sequence[EpisodeRecord]) -> dict[str, float]:
+    def step(self, records: Sequence[EpisodeRecord], max_staleness: int | None = None) -> dict[str, float]:
         """Build samples from ``records`` and train on them; returns metrics.
+
+        ``max_staleness`` (asynchronous training): generated tokens sampled more than that
+        many versions before the current weights are left out of the loss
+        (:func:`~swarmkit.training.samples.bound_staleness`; counted in the metrics).
 
         Metrics: the engine's (``loss``, ``trained_tokens``, ``tokens``,
         ``grad_norm``, ``lr``, …) plus ``reward_mean``, ``episodes``,
@@ -139,15 +143,19 @@ class Trainer:
         (of the sampled timelines that could merge into a longer call of their episode and role,
         the share that did: 1.0 = one sample per episode and role), ``drifted_blocks`` (generated
         blocks merged over history of equal text but other tokens: what the ``text`` match traded),
-        ``demonstrations`` / ``demo_samples`` (supervised; not in ``reward_mean``),
+        ``demonstrations`` / ``demo_samples`` (supervised; not in ``reward_mean``), the staleness
+        of the trained tokens (``staleness_mean``, ``staleness_max``, ``stale_tokens_dropped``,
+        ``partial_rollouts``),
         ``build_time_s``, ``step_time_s`` (whole call) and ``global_step``.
         """
         t0 = time.perf_counter()
         merge_stats: dict[str, int] = {}
         samples = build_samples(records, self.algo, self.match, stats=merge_stats)
+        staleness = bound_staleness(samples, self.global_step, max_staleness)
         t1 = time.perf_counter()
         mergeable = merge_stats.get("timelines", 0) - merge_stats.get("groups", 0)
         metrics = dict(self.engine.train_step(samples))
+        metrics.update(staleness)
         n_timelines = sum(len(r.timelines) for r in records)
         sampled = [r for r in records if not r.meta.get("demonstration")]
         metrics.update(

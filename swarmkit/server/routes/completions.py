@@ -123,6 +123,7 @@ async def _completion_stream(
     n = params.n
     ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
+    vers: list[list[int]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     version = srv.policy_version
     base = {"id": cid, "object": "text_completion", "created": created, "model": model}
@@ -135,7 +136,7 @@ async def _completion_stream(
         recorded = True
         srv.end_call(ep)
         outputs = [GenerationOutput(token_ids=ids[i], logprobs=lps[i], text="", finish_reason=finish[i] or "abort",
-                                    policy_version=version) for i in range(n)]
+                                    policy_version=version, token_versions=vers[i]) for i in range(n)]
         if ep.running and any(ids):
             srv.tracker.record(ep, role, [block], outputs, endpoint="completions", meta={"stream": True})
 
@@ -145,6 +146,7 @@ async def _completion_stream(
         async for i, ch in choice_streams(srv, prompt_ids, params):
             ids[i].extend(ch.token_ids)
             lps[i].extend(ch.logprobs)
+            vers[i].extend(ch.versions(version))
             if ch.finish_reason:
                 finish[i] = ch.finish_reason
             lp = completion_logprobs(tt, ch.token_ids, ch.logprobs, ch.top_logprobs if params.top_logprobs else None) \

@@ -113,6 +113,10 @@ async def register(request: Request) -> Response:
         raise busy("the server is OFFLINE (not configured or stopped); retry later", 2.0, "server_offline")
     if srv.training_finished and not is_eval:
         raise ApiError(409, srv.training_finished, "training_finished", param="eval")
+    if not is_eval:
+        paced = srv.cycle.pacing()
+        if paced is not None:
+            raise busy(paced[0], paced[1], "staleness_bound")
     srv.check_quota(client_id)
     ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=timeout, roles=roles, client_id=client_id,
                                meta=meta, policy_version=srv.policy_version)

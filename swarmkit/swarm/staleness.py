@@ -1,0 +1,38 @@
+"""The staleness bound of asynchronous training, as pure arithmetic on policy versions.
+
+Step ``k`` updates the weights of version ``k - 1`` into version ``k``. A token
+sampled by version ``v`` and trained in step ``k`` is ``(k - 1) - v`` versions
+stale; the bound ``η`` (``trainer.max_staleness``) asks for ``(k - 1) - v <= η``.
+
+The server paces instead of discarding: an episode that starts now samples with
+the served version ``V`` (or newer), and the steps that can still train it
+within the bound are those whose batch is not taken yet and that update a
+version ``<= V + η``. With ``B`` training episodes per step, that leaves room
+for ``steps × B`` episodes in flight (running, or waiting in the pool); a new
+one waits (503 + Retry-After) while that room is full. Tokens that still end up
+staler (a batching policy that waits for a whole group, a very long episode) are
+left out of the loss when trained, and counted.
+"""
+
+from __future__ import annotations
+
+
+def steps_within_bound(served_version: int, global_step: int, training: bool, max_staleness: int) -> int:
+    """How many not-yet-started steps may train an episode that starts now.
+
+    :param served_version: ``V``, the version the inference engine serves.
+    :param global_step: the trainer's version (``>= V``; more while new weights are being pushed).
+    :param training: a step is under way (its batch is taken; it updates ``global_step``).
+    :param max_staleness: ``η``.
+    :returns: ``max(0, V + η - first + 1)`` where ``first`` is the version the next untaken step
+        updates: ``global_step + 1`` while a step is under way, else ``global_step``.
+    """
+    first = int(global_step) + (1 if training else 0)
+    return max(0, int(served_version) + int(max_staleness) - first + 1)
+
+
+def admission_capacity(served_version: int, global_step: int, training: bool, max_staleness: int,
+                       episodes_per_step: int) -> int:
+    """Training episodes that may be in flight (running or waiting in the pool) under the bound."""
+    return steps_within_bound(served_version, global_step, training, max_staleness) * max(1, int(episodes_per_step))
+
