@@ -180,3 +180,68 @@ def test_resume_after_crash_loses_and_repeats_no_step(tmp_path):
     finally:
         _stop(clients)
         _stop([server])
+
+
+def _journal_rows(path: Path) -> dict[str, tuple[str, int | None]]:
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return {eid: (status, step) for eid, status, step in
+                db.execute("SELECT episode_id, status, trained_step FROM episodes")}
+    finally:
+        db.close()
+
+
+def test_async_server_killed_during_a_background_step_loses_and_repeats_nothing(tmp_path):
+    """``trainer.mode=async``: the server is SIGKILLed while clients sample and the trainer steps
+    in the background. On resume every journaled episode is there, none is recorded as trained by
+    a step the checkpoint does not hold, and training goes on from the checkpointed step."""
+    port = _free_port()
+    overrides = ["model=tiny", "task=token_rule", "batching=c1", "batching.batch_size=2",
+                 "batching.rollouts_per_task=2", "optim.lr=1e-3", "trainer.checkpoint_every=1",
+                 "trainer.total_steps=0", "trainer.mode=async", "trainer.max_staleness=1"]
+    server = start_server(tmp_path, port)
+    clients: list[subprocess.Popen] = []
+    try:
+        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+        ctl.configure(overrides)
+        ctl.start()
+        ctl.wait_for_state("ROLLING", timeout=120)
+        clients = start_clients(port, 2)
+        deadline = time.monotonic() + 120
+        while ctl.status()["global_step"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = ctl.status()
+        assert status["state"] == "ROLLING" and status["pool"]["trainer"]["mode"] == "async", status
+        server.send_signal(signal.SIGKILL)  # clients keep sampling: a step is (most likely) under way
+        server.wait(10)
+        before = _journal_rows(tmp_path / "journal.sqlite")
+        checkpointed = int((tmp_path / "checkpoints" / "latest").read_text().strip().split("_")[1])
+        assert checkpointed >= 3
+
+        server = start_server(tmp_path, port)
+        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+        ctl.configure([*overrides, "trainer.resume=true"])
+        ctl.start()
+        status = ctl.wait_for_state("ROLLING", timeout=120)
+        assert status["global_step"] == checkpointed, "resumed at the checkpointed step"
+        after = _journal_rows(tmp_path / "journal.sqlite")
+        assert set(after) >= set(before), "an accepted episode was lost"
+        for eid, (st, step) in after.items():
+            if st == "trained":
+                assert step is not None and step <= checkpointed, (eid, st, step)
+                assert before[eid] == (st, step)  # what the checkpoint holds stays recorded as it was
+        lost_steps = {step for st, step in before.values() if st == "trained" and step > checkpointed}
+        assert all(after[e][0] == "untrained" for e, (st, step) in before.items()
+                   if st == "trained" and step in lost_steps), "episodes of unsaved steps go back to the pool"
+        deadline = time.monotonic() + 90
+        while ctl.status()["global_step"] < checkpointed + 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ctl.status()["global_step"] >= checkpointed + 2
+        final = _journal_rows(tmp_path / "journal.sqlite")
+        steps = sorted({step for st, step in final.values() if st == "trained"})
+        assert steps == list(range(1, steps[-1] + 1)), steps  # every step once, none skipped
+    finally:
+        _stop(clients)
+        _stop([server])

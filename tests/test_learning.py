@@ -67,3 +67,19 @@ def test_calc_agent_main_job_warm_starts_then_samples_multi_turn_episodes(tmp_pa
     assert set(summary["eval_metrics_after"]) == {"correct", "valid_tool_call"}
     assert list(summary["eval_midway"]) == ["4"]  # evaluated after the warm start, before sampling
     assert "eval reward after the warm start (step 4)" in out.stdout
+
+
+def test_tiny_model_learns_with_asynchronous_training(tmp_path):
+    """``trainer.mode=async``: the server never leaves ROLLING, the trainer steps in the background
+    with the decoupled loss, and held-out reward rises as in sync mode; no trained token is staler
+    than ``trainer.max_staleness``, and generations that spanned a weight swap were trained."""
+    out = run_token_rule_job(tmp_path, "trainer.mode=async", "trainer.max_staleness=1")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("kind", "train") == "train" and "loss" in r]
+    assert len(steps) >= 30
+    assert all(r["staleness_max"] <= 1 and r["staleness_bound"] == 1 for r in steps)
+    assert all("behav_weight_mean" in r and "behav_kl" in r for r in steps)  # the decoupled loss
+    assert sum(r["partial_rollouts"] for r in steps) > 0  # tokens of two versions in one answer
+    states = [json.loads(line)["state"] for line in (tmp_path / "states.jsonl").read_text().splitlines()]
+    assert "ROLLING_POST" not in states and "WEIGHT_SYNCING" not in states
+    assert "step  30" in out.stdout

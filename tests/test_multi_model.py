@@ -318,3 +318,28 @@ def test_a_killed_client_leaves_a_two_server_episode_on_both_servers_or_on_neith
             assert not any(kept.values()), (st, kept)
         else:
             assert sorted(kept.values()) == [False, True], (st, kept)
+
+
+def test_two_models_train_asynchronously_from_one_client(tmp_path):
+    """The example in async mode (``--override trainer.mode=async``): both servers keep sampling
+    while they train, each learns from its own role's tokens, within its staleness bound."""
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, str(RUN), "--steps", "12", "--batch-size", "2", "--rollouts", "8", "--max-tokens", "8",
+         "--concurrency", "8", "--override", "trainer.mode=async", "--override", "trainer.max_staleness=1",
+         "--work-dir", str(tmp_path), "--out", str(out), "--timeout", "300"],
+        env=server_env(TOKEN), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["failed_episodes"] == 0
+    for role in ROLES:
+        rows = summary["servers"][role]["steps"]
+        assert len(rows) >= 12
+        assert all(r["staleness_max"] <= 1 and r["staleness_bound"] == 1 for r in rows)
+        first = sum(r["reward_mean"] for r in rows[:3]) / 3
+        last = sum(r["reward_mean"] for r in rows[-3:]) / 3
+        assert last > first + 0.1, (role, [round(r["reward_mean"], 3) for r in rows])
+        states = [json.loads(line)["state"] for line in
+                  (tmp_path / f"server_{role}" / "states.jsonl").read_text().splitlines()]
+        assert "ROLLING_POST" not in states and "WEIGHT_SYNCING" not in states, states

@@ -10,7 +10,7 @@ import pytest
 from swarmkit.contract import GenerationOutput, StreamChunk, TrainSample
 from swarmkit.pool import SamplePool
 from swarmkit.pool.records import EpisodeRecord
-from swarmkit.swarm.staleness import admission_capacity, steps_within_bound
+from swarmkit.swarm.staleness import admission_capacity, holds_step, steps_within_bound
 from swarmkit.timelines import Block, Timeline, merge, merge_timelines_reference
 from swarmkit.training.samples import bound_staleness, build_samples
 from swarmkit.training.trainer import build_algo
@@ -176,3 +176,15 @@ def test_admitted_episodes_are_trained_within_the_bound_when_batches_go_in_order
             step += 1
             served = step
         assert worst <= eta
+
+
+@pytest.mark.parametrize(("weights", "oldest", "eta", "hold"), [
+    (5, None, 0, False),  # nothing running has generated yet
+    (5, 5, 0, True),      # eta 0: a step would make any running token stale
+    (5, 5, 1, False),
+    (5, 4, 1, True),      # trained at the earliest by the step after: (5 + 1) - 4 = 2 > 1
+    (5, 4, 2, False),
+    (5, 2, 4, False),
+])
+def test_a_step_waits_for_a_straggler_it_would_push_past_the_bound(weights, oldest, eta, hold):
+    assert holds_step(weights, oldest, eta) is hold

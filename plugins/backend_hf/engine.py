@@ -132,6 +132,7 @@ class HFBackend(InferenceBackend):
     before generating and ``await close()`` at the end.
     """
 
+    reports_token_versions = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                                  "logit_bias"})
 
@@ -186,8 +187,11 @@ class HFBackend(InferenceBackend):
         self.stats = {
             "forward_passes": 0, "prefill_passes": 0, "decode_steps": 0,
             "sequences": 0, "tokens_generated": 0, "max_batch_seen": 0,
-            "decode_rows": 0, "prefill_tokens": 0, "weight_updates": 0,
+            "decode_rows": 0, "prefill_tokens": 0, "weight_updates": 0, "busy_s": 0.0,
         }
+
+    def engine_stats(self) -> dict[str, float]:
+        return {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
 
     async def start(self) -> None:
         if self._model is not None:
@@ -370,11 +374,13 @@ class HFBackend(InferenceBackend):
                 joiners = self._take_joiners()
             try:
                 with self._weights_lock, torch.inference_mode():
+                    t0 = time.perf_counter()
                     self._compact()
                     if joiners:
                         self._prefill(joiners)
                     if self._active:
                         self._decode_step()
+                    self.stats["busy_s"] += time.perf_counter() - t0
             except Exception as exc:  # fail everything in flight, keep serving
                 log.exception("hf backend: generation step failed")
                 for seq in joiners + self._active:

@@ -74,6 +74,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -124,6 +125,7 @@ class VLLMBackend(InferenceBackend):
     ``vllm.EngineArgs`` as is).
     """
 
+    reports_token_versions = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                                  "logit_bias", "response_format"})
 
@@ -153,7 +155,10 @@ class VLLMBackend(InferenceBackend):
         self._weights_folder: str | None = None  # last folder reloaded from (base for merging)
         self._shm_dir: Path | None = None
         self.stats: dict[str, float] = {"steps": 0, "tokens_generated": 0, "weight_updates": 0,
-                                        "max_batch_seen": 0}
+                                        "max_batch_seen": 0, "busy_s": 0.0}
+
+    def engine_stats(self) -> dict[str, float]:
+        return {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
 
     # ------------------------------------------------------------------ life cycle
     @property
@@ -277,6 +282,7 @@ class VLLMBackend(InferenceBackend):
                 for kind, arg in commands:
                     self._run_command(kind, arg)
                 if engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
                     try:
                         outputs = engine.step()
                     except Exception as exc:  # noqa: BLE001 - fail every live request, keep serving
@@ -286,6 +292,7 @@ class VLLMBackend(InferenceBackend):
                         self._live.clear()
                         continue
                     self.stats["steps"] += 1
+                    self.stats["busy_s"] += time.perf_counter() - t0
                     self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self._live))
                     for out in outputs:
                         req = self._live.get(out.request_id)

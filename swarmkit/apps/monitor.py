@@ -125,6 +125,11 @@ def status_line(st: dict[str, Any]) -> str:
              f"clients {(st.get('clients') or {}).get('active', 0)}"]
     if isinstance(reward, int | float):
         parts.append(f"reward {reward:.3f}")
+    trainer = pool.get("trainer") or {}
+    if trainer.get("mode") == "async":
+        doing = "training in background" if trainer.get("training") else "trainer idle"
+        parts.append(f"async η={trainer.get('max_staleness')}: {doing}, {trainer.get('ready_batches', 0)} batch(es) "
+                     f"ready, {trainer.get('in_flight', 0)}/{trainer.get('capacity', 0)} in flight")
     return "  ".join(parts)
 
 

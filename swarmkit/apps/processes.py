@@ -9,6 +9,7 @@ line per training step of each until they reach a step. Used by
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -102,20 +103,43 @@ def step_line(role: str, m: dict[str, Any]) -> str:
             f"step {m.get('cycle_time_s', 0.0):.2f}s (weight sync {m.get('weight_sync_s', 0.0):.3f}s)")
 
 
+def _metric_rows(path: Path, skip: int) -> list[dict[str, Any]]:
+    """Training-step rows of a ``metrics.jsonl`` after the first ``skip`` (complete lines only)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if row.get("kind", "train") == "train" and "step" in row:
+            rows.append(row)
+    return rows[skip:]
+
+
 def watch(servers: Sequence[ServerProc], steps: int, timeout: float, client: EpisodeLoop | None = None,
           out: TextIO = sys.stdout) -> dict[str, list[dict[str, Any]]]:
-    """Print one line per training step of each server until all reached ``steps``; returns the metrics."""
+    """Print one line per training step of each server until all reached ``steps``; returns the metrics.
+
+    Every step's row is read from the server's ``metrics.jsonl`` (steps come faster than a
+    status poll with asynchronous training); the status's ``last_step`` when there is none.
+    """
     ctls = {s.role: s.client() for s in servers}
     seen: dict[str, list[dict[str, Any]]] = {s.role: [] for s in servers}
+    files = {s.role: Path(s.run_dir) / "metrics.jsonl" for s in servers}
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         done = True
         for role, ctl in ctls.items():
             st = ctl.status()
             last = (st.get("pool") or {}).get("last_step")
-            if last and (not seen[role] or int(last["step"]) > int(seen[role][-1]["step"])):
-                seen[role].append(last)
-                print(step_line(role, last), file=out, flush=True)
+            new = _metric_rows(files[role], len(seen[role]))
+            if not new and last and (not seen[role] or int(last["step"]) > int(seen[role][-1]["step"])):
+                new = [last]
+            for row in new:
+                seen[role].append(row)
+                print(step_line(role, row), file=out, flush=True)
             if st["state"] == "OFFLINE":
                 raise RuntimeError(f"server {role} went OFFLINE: {st.get('last_error')}")
             done = done and int(st["global_step"]) >= steps

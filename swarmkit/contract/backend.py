@@ -150,6 +150,10 @@ class InferenceBackend(ABC):
     #: (``top_k``, ``min_p``, ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``,
     #: ``logit_bias``, ``response_format``); the server refuses a request that needs another (none by default)
     sampling_fields: frozenset[str] = frozenset()
+    #: whether outputs label each token with the version that sampled it (``token_versions``) when
+    #: weights are swapped mid-generation; otherwise every token is labelled with the version its
+    #: request started with, which over-states the staleness of a partial rollout (safe, not exact)
+    reports_token_versions: bool = False
 
     @property
     @abstractmethod
@@ -185,3 +189,12 @@ class InferenceBackend(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Free the engine."""
+
+    def engine_stats(self) -> dict[str, float]:
+        """Counters of the engine since it started (optional; none by default).
+
+        ``busy_s``: seconds the engine spent computing (prefill, decode steps); over a
+        wall-clock window, ``1 - Δbusy_s / Δwall`` is the share of time it sat idle.
+        ``tokens_generated``: tokens sampled.
+        """
+        return {}

@@ -116,6 +116,16 @@ class _StateCollector:
             if isinstance(pool.get(how), int | float):
                 spent.add_metric([how], float(pool[how]))
         yield spent
+        engine = st.get("engine") or {}
+        if isinstance(engine.get("busy_s"), int | float):
+            yield CounterMetricFamily("swarmkit_engine_busy_seconds", "Seconds the inference engine spent "
+                                      "computing (idle share = 1 - rate of this)", value=float(engine["busy_s"]))
+        trainer = pool.get("trainer") or {}
+        if trainer.get("mode") == "async":
+            yield GaugeMetricFamily("swarmkit_training_in_progress", "1 while a step trains in the background",
+                                    value=1.0 if trainer.get("training") else 0.0)
+            yield GaugeMetricFamily("swarmkit_ready_batches", "Batches the batching policy could release now",
+                                    value=float(trainer.get("ready_batches") or 0))
         eps = st.get("episodes") or {}
         outcomes = CounterMetricFamily("swarmkit_episodes", "Episodes by outcome", labels=["outcome"])
         for outcome in ("registered", "finished", "eval_finished", "aborted", "reaped"):

@@ -36,7 +36,7 @@ from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.families import step_family_metrics
 from swarmkit.swarm.metrics import MetricsWriter, finite_or_none, step_line
-from swarmkit.swarm.staleness import admission_capacity
+from swarmkit.swarm.staleness import admission_capacity, holds_step
 from swarmkit.swarm.state import ServerState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,6 +115,9 @@ class TrainingCycle:
         self._training_task: asyncio.Task | None = None
         self._training_since: float | None = None
         self.last_step_s: float | None = None
+        #: async: since when the next step waits for a straggler, and how long the last one waited
+        self._held_since: float | None = None
+        self._held_s = 0.0
         #: the last step the trainer applied (the batch is spent from then on)
         self._applied_step = 0
         #: held while the trainer steps, syncs or saves (a controller's checkpoint waits for it)
@@ -167,6 +170,11 @@ class TrainingCycle:
         self.log_trajectories = max(0, int(trainer_cfg.log_trajectories))
         self.mode = str(trainer_cfg.mode)
         self.max_staleness = int(trainer_cfg.max_staleness)
+        if self.mode == "async" and not getattr(server.backend, "reports_token_versions", False):
+            log.warning("trainer.mode=async with a backend (%s) that does not report per-token policy versions: "
+                        "a generation that spans a weight swap is labelled with the version it started with, "
+                        "so its staleness is over-stated (tokens may be left out of the loss needlessly)",
+                        type(server.backend).__name__)
         if self.metrics is None:
             self.metrics = MetricsWriter(self.run_dir)
         if self.custom_step is None:
@@ -247,6 +255,8 @@ class TrainingCycle:
                 continue
             decision = self.pool.decide(self.policy, srv.clients.all(), time.time())
             if decision.fire and decision.selected and self.mode == "async":
+                if self._hold_for_stragglers():
+                    continue
                 self._start_background_step(decision)
             elif decision.fire and decision.selected:
                 try:
@@ -344,8 +354,6 @@ class TrainingCycle:
                 sync_s = time.perf_counter() - t_sync
                 if not recorded:
                     metrics["journal_pending"] = 1.0
-            if self.mode == "async":
-                srv.global_step = step  # the served version moves on; the server never left ROLLING
             metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
             metrics.update(extra)
             metrics.update(
@@ -362,6 +370,9 @@ class TrainingCycle:
                 self.metrics.write(step, metrics)
             log.info("%s", step_line(self.last_metrics, trigger=_trigger(self.policy_name, decision)))
             self._notify(step, metrics, sync_s, records[: self.log_trajectories])
+            if self.mode == "async":
+                # the server never left ROLLING; its step moves on once the step is on record
+                srv.global_step = step
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
                 await asyncio.to_thread(self.trainer.prune_checkpoints, self.keep_checkpoints)
@@ -384,7 +395,7 @@ class TrainingCycle:
     async def _background_step(self, decision: Any) -> None:
         t0 = time.time()
         try:
-            await self._step(decision, {"staleness_bound": float(self.max_staleness)})
+            await self._step(decision, {"staleness_bound": float(self.max_staleness), "held_s": self._held_s})
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the server keeps running
@@ -397,6 +408,29 @@ class TrainingCycle:
             self._training_since = None
             self._limit_reached()
             self._wake.set()
+
+    def _hold_for_stragglers(self) -> bool:
+        """Async: wait before a step while a running training episode holds tokens the step would
+        push past the staleness bound (:func:`~swarmkit.swarm.staleness.holds_step`), for at most
+        ``server.drain_timeout_s``; an episode idle for ``server.drain_idle_s`` is not waited for."""
+        srv = self.server
+        now = time.time()
+        oldest: int | None = None
+        for ep in srv.episodes.running():
+            if ep.eval or ep.idle_for(now) > srv.drain_idle_s:
+                continue
+            for tl in ep.timelines:
+                versions = tl.blocks[-1].versions if tl.blocks else None
+                if versions:
+                    oldest = min(versions) if oldest is None else min(oldest, min(versions))
+        if holds_step(srv.global_step, oldest, self.max_staleness):
+            if self._held_since is None:
+                self._held_since = now
+            if now - self._held_since < srv.drain_timeout_s:
+                return True
+        self._held_s = now - self._held_since if self._held_since is not None else 0.0
+        self._held_since = None
+        return False
 
     @property
     def training_in_progress(self) -> bool:
@@ -458,7 +492,8 @@ class TrainingCycle:
                                "policy_version": self.server.policy_version}
         if self.mode == "async":
             out.update(max_staleness=self.max_staleness, training=self.training_in_progress,
-                       training_since=self._training_since, ready_batches=self.ready_batches(),
+                       training_since=self._training_since, waiting_for_stragglers_since=self._held_since,
+                       ready_batches=self.ready_batches(),
                        in_flight=self.in_flight() if self.policy is not None else 0,
                        capacity=self.capacity() if self.policy is not None else 0)
         return out

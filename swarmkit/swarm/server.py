@@ -661,10 +661,21 @@ class SwarmServer:
             },
             "pool": self.pool_info(),
             "clients": {"active": len(active), "ready": sum(1 for c in active.values() if c.ready)},
+            "engine": self._engine_stats(),
             "calls": self.tracker.calls if self.tracker else 0,
             "tokens_generated": self.tracker.tokens_generated if self.tracker else 0,
             "uptime_s": time.time() - self.created_at,
         }
+
+    def _engine_stats(self) -> dict[str, float]:
+        """The inference engine's counters (``busy_s``...); {} without an engine or counters."""
+        backend = self.backend
+        if backend is None:
+            return {}
+        try:
+            return {k: float(v) for k, v in backend.engine_stats().items()}
+        except Exception:  # noqa: BLE001 - the status must always answer
+            return {}
 
     # ------------------------------------------------------------------ reaper
     async def _reap_loop(self) -> None:

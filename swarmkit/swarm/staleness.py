@@ -36,3 +36,18 @@ def admission_capacity(served_version: int, global_step: int, training: bool, ma
     """Training episodes that may be in flight (running or waiting in the pool) under the bound."""
     return steps_within_bound(served_version, global_step, training, max_staleness) * max(1, int(episodes_per_step))
 
+
+
+def holds_step(weights_version: int, oldest_running_token: int | None, max_staleness: int) -> bool:
+    """Whether a step should wait for a running episode before it starts.
+
+    A step started now updates ``weights_version``; an episode still running is
+    trained by a later step at the earliest, which updates ``weights_version + 1``,
+    so its oldest token (``oldest_running_token``, sampled by that version) would be
+    ``weights_version + 1 - oldest_running_token`` versions stale. While that
+    exceeds ``max_staleness`` the trainer waits for the episode (pacing the trainer,
+    as admission paces the clients) rather than train past it and drop its tokens.
+    """
+    if oldest_running_token is None:
+        return False
+    return int(weights_version) + 1 - int(oldest_running_token) > int(max_staleness)

@@ -162,8 +162,13 @@ async function refreshOverview() {
     (s.training_finished ? " · training finished: " + s.training_finished : "") + (s.last_error ? " · error: " + s.last_error : "") +
     (o.live ? "" : " · " + (s.source || "not live"));
   replace("states", drawStates(o.states, o.now));
-  const pool = s.pool || {}, fill = pool.fill;
+  const pool = s.pool || {}, fill = pool.fill, trainer = pool.trainer || {};
   const poolBox = el("div");
+  if (trainer.mode === "async") {
+    poolBox.append(el("div", { class: "async", text: `async training (η = ${trainer.max_staleness}): ` +
+      (trainer.training ? `step ${s.global_step + 1} training in the background` : "trainer idle") +
+      ` · ${trainer.ready_batches} batch(es) ready · ${trainer.in_flight} of ${trainer.capacity} episodes in flight` }));
+  }
   if (fill) {
     const bar = el("div", { class: "fill" }, el("div"));
     bar.firstChild.style.width = Math.min(100, 100 * fill.current / Math.max(fill.target, 1)) + "%";
