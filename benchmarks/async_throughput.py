@@ -9,7 +9,8 @@ and the same workload from this process (the swarm client, ``AsyncSwarmClient``)
   for a heavy-tailed delay: log-normal around ``--delay`` seconds, and one episode
   in ``--slow-every`` is ``--slow-factor`` times slower (the straggler that a
   synchronous step waits for);
-- the reward is the mean token_rule score of the turns' answers.
+- the reward is the mean score of the turns' answers (``--task``: token_rule, or
+  arithmetic for a real model).
 
 Every configuration trains the same number of steps on batches of the same size
 (``batching=c2``, the same number of trained samples): ``sync`` (the default
@@ -23,7 +24,8 @@ held-out eval reward after training (``--eval`` episodes sampled at
 plus the ratios against sync from the same run.
 
     python benchmarks/async_throughput.py                       # tiny model, 16 steps each
-    python benchmarks/async_throughput.py --model smollm2 --steps 10 --json benchmarks/results/async_throughput_smollm2.json
+    python benchmarks/async_throughput.py --model smollm2 --task arithmetic --max-tokens 16 --steps 10 --etas 2 \
+        --json benchmarks/results/async_throughput_smollm2.json
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Workload:
     rollouts: int
     seed: int
     eval_temperature: float = 1.0
+    task: str = "token_rule"
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,7 +123,7 @@ async def _episode(client: AsyncSwarmClient, http: httpx.AsyncClient, task: Any,
 
 
 async def _train_workload(url: str, wl: Workload, steps: int) -> dict[str, Any]:
-    tasks = make_tasks("token_rule", 64, seed=wl.seed, split="train")
+    tasks = make_tasks(wl.task, 64, seed=wl.seed, split="train")
     queue = iter(tasks * 1000)
     done = asyncio.Event()
     episodes = 0
@@ -167,7 +170,7 @@ async def _train_workload(url: str, wl: Workload, steps: int) -> dict[str, Any]:
 
 
 async def _evaluate(url: str, wl: Workload, n: int) -> list[float]:
-    tasks = make_tasks("token_rule", n, seed=wl.seed, split="eval")
+    tasks = make_tasks(wl.task, n, seed=wl.seed, split="eval")
     async with AsyncSwarmClient(url, token=TOKEN, retry_for=600) as client, httpx.AsyncClient(timeout=120) as http:
         sem = asyncio.Semaphore(8)
 
@@ -251,6 +254,7 @@ def _table(results: list[dict[str, Any]]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="tiny (the built-in random model) or smollm2")
+    p.add_argument("--task", default="token_rule", help="token_rule or arithmetic (scored on every turn)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--etas", default="1,2,4", help="staleness bounds of the async runs")
     p.add_argument("--turns", type=int, default=3)
@@ -266,14 +270,14 @@ def main() -> int:
     p.add_argument("--eval-temperature", type=float, default=1.0,
                    help="sampling temperature of the eval episodes (the tiny model's greedy answer hardly "
                         "depends on the prompt, so greedy evals of it have no spread)")
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=None, help="optim.lr (default: 1e-2 for tiny, the config's otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the run folders")
     p.add_argument("--json", default="benchmarks/results/async_throughput.json")
     args = p.parse_args()
-    model = ["model=tiny"] if args.model == "tiny" else ["model=smollm2"]
-    args.base = [*model, "task=token_rule", "batching=c2", f"batching.batch_size={args.batch_size}",
-                 f"batching.rollouts_per_task={args.rollouts}", f"optim.lr={args.lr}",
+    lr = args.lr if args.lr is not None else (1e-2 if args.model == "tiny" else None)
+    args.base = [f"model={args.model}", f"task={args.task}", "batching=c2", f"batching.batch_size={args.batch_size}",
+                 f"batching.rollouts_per_task={args.rollouts}", *([f"optim.lr={lr}"] if lr is not None else []),
                  f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", f"seed={args.seed}"]
     configs = [("sync", ["trainer.mode=sync"])]
     configs += [(f"async η={eta}", ["trainer.mode=async", f"trainer.max_staleness={eta}"])
@@ -281,7 +285,7 @@ def main() -> int:
     results = []
     for i, (name, overrides) in enumerate(configs):
         wl = Workload(args.turns, args.delay, args.sigma, args.slow_every, args.slow_factor, args.max_tokens,
-                      args.groups, args.rollouts, args.seed, args.eval_temperature)
+                      args.groups, args.rollouts, args.seed, args.eval_temperature, args.task)
         print(f"running {name} ...", flush=True)
         r = asyncio.run(_run_config(name, overrides, wl, args, eval_before=i == 0))
         print(f"  {r['steps']} steps in {r['wall_s']:.1f} s: {r['steps_per_min']:.1f} steps/min, engine idle "

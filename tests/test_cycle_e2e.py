@@ -68,6 +68,22 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
+def _started(port: int, overrides: list[str]) -> SwarmClient:
+    """A controller of the server on ``port``, configured with ``overrides``, started and ROLLING."""
+    ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+    ctl.configure(overrides)
+    ctl.start()
+    ctl.wait_for_state("ROLLING", timeout=120)
+    return ctl
+
+
+def _wait_step(ctl: SwarmClient, step: int, timeout: float, poll: float = 0.2) -> None:
+    """Poll until the server's ``global_step`` reaches ``step`` (or ``timeout`` seconds pass)."""
+    deadline = time.monotonic() + timeout
+    while ctl.status()["global_step"] < step and time.monotonic() < deadline:
+        time.sleep(poll)
+
+
 def _cycles(history: list[str]) -> int:
     n, i = 0, 0
     while i + 3 < len(history) + 0:
@@ -150,14 +166,9 @@ def test_resume_after_crash_loses_and_repeats_no_step(tmp_path):
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
     try:
-        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
-        ctl.configure(overrides)
-        ctl.start()
-        ctl.wait_for_state("ROLLING", timeout=120)
+        ctl = _started(port, overrides)
         clients = start_clients(port, 1)
-        deadline = time.monotonic() + 90
-        while ctl.status()["global_step"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.3)
+        _wait_step(ctl, 2, 90, poll=0.3)
         _stop(clients)
         time.sleep(1.0)  # the step-2 checkpoint is written right after the step
         trained_before = ctl.status()["pool"]["trained"]
@@ -173,9 +184,7 @@ def test_resume_after_crash_loses_and_repeats_no_step(tmp_path):
         assert status["global_step"] == 2, "resumed at the checkpointed step"
         assert status["pool"]["trained"] == trained_before
         clients = start_clients(port, 1)
-        deadline = time.monotonic() + 90
-        while ctl.status()["global_step"] < 3 and time.monotonic() < deadline:
-            time.sleep(0.3)
+        _wait_step(ctl, 3, 90, poll=0.3)
         assert ctl.status()["global_step"] == 3
     finally:
         _stop(clients)
@@ -204,14 +213,9 @@ def test_async_server_killed_during_a_background_step_loses_and_repeats_nothing(
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
     try:
-        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
-        ctl.configure(overrides)
-        ctl.start()
-        ctl.wait_for_state("ROLLING", timeout=120)
+        ctl = _started(port, overrides)
         clients = start_clients(port, 2)
-        deadline = time.monotonic() + 120
-        while ctl.status()["global_step"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_step(ctl, 4, 120, poll=0.05)
         status = ctl.status()
         assert status["state"] == "ROLLING" and status["pool"]["trainer"]["mode"] == "async", status
         server.send_signal(signal.SIGKILL)  # clients keep sampling: a step is (most likely) under way
@@ -235,9 +239,7 @@ def test_async_server_killed_during_a_background_step_loses_and_repeats_nothing(
         lost_steps = {step for st, step in before.values() if st == "trained" and step > checkpointed}
         assert all(after[e][0] == "untrained" for e, (st, step) in before.items()
                    if st == "trained" and step in lost_steps), "episodes of unsaved steps go back to the pool"
-        deadline = time.monotonic() + 90
-        while ctl.status()["global_step"] < checkpointed + 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_step(ctl, checkpointed + 2, 90)
         assert ctl.status()["global_step"] >= checkpointed + 2
         final = _journal_rows(tmp_path / "journal.sqlite")
         steps = sorted({step for st, step in final.values() if st == "trained"})

@@ -10,7 +10,7 @@ import pytest
 from swarmkit.contract import GenerationOutput, StreamChunk, TrainSample
 from swarmkit.pool import SamplePool
 from swarmkit.pool.records import EpisodeRecord
-from swarmkit.swarm.staleness import admission_capacity, holds_step, steps_within_bound
+from swarmkit.swarm.staleness import admission_capacity, admits, holds_step, steps_within_bound
 from swarmkit.timelines import Block, Timeline, merge, merge_timelines_reference
 from swarmkit.training.samples import bound_staleness, build_samples
 from swarmkit.training.trainer import build_algo
@@ -188,3 +188,17 @@ def test_admitted_episodes_are_trained_within_the_bound_when_batches_go_in_order
 ])
 def test_a_step_waits_for_a_straggler_it_would_push_past_the_bound(weights, oldest, eta, hold):
     assert holds_step(weights, oldest, eta) is hold
+
+
+@pytest.mark.parametrize(("kw", "admitted"), [
+    ({"in_flight": 7, "capacity": 8}, True),
+    ({"in_flight": 8, "capacity": 8}, False),
+    ({"in_flight": 4, "capacity": 8, "group_size": 4}, True),                  # a new group fits whole
+    ({"in_flight": 5, "capacity": 8, "group_size": 4}, False),                 # ... or waits
+    ({"in_flight": 8, "capacity": 8, "siblings": 2, "group_size": 4}, True),   # completes a group under way
+    ({"in_flight": 8, "capacity": 8, "siblings": 4, "group_size": 4}, False),  # a whole new group waits
+    ({"in_flight": 8, "capacity": 8, "training": False, "running": 0}, True),  # only the pool waits: no deadlock
+    ({"in_flight": 8, "capacity": 0, "training": True, "running": 0}, False),
+])
+def test_admission_keeps_groups_whole_and_never_deadlocks(kw, admitted):
+    assert admits(**kw) is admitted

@@ -121,19 +121,31 @@ def policy_loss(
     """
     on = mask.bool()
     log_ratio = torch.where(on, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    term, ratio, clipped = clipped_surrogate(log_ratio, advantages, clip_low, clip_high)
+    loss = aggregate_loss(-term, mask, mode, norm_constant)
+    return loss, surrogate_metrics(loss, log_ratio, ratio, clipped, mask)
+
+
+def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                      clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token objective ``min(r*A, clip(r, 1-clip_low, 1+clip_high)*A)`` with
+    ``r = exp(log_ratio)``; returns it, ``r`` and where the clipped term is the active one, all (B, T)."""
     ratio = torch.exp(log_ratio)
     surr = ratio * advantages
     surr_clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss_mat = -torch.minimum(surr, surr_clipped)
-    loss = aggregate_loss(loss_mat, mask, mode, norm_constant)
+    return torch.minimum(surr, surr_clipped), ratio, surr_clipped < surr
+
+
+def surrogate_metrics(loss: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor,
+                      mask: torch.Tensor) -> dict[str, float]:
+    """``pg_loss``, ``clip_frac``, ``approx_kl`` (k3) and ``ratio_mean`` over the mask (no gradient)."""
     with torch.no_grad():
-        metrics = {
+        return {
             "pg_loss": float(loss.item()),
-            "clip_frac": float(masked_mean((surr_clipped < surr).to(ratio.dtype), mask).item()),
+            "clip_frac": float(masked_mean(clipped.to(ratio.dtype), mask).item()),
             "approx_kl": float(masked_mean((ratio - 1) - log_ratio, mask).item()),
             "ratio_mean": float(masked_mean(ratio, mask).item()),
         }
-    return loss, metrics
 
 
 def decoupled_policy_loss(
@@ -171,17 +183,11 @@ def decoupled_policy_loss(
     keep = on if weight_cap is None or weight_cap <= 0 else on & (weight <= weight_cap)
     weight = torch.where(keep, weight, zeros)
     log_ratio = torch.where(on, logprobs - prox_logprobs.detach(), zeros)
-    ratio = torch.exp(log_ratio)
-    surr = ratio * advantages
-    surr_clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss_mat = -weight * torch.minimum(surr, surr_clipped)
-    loss = aggregate_loss(loss_mat, mask, mode, norm_constant)
+    term, ratio, clipped = clipped_surrogate(log_ratio, advantages, clip_low, clip_high)
+    loss = aggregate_loss(-weight * term, mask, mode, norm_constant)
+    metrics = surrogate_metrics(loss, log_ratio, ratio, clipped, mask)
     with torch.no_grad():
-        metrics = {
-            "pg_loss": float(loss.item()),
-            "clip_frac": float(masked_mean((surr_clipped < surr).to(ratio.dtype), mask).item()),
-            "approx_kl": float(masked_mean((ratio - 1) - log_ratio, mask).item()),
-            "ratio_mean": float(masked_mean(ratio, mask).item()),
+        metrics |= {
             "behav_weight_mean": float(masked_mean(weight, keep.to(weight.dtype)).item()),
             "behav_capped_frac": float(masked_mean((on & ~keep).to(weight.dtype), mask).item()),
             "behav_kl": float(masked_mean(torch.exp(behav_log_w) - 1 - behav_log_w, mask).item()),

@@ -36,7 +36,7 @@ from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.families import step_family_metrics
 from swarmkit.swarm.metrics import MetricsWriter, finite_or_none, step_line
-from swarmkit.swarm.staleness import admission_capacity, holds_step
+from swarmkit.swarm.staleness import admission_capacity, admits, holds_step
 from swarmkit.swarm.state import ServerState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -437,19 +437,26 @@ class TrainingCycle:
         """A background step is under way (async mode)."""
         return self._training_task is not None and not self._training_task.done()
 
-    def pacing(self) -> tuple[str, float] | None:
-        """Why a new training episode must wait, and for about how long (async mode's staleness
-        bound); None: admit it. See :func:`swarmkit.swarm.staleness.admission_capacity`."""
+    def pacing(self, task_id: str | None = None) -> tuple[str, float] | None:
+        """Why a new training episode of ``task_id`` must wait, and for about how long (async mode's
+        staleness bound); None: admit it. See :func:`swarmkit.swarm.staleness.admission_capacity`.
+
+        An episode that completes a group under way (its task has fewer than
+        ``batching.rollouts_per_task`` episodes in flight) is always admitted: holding it back
+        would leave its siblings waiting in the pool while other groups train, until their tokens
+        are too old.
+        """
         if self.mode != "async" or self.policy is None:
             return None
         srv = self.server
-        in_flight = self.in_flight()
-        running = in_flight - len(self.pool.view())
-        capacity = self.capacity()
-        if in_flight < capacity:
+        running = [e for e in srv.episodes.running() if not e.eval]
+        waiting = self.pool.view()
+        in_flight = len(running) + len(waiting)
+        siblings = 0 if task_id is None else (sum(e.task_id == task_id for e in running)
+                                              + sum(e.task_id == task_id for e in waiting))
+        if admits(in_flight, self.capacity(), siblings=siblings, group_size=int(self.policy.rollouts_per_task),
+                  training=self.training_in_progress, running=len(running)):
             return None
-        if not self.training_in_progress and running == 0:
-            return None  # only the pool is waiting and the policy cannot release it: never deadlock
         wait = 1.0
         if self._training_since is not None and self.last_step_s:
             wait = max(0.05, self.last_step_s - (time.time() - self._training_since))

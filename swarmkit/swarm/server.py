@@ -84,9 +84,9 @@ class Cycle(Protocol):
     def checkpoint(self, path: str) -> dict[str, Any] | None | Awaitable[dict[str, Any] | None]:
         """Save trainer state; None when there is none."""
 
-    def pacing(self) -> tuple[str, float] | None:
-        """Why a new training episode must wait and about how long (asynchronous training's
-        staleness bound); None: admit it."""
+    def pacing(self, task_id: str | None = None) -> tuple[str, float] | None:
+        """Why a new training episode of ``task_id`` must wait and about how long (asynchronous
+        training's staleness bound); None: admit it."""
 
     async def after_boot(self) -> None:
         """The model is loaded: build the trainer, start the loop (raising fails the boot)."""
@@ -119,7 +119,7 @@ class MemoryCycle:
     def checkpoint(self, path: str) -> None:
         return None
 
-    def pacing(self) -> tuple[str, float] | None:
+    def pacing(self, task_id: str | None = None) -> tuple[str, float] | None:
         return None
 
     async def after_boot(self) -> None:

@@ -51,3 +51,22 @@ def holds_step(weights_version: int, oldest_running_token: int | None, max_stale
     if oldest_running_token is None:
         return False
     return int(weights_version) + 1 - int(oldest_running_token) > int(max_staleness)
+
+
+def admits(in_flight: int, capacity: int, *, siblings: int = 0, group_size: int = 1, training: bool = True,
+           running: int = 1) -> bool:
+    """Whether a new training episode starts now under the bound.
+
+    :param in_flight: training episodes running or waiting in the pool.
+    :param capacity: :func:`admission_capacity`.
+    :param siblings: episodes of the same task in flight. One that completes a group under way
+        (``0 < siblings < group_size``) is always admitted, so pacing never splits a group across
+        steps (its first members would wait in the pool and go stale); the first episode of a
+        new group is admitted only when the whole group fits (``in_flight + group_size <=
+        capacity``), so the groups' later members cannot overshoot the room.
+    :param training: a step is under way; ``running``: training episodes running. With neither,
+        only the pool is waiting and nothing else would free room: admit (never deadlock).
+    """
+    if 0 < siblings < group_size or in_flight + max(1, group_size - siblings) <= capacity:
+        return True
+    return not training and running == 0

@@ -142,8 +142,9 @@ def token_pieces(decode: Decode, ids: list[int], window: int = DECODE_WINDOW) ->
 
 
 def timeline_view(tl: Timeline, decode: Decode | None) -> dict[str, Any]:
-    """A timeline token by token: each block's author and ``[text, id, logprob, trained]`` per token
-    (:func:`token_pieces`: a block's pieces join to what its tokens decode to).
+    """A timeline token by token: each block's author, ``[text, id, logprob, trained]`` per token
+    (:func:`token_pieces`: a block's pieces join to what its tokens decode to) and, for a generated
+    block, the policy version that sampled each token (``versions``; null where unknown).
 
     Without ``decode`` (no tokenizer loaded) a block is one piece: its text, no id.
     """
@@ -155,7 +156,7 @@ def timeline_view(tl: Timeline, decode: Decode | None) -> dict[str, Any]:
             pieces = token_pieces(decode, list(b.token_ids))
             tokens = [[piece, t, _finite(lp) if m else None, m]
                       for piece, t, lp, m in zip(pieces, b.token_ids, b.logprobs, b.loss_mask, strict=True)]
-        blocks.append({"author": b.author, "tokens": tokens})
+        blocks.append({"author": b.author, "tokens": tokens, "versions": b.versions if decode is not None else None})
     meta = {k: v for k, v in tl.meta.items() if isinstance(v, str | int | float | bool) or v is None}
     return {"role": tl.role, "meta": meta, "blocks": blocks}
 

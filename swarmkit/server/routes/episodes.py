@@ -114,7 +114,7 @@ async def register(request: Request) -> Response:
     if srv.training_finished and not is_eval:
         raise ApiError(409, srv.training_finished, "training_finished", param="eval")
     if not is_eval:
-        paced = srv.cycle.pacing()
+        paced = srv.cycle.pacing(task_id)
         if paced is not None:
             raise busy(paced[0], paced[1], "staleness_bound")
     srv.check_quota(client_id)

@@ -237,15 +237,16 @@ function heat(lp) {  // probability 0 -> red, 1 -> green
 function timelineCard(tl, title, version) {
   const box = el("div", { class: "tokens" });
   for (const b of tl.blocks) {
-    for (const [text, id, lp, trained] of b.tokens) {
+    b.tokens.forEach(([text, id, lp, trained], i) => {
       const span = el("span", { class: `tok a-${b.author}` + (trained ? " trained" : ""), text });
+      const v = b.versions ? b.versions[i] : (b.author === "llm" ? version : undefined);  // per token: a partial rollout has two
       const tip = [b.author, id === null ? null : "id " + id, lp === null ? null : "logprob " + lp.toFixed(3),
         lp === null ? null : "p " + Math.exp(lp).toFixed(3), trained ? "trained" : "not trained",
-        version === undefined ? null : "policy v" + version].filter(x => x !== null);
+        v === undefined ? null : "policy v" + v].filter(x => x !== null);
       span.title = tip.join(" · ");
       if (trained && lp !== null) span.style.background = heat(lp);
       box.append(span);
-    }
+    });
   }
   const meta = Object.entries(tl.meta || {}).filter(([k]) => ["call", "choice", "policy_version"].includes(k))
     .map(([k, v]) => `${k} ${v}`).join(" · ");
