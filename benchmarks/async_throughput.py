@@ -253,7 +253,10 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="tiny (the built-in random model) or smollm2")
+    p.add_argument("--model", default="tiny", help="tiny (the built-in random model), smollm2, or a local HF "
+                   "model folder (trained with full weights, as tiny)")
+    p.add_argument("--override", action="append", default=[],
+                   help="extra config override for every server, e.g. backend.device=cuda (repeat)")
     p.add_argument("--task", default="token_rule", help="token_rule or arithmetic (scored on every turn)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--etas", default="1,2,4", help="staleness bounds of the async runs")
@@ -276,9 +279,11 @@ def main() -> int:
     p.add_argument("--json", default="benchmarks/results/async_throughput.json")
     args = p.parse_args()
     lr = args.lr if args.lr is not None else (1e-2 if args.model == "tiny" else None)
-    args.base = [f"model={args.model}", f"task={args.task}", "batching=c2", f"batching.batch_size={args.batch_size}",
+    model = [f"model={args.model}"] if args.model in ("tiny", "smollm2") else ["model=tiny", f"model.path={args.model}"]
+    args.base = [*model, f"task={args.task}", "batching=c2", f"batching.batch_size={args.batch_size}",
                  f"batching.rollouts_per_task={args.rollouts}", *([f"optim.lr={lr}"] if lr is not None else []),
-                 f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", f"seed={args.seed}"]
+                 f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", f"seed={args.seed}",
+                 *args.override]
     configs = [("sync", ["trainer.mode=sync"])]
     configs += [(f"async η={eta}", ["trainer.mode=async", f"trainer.max_staleness={eta}"])
                 for eta in (int(x) for x in args.etas.split(",") if x.strip())]

@@ -57,12 +57,13 @@ of stacking on it. ``unload_lora()`` restores the base.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,9 @@ class HFBackend(InferenceBackend):
         self._logits_to_keep = False
         self._cv = threading.Condition()
         self._weights_lock = threading.Lock()
+        #: a weight swap waits for the lock: the decode loop lets it in before its next step
+        #: (a plain Lock is not fair, and a busy loop would re-take it at once, step after step)
+        self._swap_waiting = threading.Event()
         self._pending: deque[_Seq] = deque()
         self._active: list[_Seq] = []
         self._kv: list[tuple[Any, Any]] | None = None
@@ -240,11 +244,22 @@ class HFBackend(InferenceBackend):
     async def unload_lora(self, version: int | None = None) -> None:
         """Undo a merged LoRA adapter (restore the base weights)."""
         def run() -> None:
-            with self._weights_lock:
+            with self._swapping():
                 self._restore_lora_base()
                 if version is not None:
                     self.policy_version = version
         await asyncio.to_thread(run)
+
+    @contextlib.contextmanager
+    def _swapping(self) -> Iterator[None]:
+        """Hold the weights lock for a swap, taken between two decode steps even under load."""
+        self._swap_waiting.set()
+        try:
+            with self._weights_lock:
+                self._swap_waiting.clear()
+                yield
+        finally:
+            self._swap_waiting.clear()
 
     def weights_lock(self) -> threading.Lock:
         """Lock held by the decode loop during each forward pass and by weight updates."""
@@ -372,6 +387,8 @@ class HFBackend(InferenceBackend):
                 if not self._active and self.batch_wait_s > 0:
                     self._gather_burst()
                 joiners = self._take_joiners()
+            while self._swap_waiting.is_set():  # a weight swap goes between two steps
+                time.sleep(0.0005)
             try:
                 with self._weights_lock, torch.inference_mode():
                     t0 = time.perf_counter()
@@ -667,7 +684,7 @@ class HFBackend(InferenceBackend):
     # ------------------------------------------------------------------ weights
     def _update_weights_sync(self, named_tensors: Iterable[tuple[str, Any]] | None,
                              path: str | None, version: int) -> None:
-        with self._weights_lock:
+        with self._swapping():
             if path is not None:
                 folder = Path(path)
                 if (folder / "adapter_config.json").exists():
