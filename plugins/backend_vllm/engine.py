@@ -108,7 +108,6 @@ class _Req:
     params: SamplingParams
     prompt: list[int]
     queue: asyncio.Queue  # receives (vLLM RequestOutput delta, policy version that sampled it) or an exception
-    stream: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     version: int = 0
     pinned: bool = False  # runs on a LoRA adapter loaded at run time: its tokens keep the admission version
@@ -384,9 +383,9 @@ class VLLMBackend(InferenceBackend):
         return await fut
 
     # ------------------------------------------------------------------ generation
-    def _new_req(self, prompt_ids: Sequence[int], params: SamplingParams, stream: bool) -> _Req:
+    def _new_req(self, prompt_ids: Sequence[int], params: SamplingParams) -> _Req:
         return _Req(loop=asyncio.get_running_loop(), params=params, prompt=[int(t) for t in prompt_ids],
-                    queue=asyncio.Queue(), stream=stream)
+                    queue=asyncio.Queue())
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
         if params.n > 1 and params.temperature == 0:
@@ -394,7 +393,7 @@ class VLLMBackend(InferenceBackend):
             one = dataclasses.replace(params, n=1)
             outs = await asyncio.gather(*(self.generate(prompt_ids, one) for _ in range(params.n)))
             return [o[0] for o in outs]
-        req = self._new_req(prompt_ids, params, stream=False)
+        req = self._new_req(prompt_ids, params)
         self._submit("add", req)
         try:
             item = await req.queue.get()
@@ -441,7 +440,7 @@ class VLLMBackend(InferenceBackend):
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         if params.n != 1:
             raise ValueError("stream() samples one continuation (n == 1)")
-        req = self._new_req(prompt_ids, params, stream=True)
+        req = self._new_req(prompt_ids, params)
         self._submit("add", req)
         ids: list[int] = []
         lps: list[float] = []

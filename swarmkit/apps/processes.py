@@ -9,7 +9,6 @@ line per training step of each until they reach a step. Used by
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ from typing import Any, TextIO
 
 from swarmkit.apps.task_client import EpisodeLoop
 from swarmkit.client import SwarmClient
+from swarmkit.swarm.metrics import read_metrics
 
 #: the admin token of servers started without one
 DEFAULT_TOKEN = "swarmkit-local-token"
@@ -103,21 +103,6 @@ def step_line(role: str, m: dict[str, Any]) -> str:
             f"step {m.get('cycle_time_s', 0.0):.2f}s (weight sync {m.get('weight_sync_s', 0.0):.3f}s)")
 
 
-def _metric_rows(path: Path, skip: int) -> list[dict[str, Any]]:
-    """Training-step rows of a ``metrics.jsonl`` after the first ``skip`` (complete lines only)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line being written
-            continue
-        if row.get("kind", "train") == "train" and "step" in row:
-            rows.append(row)
-    return rows[skip:]
-
-
 def watch(servers: Sequence[ServerProc], steps: int, timeout: float, client: EpisodeLoop | None = None,
           out: TextIO = sys.stdout) -> dict[str, list[dict[str, Any]]]:
     """Print one line per training step of each server until all reached ``steps``; returns the metrics.
@@ -126,15 +111,15 @@ def watch(servers: Sequence[ServerProc], steps: int, timeout: float, client: Epi
     status poll with asynchronous training); the status's ``last_step`` when there is none.
     """
     ctls = {s.role: s.client() for s in servers}
+    run_dirs = {s.role: s.run_dir for s in servers}
     seen: dict[str, list[dict[str, Any]]] = {s.role: [] for s in servers}
-    files = {s.role: Path(s.run_dir) / "metrics.jsonl" for s in servers}
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         done = True
         for role, ctl in ctls.items():
             st = ctl.status()
             last = (st.get("pool") or {}).get("last_step")
-            new = _metric_rows(files[role], len(seen[role]))
+            new = [r for r in read_metrics(run_dirs[role]) if r.get("kind", "train") == "train"][len(seen[role]):]
             if not new and last and (not seen[role] or int(last["step"]) > int(seen[role][-1]["step"])):
                 new = [last]
             for row in new:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarmkit.config.plain import as_dict
 from swarmkit.config.schema import TrainerConfig
+from swarmkit.contract import PoolEpisode
 from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.episodes import Episode
@@ -205,14 +206,7 @@ class TrainingCycle:
                     await task
                 except (asyncio.CancelledError, Exception):  # noqa: BLE001
                     pass
-        self._training_task = None
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._task = None
+        self._training_task = self._task = None
         self.pool.release()
         self._close_trainer()
 
@@ -294,25 +288,24 @@ class TrainingCycle:
         aborted = await srv.drain()
         drain = {"drained_aborted": float(aborted), "drain_s": time.perf_counter() - t_drain}
         srv.enter_weight_syncing()
-        reached = srv.global_step
         try:
-            metrics, reached = await self._step(decision, drain)
-            return metrics
+            return await self._step(decision, drain)
         finally:
-            srv.resume_rolling(max(reached, self._applied_step))
+            srv.resume_rolling(max(srv.global_step, self._applied_step))
             self._limit_reached()
 
-    async def _step(self, decision: Any, extra: dict[str, float]) -> tuple[dict[str, float], int]:
+    async def _step(self, decision: Any, extra: dict[str, float]) -> dict[str, float]:
         """Take ``decision``'s batch, train one step on it, journal it, serve the new weights, log it.
 
-        Returns the metrics and the step reached. Shared by both modes: sync calls it with the
-        server drained and calls held (``WEIGHT_SYNCING``), async while the server keeps sampling
-        (the engine swaps the weights between two of its steps).
+        Returns the metrics; ``_applied_step`` is the step the trainer reached (the batch is spent
+        from then on, even if something after it fails). Shared by both modes: sync calls it with
+        the server drained and calls held (``WEIGHT_SYNCING``), async while the server keeps
+        sampling (the engine swaps the weights between two of its steps).
         """
         async with self._trainer_lock:
             return await self._step_locked(decision, extra)
 
-    async def _step_locked(self, decision: Any, extra: dict[str, float]) -> tuple[dict[str, float], int]:
+    async def _step_locked(self, decision: Any, extra: dict[str, float]) -> dict[str, float]:
         srv = self.server
         step = srv.global_step + 1
         self._applied_step = srv.global_step
@@ -344,7 +337,7 @@ class TrainingCycle:
                                        "(the episodes were dropped, the weights are unchanged)")
                     log.warning("%s", self.last_error)
                     applied = True
-                    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, srv.global_step
+                    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
                 step = self.trainer.global_step
                 applied = True
                 self._applied_step = step
@@ -376,7 +369,7 @@ class TrainingCycle:
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
                 await asyncio.to_thread(self.trainer.prune_checkpoints, self.keep_checkpoints)
-            return metrics, step
+            return metrics
         except Exception as exc:
             self.steps_failed += 1
             if self.last_error is None or not applied:
@@ -449,8 +442,7 @@ class TrainingCycle:
         if self.mode != "async" or self.policy is None:
             return None
         srv = self.server
-        running = [e for e in srv.episodes.running() if not e.eval]
-        waiting = self.pool.view()
+        running, waiting = self._flight()
         in_flight = len(running) + len(waiting)
         siblings = 0 if task_id is None else (sum(e.task_id == task_id for e in running)
                                               + sum(e.task_id == task_id for e in waiting))
@@ -465,10 +457,14 @@ class TrainingCycle:
                 f"{self.max_staleness} more steps before their tokens are too old; retry when the step under "
                 "way is done", wait)
 
+    def _flight(self) -> tuple[list[Episode], list[PoolEpisode]]:
+        """The training episodes running, and those waiting in the pool (not yet in a step)."""
+        return [e for e in self.server.episodes.running() if not e.eval], self.pool.view()
+
     def in_flight(self) -> int:
         """Training episodes running or waiting in the pool (not yet in a step)."""
-        running = sum(1 for e in self.server.episodes.running() if not e.eval)
-        return running + len(self.pool.view())
+        running, waiting = self._flight()
+        return len(running) + len(waiting)
 
     def capacity(self) -> int:
         """How many training episodes may be in flight under the staleness bound."""

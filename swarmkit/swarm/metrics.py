@@ -65,7 +65,17 @@ def step_line(m: dict[str, Any], *, trigger: str | None = None, pool: str | None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``<run_dir>/metrics.jsonl`` (none if there is no file), up to a last line
+    that is still being written (the file is append-only: only the last line can be partial)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return rows

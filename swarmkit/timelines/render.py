@@ -265,14 +265,11 @@ class ChatRenderer:
         ``forced`` are tokens the server put at the start of the model's turn (e.g. the
         opening of a tool call that ``tool_choice`` requires): part of the turn's text
         and tokens, logprob 0.0 and loss mask 0, so they are never trained.
-        ``versions``: the policy version of each generated token (forced ones get the first).
+        ``versions``: the policy version of each token of the block (forced ones included).
         """
         ids = [*forced, *token_ids]
-        vers = None
-        if versions is not None:
-            vers = [int(versions[0]) if versions else 0] * len(forced) + [int(v) for v in versions]
         return Block("llm", self.decode(ids), ids, [0.0] * len(forced) + list(logprobs),
-                     [0] * len(forced) + [1] * len(token_ids), vers)
+                     [0] * len(forced) + [1] * len(token_ids), None if versions is None else list(versions))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Decode keeping special tokens and spaces as generated (the text of an ``llm`` block)."""

@@ -66,9 +66,8 @@ class ContextTracker:
         now = time.time()
         made = []
         for choice, out in enumerate(outputs):
-            versions = out.versions()
-            if forced and not versions:
-                versions = None  # nothing generated: forced tokens alone carry no version
+            # forced tokens: the version the call started with; generated ones: the version that sampled each
+            versions = [int(out.policy_version)] * len(forced) + out.versions()
             completion = self.renderer.completion_block(list(out.token_ids), list(out.logprobs), forced, versions)
             self.tokens_generated += len(out.token_ids)
             info = {

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.swarm.episodes import Episode
+from swarmkit.swarm.metrics import read_metrics
 from swarmkit.timelines import Timeline, merge_timelines
 
 #: ``token ids -> their text`` (special tokens kept, no space clean-up: what the model wrote)
@@ -186,13 +187,7 @@ class MetricsTail:
             return []
         key = (path, path.stat().st_size)
         if key != self._key:
-            rows = []
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a line being written
-                    break
-            self._rows, self._key = rows, key
+            self._rows, self._key = read_metrics(path.parent), key
         return self._rows
 
 
