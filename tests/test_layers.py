@@ -32,6 +32,8 @@ RANKS: dict[str, int] = {
     "swarmkit.training": 5,
     "swarmkit.swarm": 6,
     "swarmkit.server": 7,
+    "swarmkit.research": 7,
+    "swarmkit.skills": 0,
     "swarmkit.client": 4,
     "swarmkit.tasks": 4,
     "swarmkit.apps": 8,

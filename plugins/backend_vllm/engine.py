@@ -124,6 +124,9 @@ class VLLMBackend(InferenceBackend):
     ``vllm.EngineArgs`` as is).
     """
 
+    #: in-process engines started in this process and not closed (vLLM supports one)
+    _in_process_engines = 0
+
     reports_token_versions = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                                  "logit_bias", "response_format"})
@@ -140,6 +143,7 @@ class VLLMBackend(InferenceBackend):
         self.enable_lora = bool(self.cfg.enable_lora) or lora_rank > 0
         self.max_lora_rank = max(int(self.cfg.max_lora_rank), lora_rank)
         self.in_process = bool(self.cfg.in_process)
+        self._counted = False  # counted in _in_process_engines
         self._engine: Any = None
         self._tokenizer: Any = None
         self._eos_ids: frozenset[int] = frozenset()
@@ -174,6 +178,13 @@ class VLLMBackend(InferenceBackend):
     async def start(self) -> None:
         if self._thread is not None:
             return
+        if self.in_process:
+            if VLLMBackend._in_process_engines:
+                raise RuntimeError("vLLM runs one in-process engine per process (a second one corrupts the first's "
+                                   "memory): set backend.in_process=false for several engines in one server "
+                                   "(backend.replicas > 1)")
+            VLLMBackend._in_process_engines += 1
+            self._counted = True
         self.model_dir = resolve_model_path(self.model_cfg.path)
         self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -194,6 +205,7 @@ class VLLMBackend(InferenceBackend):
         except BaseException:
             self._thread.join(30)
             self._thread = None
+            self._uncount()
             raise
 
     def engine_args(self) -> Any:
@@ -252,9 +264,15 @@ class VLLMBackend(InferenceBackend):
             self._cv.notify_all()
         await asyncio.to_thread(self._thread.join, 60)
         self._thread = None
+        self._uncount()
         if self._shm_dir is not None:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
             self._shm_dir = None
+
+    def _uncount(self) -> None:
+        if self._counted:
+            VLLMBackend._in_process_engines -= 1
+            self._counted = False
 
     # ------------------------------------------------------------------ engine thread
     def _worker(self, report: Callable[[BaseException | None], None]) -> None:
@@ -585,14 +603,14 @@ class VLLMBackend(InferenceBackend):
         await self.call_in_engine(run)
 
     def _write_shm(self, named: list[tuple[str, Any]]) -> str:
-        from safetensors.torch import save_file
+        from swarmkit.training.group import save_weights
 
         if self._shm_dir is None:
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._shm_dir = Path(tempfile.mkdtemp(prefix="swarmkit-vllm-weights-", dir=base))
         for f in self._shm_dir.glob("*.safetensors"):
             f.unlink()
-        save_file({n: t.to("cpu").contiguous() for n, t in named}, str(self._shm_dir / "model.safetensors"))
+        save_weights(dict(named), self._shm_dir / "model.safetensors")  # tied tensors (embeddings) get copies
         return str(self._shm_dir)
 
     # ------------------------------------------------------------------ partial weights / LoRA merge

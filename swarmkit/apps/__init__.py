@@ -4,6 +4,9 @@
 - :mod:`.wiring`: the composition root (server + training cycle + trainer).
 - :mod:`.serve`: a server in the foreground or in a thread.
 - :mod:`.local`: the main job (``mode=local``).
+- :mod:`.ray_launcher`: ``launcher=ray``, the main job's servers and clients as Ray actors.
+- :mod:`.join`: ``python -m swarmkit join``, another host's node of a multi-node training group.
+- :mod:`.skills` and :mod:`.new_task`: the coding-agent skills and the client scaffold.
 - :mod:`.task_client`: the built-in swarm client for the tasks of :mod:`swarmkit.tasks`
   (httpx only: ``python -m swarmkit.apps.task_client`` runs on a laptop).
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -65,15 +65,56 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(status)
 
 
+def _monitor(args: list[str]) -> int:
+    from swarmkit.apps.monitor import monitor_main
+
+    return monitor_main(args)
+
+
+def _status(args: list[str]) -> int:
+    from swarmkit.apps.monitor import status_main
+
+    return status_main(args)
+
+
+def _skills(args: list[str]) -> int:
+    from swarmkit.apps.skills import main as skills_main
+
+    return skills_main(args)
+
+
+def _new_task(args: list[str]) -> int:
+    from swarmkit.apps.new_task import main as new_task_main
+
+    return new_task_main(args)
+
+
+def _research(args: list[str]) -> int:
+    from swarmkit.research.cli import main as research_main
+
+    return research_main(args)
+
+
+def _join(args: list[str]) -> int:
+    from swarmkit.apps.join import main as join_main
+
+    return join_main(args)
+
+
+#: ``python -m swarmkit NAME ...``: the commands that are not a Hydra job (each parses its own arguments)
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "monitor": _monitor, "status": _status, "skills": _skills, "new-task": _new_task,
+    "research": _research, "join": _join,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m swarmkit`` and the ``swarmkit`` script."""
     import hydra
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in ("monitor", "status"):  # the two commands that are not a Hydra job
-        from swarmkit.apps.monitor import monitor_main, status_main
-
-        sys.exit((monitor_main if args[0] == "monitor" else status_main)(args[1:]))
+    if args and args[0] in SUBCOMMANDS:  # the commands that are not a Hydra job
+        sys.exit(SUBCOMMANDS[args[0]](args[1:]))
     try:
         hargs = hydra_argv(args)
         if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith(("--cfg", "-c"))

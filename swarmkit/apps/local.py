@@ -164,6 +164,7 @@ def run_local(cfg: DictConfig) -> int:
                                  **{m: {"mean": a, "ci95": b} for m, (a, b) in v.metrics.items()}}
                         for k, v in midway.items()},
         "global_step": status["global_step"],
+        "replicas": status.get("replicas"),
         "train_episodes": len(rewards),
         "wall_time_s": time.time() - t_start,
         "checkpoint": ckpt.get("trainer", {}).get("path") if isinstance(ckpt.get("trainer"), dict) else None,

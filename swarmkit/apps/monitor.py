@@ -143,6 +143,13 @@ def status_text(st: dict[str, Any]) -> str:
         lines.append("last step: " + "  ".join(f"{k} {last[k]:.4g}" for k in
                                               ("reward_mean", "loss", "samples", "cycle_time_s", "weight_sync_s")
                                               if isinstance(last.get(k), int | float)))
+    replicas = st.get("replicas") or []
+    if replicas:
+        alive = sum(1 for r in replicas if r.get("alive"))
+        lines.append(f"replicas {alive}/{len(replicas)} in rotation: " + ", ".join(
+            f"#{r.get('index')} {r.get('device') or 'default'} "
+            + (f"{r.get('in_flight', 0)} in flight, {r.get('episodes', 0)} episodes" if r.get("alive")
+               else f"OUT ({r.get('error')})") for r in replicas))
     for key in ("training_finished", "last_error"):
         if st.get(key):
             lines.append(f"{key.replace('_', ' ')}: {st[key]}")

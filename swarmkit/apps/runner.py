@@ -21,6 +21,10 @@ def run(cfg: DictConfig) -> int:
         return serve(cfg)
     if cfg.mode == "client":
         return run_client(cfg)
+    if cfg.get("launcher", "local") == "ray":
+        from swarmkit.apps.ray_launcher import run_ray
+
+        return run_ray(cfg)
     return run_local(cfg)
 
 

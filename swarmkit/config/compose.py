@@ -97,8 +97,8 @@ def defaults_option(kind: str, name: str) -> str:
 def store_schema_options(search_paths: Sequence[str]) -> None:
     """Put every schema's defaults where Hydra finds them, so no YAML repeats a default.
 
-    - ``swarmkit_base``: the defaults of the core groups ``server`` and
-      ``trainer`` (and ``mode``, ``seed``), which ``conf/config.yaml`` extends.
+    - ``swarmkit_base``: the defaults of the core groups ``server``, ``trainer``
+      and ``ray`` (and ``mode``, ``launcher``, ``seed``), which ``conf/config.yaml`` extends.
     - ``model/defaults``, ``task/defaults`` and ``<kind>/<name>_defaults`` for a
       component that ships a YAML option: the schema defaults that the YAML
       extends (``defaults: [fsdp_defaults, _self_]``), so it sets only what differs.
@@ -113,7 +113,7 @@ def store_schema_options(search_paths: Sequence[str]) -> None:
     modules = [CONFIG_MODULE] + [p[len("pkg://") :].replace("/", ".") for p in search_paths if p.startswith("pkg://")]
     cs = ConfigStore.instance()
     base = _defaults_node(SwarmkitConfig)
-    cs.store(name="swarmkit_base", node={k: base[k] for k in ("mode", "seed", "server", "trainer")})
+    cs.store(name="swarmkit_base", node={k: base[k] for k in ("mode", "launcher", "seed", "server", "trainer", "ray")})
     for group, schema in CORE_GROUPS.items():
         cs.store(group=group, name=defaults_option(group, ""), node=_defaults_node(schema))
     for component in get_registry():

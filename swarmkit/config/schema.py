@@ -120,12 +120,71 @@ class TrainerConfig:
 
 
 @dataclass
+class ReplicaConfig:
+    """Keys of the ``backend`` group that the server owns, whatever the backend (docs/scaling.md)."""
+
+    #: inference engines behind this server: calls are balanced across them, all calls of one episode
+    #: go to the same engine (its prefix cache is reused), a weight sync updates every one
+    replicas: int = 1
+    #: the device of each replica (sets the backend's ``device`` key), e.g. [cuda:0,cuda:1]; [] = the
+    #: backend's own ``device`` for every replica
+    replica_devices: list[str] = field(default_factory=list)
+    #: seconds a replica has to confirm a weight update; one that does not is taken out of rotation
+    replica_sync_timeout_s: float = 600.0
+
+
+#: the ``backend`` keys of :class:`ReplicaConfig`
+REPLICA_KEYS = ("replicas", "replica_devices", "replica_sync_timeout_s")
+
+
+@dataclass
+class RayConfig:
+    """``launcher=ray``: where mode=local's job runs on a Ray cluster (swarmkit/apps/ray_launcher.py)."""
+
+    #: the cluster: "auto" = the one ``ray start --head`` runs on this machine (or $RAY_ADDRESS), "HOST:PORT"
+    #: = its GCS address; null = start a private single-node Ray in this process
+    address: str | None = "auto"
+    #: the Ray namespace of the run's named actors; null = "swarmkit-<run dir name>"
+    namespace: str | None = None
+    #: swarm servers, each in its own placement group, each training its own model from this config
+    servers: int = 1
+    #: per server k, extra ``key=value`` overrides (space-separated, shell quoting) laid over the config,
+    #: e.g. ray.server_overrides=["model.name=a seed=1","model.name=b seed=2"]; group selections
+    #: (model=..., task=...) go on the command line for every server
+    server_overrides: list[str] = field(default_factory=list)
+    #: task-client actors per server (each a TrainingClient on its own Ray worker)
+    clients: int = 1
+    #: Ray resources of a server actor (inference engine, pool, HTTP; training too when optim.nprocs = 1)
+    server_cpus: float = 1.0
+    server_gpus: float = 0.0
+    #: with optim.nprocs > 1: Ray resources per training rank (the ranks are child processes of the server
+    #: actor, so they are added to the server's bundle: Ray hands GPUs to a process, and the ranks see the
+    #: server actor's CUDA_VISIBLE_DEVICES)
+    rank_cpus: float = 1.0
+    rank_gpus: float = 0.0
+    #: Ray CPUs of a client actor
+    client_cpus: float = 1.0
+    #: placement strategy of a server's group (its bundle and its clients' bundles): "auto" = STRICT_PACK
+    #: while server.host is a loopback address (clients must share the server's node), else PACK;
+    #: or PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    placement_strategy: str = "auto"
+    #: seconds to wait for the placement groups (a cluster without the resources fails with what it has)
+    placement_timeout_s: float = 300.0
+    #: replacements of dead client actors per client slot before the run fails (-1 = no limit)
+    max_client_restarts: int = -1
+
+
+@dataclass
 class SwarmkitConfig:
     #: "local" (server + task client), "server" (bare server), "client", "plan" (print and exit)
     mode: str = "local"
+    #: where mode=local's job runs: "local" (this process) or "ray" (servers and clients as Ray actors
+    #: on a Ray cluster, settings under ``ray``; needs swarmkit[ray])
+    launcher: str = "local"
     seed: int = 0
     server: ServerConfig = field(default_factory=ServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     #: logger plugins that get every step's metrics (tensorboard, wandb, mlflow, or a third party's):
@@ -140,5 +199,9 @@ class SwarmkitConfig:
 
 
 MODES = ("local", "server", "client", "plan")
+#: values of ``launcher``
+LAUNCHERS = ("local", "ray")
+#: values of ``ray.placement_strategy``
+PLACEMENT_STRATEGIES = ("auto", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: values of ``trainer.mode``
 TRAINER_MODES = ("sync", "async")

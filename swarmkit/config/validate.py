@@ -8,13 +8,22 @@ unknown component names with the installed choices), in one
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from swarmkit.chat_templates import resolve_chat_template
-from swarmkit.config.schema import MODES, TRAINER_MODES, SwarmkitConfig
+from swarmkit.config.schema import (
+    LAUNCHERS,
+    MODES,
+    PLACEMENT_STRATEGIES,
+    REPLICA_KEYS,
+    TRAINER_MODES,
+    ReplicaConfig,
+    SwarmkitConfig,
+)
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins.loader import get_hooks
 from swarmkit.plugins.registry import KINDS, Registry
@@ -66,6 +75,74 @@ def _check_loggers(node: Any, problems: list[str]) -> list[str]:
     return [str(n) for n in names]
 
 
+def _check_replicas(replica: DictConfig, backend: DictConfig | None, problems: list[str]) -> None:
+    """``backend.replicas`` >= 1; devices, when listed, one per replica and only for a backend with ``device``."""
+    n = int(replica.replicas)
+    if n < 1:
+        problems.append(f"backend.replicas: must be >= 1, got {n}")
+    devices = list(replica.replica_devices)
+    if devices and len(devices) != n:
+        problems.append(f"backend.replica_devices: {len(devices)} device(s) listed for backend.replicas={n}")
+    if devices and backend is not None and "device" not in backend:
+        problems.append(f"backend.replica_devices: backend '{backend.get('name')}' has no 'device' option "
+                        "to place replicas with")
+    if not float(replica.replica_sync_timeout_s) > 0:
+        problems.append(f"backend.replica_sync_timeout_s: must be > 0, got {replica.replica_sync_timeout_s}")
+
+
+def _check_ray(ray: DictConfig, problems: list[str]) -> None:
+    """``ray``: counts and resources in range, one override set per server, a known placement strategy."""
+    if int(ray.servers) < 1:
+        problems.append(f"ray.servers: must be >= 1, got {ray.servers}")
+    if int(ray.clients) < 0:
+        problems.append(f"ray.clients: must be >= 0, got {ray.clients}")
+    if len(ray.server_overrides) not in (0, int(ray.servers)):
+        problems.append(f"ray.server_overrides: {len(ray.server_overrides)} override set(s) for "
+                        f"ray.servers={ray.servers} (give one per server, or none)")
+    for key in ("server_cpus", "client_cpus"):  # a Ray bundle needs some resource
+        if not float(ray[key]) > 0:
+            problems.append(f"ray.{key}: must be > 0, got {ray[key]}")
+    for key in ("server_gpus", "rank_cpus", "rank_gpus"):
+        if float(ray[key]) < 0:
+            problems.append(f"ray.{key}: must be >= 0, got {ray[key]}")
+    if ray.placement_strategy not in PLACEMENT_STRATEGIES:
+        problems.append(f"ray.placement_strategy: '{ray.placement_strategy}' is not one of "
+                        f"{', '.join(PLACEMENT_STRATEGIES)}")
+
+
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def check_group_launch(optim: Mapping[str, Any]) -> list[str]:
+    """Problems of the multi-node keys of an ``optim`` group (``nnodes``, ``rdzv_endpoint``,
+    ``group_host``, ``group_port``); empty when the engine has none or they are consistent."""
+    nnodes = optim.get("nnodes")
+    if nnodes is None:
+        return []
+    if int(nnodes) < 1:
+        return [f"optim.nnodes: must be >= 1, got {nnodes}"]
+    if int(nnodes) == 1:
+        return []
+    problems: list[str] = []
+    endpoint = str(optim.get("rdzv_endpoint") or "")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        problems.append(f"optim.rdzv_endpoint: optim.nnodes={nnodes} needs HOST:PORT of the c10d rendezvous, "
+                        f"an address of this server's host that every node reaches, e.g. "
+                        f"optim.rdzv_endpoint=10.0.0.1:29400 (got {endpoint!r})")
+    group_host = str(optim.get("group_host", "127.0.0.1"))
+    group_port = int(optim.get("group_port") or 0)
+    if group_host in ("", "0.0.0.0", "::", "*"):
+        problems.append(f"optim.group_host: give an address of this host that the other nodes reach "
+                        f"(rank 0 connects to it), not {group_host!r}")
+    elif host and not host.startswith(_LOOPBACK) and group_host.startswith(_LOOPBACK):
+        problems.append(f"optim.group_host: {group_host} is loopback, but the rendezvous {endpoint} is not: "
+                        f"rank 0 may run on another host; set optim.group_host to this host's address there")
+    if not 0 <= group_port < 65536:
+        problems.append(f"optim.group_port: must be 0 (ephemeral) .. 65535, got {group_port}")
+    return problems
+
+
 def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
     """Return the typed, validated config, or raise ConfigError listing every problem.
 
@@ -85,7 +162,7 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
         if f.name in KINDS:
             continue
         node = cfg.get(f.name)
-        if f.name == "mode" or f.name == "seed":
+        if f.name in ("mode", "seed", "launcher"):
             continue
         if f.name == "logger":
             result["logger"] = _check_loggers(node, problems)
@@ -96,6 +173,11 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
     mode = cfg.get("mode", "local")
     if mode not in MODES:
         problems.append(f"mode: '{mode}' is not one of {', '.join(MODES)}")
+    launcher = cfg.get("launcher", "local")
+    if launcher not in LAUNCHERS:
+        problems.append(f"launcher: '{launcher}' is not one of {', '.join(LAUNCHERS)}")
+    if result.get("ray") is not None:
+        _check_ray(result["ray"], problems)
     seed = cfg.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         problems.append(f"seed: expected an int, got {seed!r}")
@@ -121,7 +203,17 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
                 problems.append(f"{kind}.{extra[0]}: unknown key ({kind} '{name}' takes no options)")
             result[kind] = OmegaConf.create({"name": str(name)})
             continue
+        replica_node = None
+        if kind == "backend" and any(k in node for k in REPLICA_KEYS):
+            replica_node = OmegaConf.create({k: node[k] for k in REPLICA_KEYS if k in node})
+            node = OmegaConf.create({k: node[k] for k in node if k not in REPLICA_KEYS})
         checked = _check_node(component.schema, node, kind, problems)
+        if replica_node is not None:
+            replica = _check_node(ReplicaConfig, replica_node, kind, problems)
+            if replica is not None:
+                _check_replicas(replica, checked, problems)
+                if checked is not None:  # a plain node: the plugin's schema does not know the core's keys
+                    checked = OmegaConf.create({**OmegaConf.to_container(checked), **OmegaConf.to_container(replica)})
         if checked is not None:
             result[kind] = checked
     model = result.get("model")
@@ -142,9 +234,10 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             value = optim.get(key)
             if value is not None and not float(value) > 0:
                 problems.append(f"optim.{key}: must be > 0, got {value}")
+        problems.extend(check_group_launch(optim))
     if problems:
         raise ConfigError(problems)
-    out = OmegaConf.create({"mode": mode, "seed": seed})
+    out = OmegaConf.create({"mode": mode, "launcher": launcher, "seed": seed})
     for key, value in result.items():
         out[key] = value
     return out

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+#: the episode an inference call belongs to, set by the server around every call: a backend made of
+#: several engines (``backend.replicas``) routes all calls of one episode to the same engine with it
+ROUTING_KEY: ContextVar[str | None] = ContextVar("swarmkit_routing_key", default=None)
 
 
 @dataclass

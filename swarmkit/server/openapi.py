@@ -482,7 +482,11 @@ def _controller_paths() -> dict[str, Schema]:
     status = obj({"state": string(), "since": number(), "last_error": nullable(string()), "global_step": integer(),
                   "policy_version": integer(), "configured": BOOL, "model": nullable(string()),
                   "training_finished": nullable(string()), "episodes": ANY_OBJECT, "pool": ANY_OBJECT,
-                  "clients": ANY_OBJECT, "engine": ANY_OBJECT, "calls": integer(), "tokens_generated": integer(), "uptime_s": number()},
+                  "clients": ANY_OBJECT, "engine": ANY_OBJECT,
+                  "replicas": nullable(array(ANY_OBJECT, description="per inference replica (backend.replicas > 1): "
+                                                                    "index, device, alive, error, in_flight, "
+                                                                    "episodes, policy_version")),
+                  "calls": integer(), "tokens_generated": integer(), "uptime_s": number()},
                  ("state",))
     return {
         "/api/v1/health": {"get": op(

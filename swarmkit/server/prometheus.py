@@ -120,6 +120,17 @@ class _StateCollector:
         if isinstance(engine.get("busy_s"), int | float):
             yield CounterMetricFamily("swarmkit_engine_busy_seconds", "Seconds the inference engine spent "
                                       "computing (idle share = 1 - rate of this)", value=float(engine["busy_s"]))
+        replicas = st.get("replicas") or []
+        if replicas:
+            up = GaugeMetricFamily("swarmkit_replica_up", "1 while an inference replica is in rotation",
+                                   labels=["replica"])
+            load = GaugeMetricFamily("swarmkit_replica_in_flight", "Calls an inference replica serves now",
+                                     labels=["replica"])
+            for rep in replicas:
+                up.add_metric([str(rep.get("index"))], 1.0 if rep.get("alive") else 0.0)
+                load.add_metric([str(rep.get("index"))], float(rep.get("in_flight") or 0))
+            yield up
+            yield load
         trainer = pool.get("trainer") or {}
         if trainer.get("mode") == "async":
             yield GaugeMetricFamily("swarmkit_training_in_progress", "1 while a step trains in the background",

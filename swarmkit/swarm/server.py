@@ -29,8 +29,9 @@ import httpx
 
 from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import ModelConfig, ServerConfig
+from swarmkit.config.schema import REPLICA_KEYS, ModelConfig, ReplicaConfig, ServerConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
+from swarmkit.contract.backend import ROUTING_KEY
 from swarmkit.errors import ApiError, busy
 from swarmkit.plugins import get_hooks, get_registry
 from swarmkit.swarm.atomic import resolve_prepared
@@ -46,6 +47,7 @@ from swarmkit.swarm.episodes import (
 )
 from swarmkit.swarm.families import EvalTally
 from swarmkit.swarm.presence import ClientTracker
+from swarmkit.swarm.replicas import ReplicaSet, build_replicas
 from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
 from swarmkit.timelines.render import ChatRenderer, TokenText
 from swarmkit.timelines.track import ContextTracker
@@ -351,6 +353,7 @@ class SwarmServer:
         raise busy(f"the server is {self.state.state}: no model is being served", 2.0, "server_offline")
 
     def begin_call(self, ep: Episode) -> None:
+        ROUTING_KEY.set(ep.id)  # the call's task (and the engine calls it awaits) carry its episode
         ep.in_flight += 1
         ep.last_active = time.time()
 
@@ -448,7 +451,12 @@ class SwarmServer:
         if component.experimental:
             log.warning("backend '%s' is experimental: %s", component.name, component.description)
         cls = component.load()
-        return cls(config=full["backend"], model=full["model"])
+        own = {k: v for k, v in full["backend"].items() if k not in REPLICA_KEYS}
+        replica = ReplicaConfig(**{k: v for k, v in full["backend"].items() if k in REPLICA_KEYS})
+        if replica.replicas <= 1 and not replica.replica_devices:
+            return cls(config=own, model=full["model"])
+        return build_replicas(lambda c: cls(config=c, model=full["model"]), own, replica.replicas,
+                              replica.replica_devices, replica.replica_sync_timeout_s)
 
     async def _close_backend(self, backend: InferenceBackend | None) -> None:
         if backend is None:
@@ -591,6 +599,8 @@ class SwarmServer:
 
     # ------------------------------------------------------------------ episodes
     def _on_episode_end(self, ep: Episode) -> None:
+        if isinstance(self.backend, ReplicaSet):
+            self.backend.forget(ep.id)
         if ep.eval and ep.status == FINISHED and ep.reward is not None:
             self.eval_tally.add(ep.meta.get("task_family"), ep.rewards or ep.reward)
         try:
@@ -662,6 +672,7 @@ class SwarmServer:
             "pool": self.pool_info(),
             "clients": {"active": len(active), "ready": sum(1 for c in active.values() if c.ready)},
             "engine": self._engine_stats(),
+            "replicas": self.backend.replica_status() if isinstance(self.backend, ReplicaSet) else None,
             "calls": self.tracker.calls if self.tracker else 0,
             "tokens_generated": self.tracker.tokens_generated if self.tracker else 0,
             "uptime_s": time.time() - self.created_at,

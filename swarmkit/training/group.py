@@ -15,7 +15,15 @@ all ranks run it, and rank 0 answers ``("ok", result, state)`` or
 ``("error", message, state)`` after an all-gather of the ranks' errors, so a
 failure on any rank comes back as a clear error and the group keeps serving.
 Exported weights go through a safetensors file in ``/dev/shm`` (rank 0
-writes it, the server reads it).
+writes it, the server reads it), or over the connection when rank 0 runs on
+another host.
+
+Several hosts (``optim.nnodes > 1``): the group forms through torch's c10d
+rendezvous at ``optim.rdzv_endpoint``, whose store this server's torchrun
+hosts; the server writes a join spec (``group_join.json``, mode 0600: it holds
+the authkey) and every other host runs ``python -m swarmkit join --spec FILE``
+(:mod:`swarmkit.apps.join`), which starts the same worker command on that host.
+Global rank 0 may land on any node; it connects back to ``optim.group_host``.
 """
 
 from __future__ import annotations
@@ -32,22 +40,99 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
 from swarmkit.contract import OptimEngine, TrainSample
+from swarmkit.errors import ConfigError
 
 log = logging.getLogger("swarmkit.training.group")
 
 AUTHKEY_ENV = "SWARMKIT_GROUP_AUTHKEY"
 #: engine options the launcher consumes (the engines in the group see nprocs = 1's meaning: "this rank")
-_LAUNCH_KEYS = ("nprocs", "group_start_timeout_s", "group_step_timeout_s")
+_LAUNCH_KEYS = ("nprocs", "nnodes", "rdzv_endpoint", "rdzv_id", "group_host", "group_port",
+                "group_start_timeout_s", "group_step_timeout_s")
+#: the join spec's file name, beside the group's log (``RUN_DIR/group_join.json`` under a server)
+JOIN_SPEC_NAME = "group_join.json"
+JOIN_SPEC_VERSION = 1
+_JOIN_SPEC_KEYS = ("engine", "model", "model_cfg", "optim_cfg", "algo_cfg", "threads", "nnodes", "nprocs",
+                   "rdzv_endpoint", "rdzv_id", "start_timeout_s", "serve", "shm", "authkey")
 
 
 class GroupError(RuntimeError):
     """The training group failed a command, or died."""
+
+
+def group_command(spec: Mapping[str, Any], host: bool = True, local_addr: str | None = None) -> list[str]:
+    """The torchrun command of one node of the group described by ``spec`` (a join spec).
+
+    One node (``nnodes == 1``): ``--standalone``. Several: the c10d rendezvous at
+    ``rdzv_endpoint``, whose store the node with ``host=True`` (the server's) runs.
+    ``local_addr``: the address the other nodes reach this one at (torchrun's default: its FQDN).
+    No secret is on the command line (the authkey travels in the environment, :func:`group_env`).
+    """
+    nnodes, nprocs = int(spec["nnodes"]), int(spec["nprocs"])
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if nnodes <= 1:
+        cmd += ["--standalone", "--nproc_per_node", str(nprocs)]
+    else:
+        conf = f"is_host={str(host).lower()},join_timeout={max(1, int(float(spec['start_timeout_s'])))}"
+        cmd += ["--nnodes", str(nnodes), "--nproc_per_node", str(nprocs), "--rdzv_backend", "c10d",
+                "--rdzv_endpoint", str(spec["rdzv_endpoint"]), "--rdzv_id", str(spec["rdzv_id"]),
+                "--rdzv_conf", conf]
+        if local_addr:
+            cmd += ["--local_addr", local_addr]
+    return cmd + [
+        "-m", "swarmkit.training.worker", "--engine", str(spec["engine"]), "--model", str(spec["model"]),
+        "--model-cfg", json.dumps(spec["model_cfg"]), "--optim-cfg", json.dumps(spec["optim_cfg"]),
+        "--algo-cfg", json.dumps(spec["algo_cfg"]), "--threads", str(spec["threads"]),
+        "--serve", str(spec["serve"]), "--world", str(nnodes * nprocs), "--shm", str(spec["shm"])]
+
+
+def group_env(authkey_hex: str) -> dict[str, str]:
+    """The environment of a node's torchrun: this one, with the authkey and without a parent's rank variables."""
+    env = {**os.environ, AUTHKEY_ENV: authkey_hex, "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def write_join_spec(spec: Mapping[str, Any], path: str | Path) -> None:
+    """Write ``spec`` to ``path`` as JSON, mode 0600 from its creation (it holds the authkey), atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": JOIN_SPEC_VERSION, **spec}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def read_join_spec(path: str | Path) -> dict[str, Any]:
+    """The join spec at ``path``.
+
+    :raises GroupError: the file is missing, not a join spec, or of another version.
+    """
+    try:
+        spec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GroupError(f"no join spec at {path}: the server writes RUN_DIR/{JOIN_SPEC_NAME} when it starts "
+                         "a group with optim.nnodes > 1; copy it to this host (keep it private: it holds "
+                         "the group's authkey)") from None
+    except (OSError, ValueError) as exc:
+        raise GroupError(f"cannot read the join spec {path}: {exc}") from None
+    if not isinstance(spec, dict) or spec.get("version") != JOIN_SPEC_VERSION:
+        raise GroupError(f"{path} is not a version-{JOIN_SPEC_VERSION} swarmkit join spec")
+    missing = [k for k in _JOIN_SPEC_KEYS if k not in spec]
+    if missing:
+        raise GroupError(f"the join spec {path} misses {', '.join(missing)}")
+    if int(spec["nnodes"]) < 2:
+        raise GroupError(f"the join spec {path} is for a one-node group: nothing to join")
+    return spec
 
 
 class ProcessGroupEngine(OptimEngine):
@@ -58,13 +143,25 @@ class ProcessGroupEngine(OptimEngine):
     :param model_path: a resolved local model folder.
     :param model_cfg / optim_cfg / algo_cfg: the ``model`` / ``optim`` / ``algo`` groups (plain dicts).
     :param log_path: where the group's stdout/stderr go (default: a temporary file).
+    :param join_spec_path: with ``optim.nnodes > 1``, where the join spec goes (default:
+        ``group_join.json`` beside ``log_path``); removed when the group closes.
     :raises GroupError: the group did not start (the message ends with its log).
+    :raises ConfigError: inconsistent multi-node keys (``nnodes``, ``rdzv_endpoint``, ...).
     """
 
     def __init__(self, engine: str, nprocs: int, model_path: str, model_cfg: dict[str, Any],
-                 optim_cfg: dict[str, Any], algo_cfg: dict[str, Any], log_path: str | Path | None = None):
+                 optim_cfg: dict[str, Any], algo_cfg: dict[str, Any], log_path: str | Path | None = None,
+                 join_spec_path: str | Path | None = None):
         self.engine_name = engine
         self.nprocs = int(nprocs)
+        #: hosts in the group (torchrun --nnodes); the group has nnodes x nprocs ranks
+        self.nnodes = int(optim_cfg.get("nnodes") or 1)
+        if self.nnodes > 1:
+            from swarmkit.config.validate import check_group_launch
+
+            problems = check_group_launch({**optim_cfg, "nnodes": self.nnodes})
+            if problems:
+                raise ConfigError(problems)
         self.start_timeout_s = float(optim_cfg.get("group_start_timeout_s", 600.0))
         self.step_timeout_s = float(optim_cfg.get("group_step_timeout_s", 3600.0))
         self.optimizer_steps = 0
@@ -73,25 +170,51 @@ class ProcessGroupEngine(OptimEngine):
         self._conn: Connection | None = None
         self._shm = Path(tempfile.mkdtemp(prefix="swarmkit-group-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self.log_path = Path(log_path) if log_path else self._shm / "group.log"
+        #: with nnodes > 1: the join spec the other hosts run ``python -m swarmkit join --spec`` with
+        self.join_spec_path: Path | None = None
+        # rank 0 reads this back to tell whether it shares this host's /dev/shm (weights by file)
+        self._shm_id = secrets.token_hex(8)
+        (self._shm / "server.id").write_text(self._shm_id)
+        self._shared_shm = True
         key = secrets.token_bytes(32)
-        listener = Listener(("127.0.0.1", 0), authkey=key)
+        if self.nnodes > 1:
+            listen = (str(optim_cfg.get("group_host") or "127.0.0.1"), int(optim_cfg.get("group_port") or 0))
+        else:
+            listen = ("127.0.0.1", 0)
+        listener = Listener(listen, authkey=key)
         host, port = listener.address
         inner_optim = {k: v for k, v in optim_cfg.items() if k not in _LAUNCH_KEYS}
         inner_optim["name"] = engine
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(self.nprocs),
-               "-m", "swarmkit.training.worker", "--engine", engine, "--model", str(model_path),
-               "--model-cfg", json.dumps(model_cfg), "--optim-cfg", json.dumps(inner_optim),
-               "--algo-cfg", json.dumps(algo_cfg), "--threads", str(optim_cfg.get("threads_per_rank", 1)),
-               "--serve", f"{host}:{port}"]
-        env = {**os.environ, AUTHKEY_ENV: key.hex(), "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
+        spec: dict[str, Any] = {
+            "engine": engine, "model": str(model_path), "model_cfg": model_cfg, "optim_cfg": inner_optim,
+            "algo_cfg": algo_cfg, "threads": int(optim_cfg.get("threads_per_rank", 1)), "nnodes": self.nnodes,
+            "nprocs": self.nprocs, "rdzv_endpoint": str(optim_cfg.get("rdzv_endpoint") or ""),
+            "rdzv_id": str(optim_cfg.get("rdzv_id") or "") or f"swarmkit-{secrets.token_hex(6)}",
+            "start_timeout_s": self.start_timeout_s, "serve": f"{host}:{port}", "shm": str(self._shm),
+            "authkey": key.hex()}
+        local_addr = None
+        if self.nnodes > 1:
+            self.join_spec_path = Path(join_spec_path) if join_spec_path else self.log_path.parent / JOIN_SPEC_NAME
+            write_join_spec(spec, self.join_spec_path)
+            local_addr = spec["rdzv_endpoint"].rpartition(":")[0]  # this host, as the other nodes reach it
+            log.info("training group: waiting %.0f s for %d more node(s) at the rendezvous %s; on each, run: "
+                     "python -m swarmkit join --spec %s", self.start_timeout_s, self.nnodes - 1,
+                     spec["rdzv_endpoint"], self.join_spec_path)
+        self._spec_hint = (f"{self.nnodes} nodes x {self.nprocs} process(es) were expected at the rendezvous "
+                           f"{spec['rdzv_endpoint']} (rdzv_id {spec['rdzv_id']}) within {self.start_timeout_s:.0f} s; "
+                           f"start each other node with `python -m swarmkit join --spec {self.join_spec_path}` "
+                           "(the spec copied to that host)") if self.nnodes > 1 else ""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the group's life
-        self._proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self._proc = subprocess.Popen(group_command(spec, host=True, local_addr=local_addr),
+                                      env=group_env(key.hex()), stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         try:
-            self._conn = self._accept(listener)
+            try:
+                self._conn = self._accept(listener)
+            except GroupError as exc:
+                if not self._spec_hint:
+                    raise
+                raise GroupError(f"the training group did not form: {self._spec_hint}.\n{exc}") from None
             state = self._recv(self.start_timeout_s, "start")
         except BaseException:
             self.close()
@@ -102,10 +225,13 @@ class ProcessGroupEngine(OptimEngine):
         self._set_state(group_state)
         #: ranks in the group, as torch.distributed reports it
         self.world = int(hello["world"])
-        if self.world != self.nprocs:
+        self._shared_shm = hello.get("shm_id") == self._shm_id
+        if self.world != self.nnodes * self.nprocs:
             self.close()
-            raise GroupError(f"the training group has {self.world} ranks, expected {self.nprocs}")
-        log.info("training group up: %d x %s (pid %d, log %s)", self.nprocs, engine, self._proc.pid, self.log_path)
+            raise GroupError(f"the training group has {self.world} ranks, expected {self.nnodes * self.nprocs} "
+                             f"({self.nnodes} node(s) x {self.nprocs})")
+        log.info("training group up: %s%d x %s (pid %d, log %s)", f"{self.nnodes} nodes x " if self.nnodes > 1 else "",
+                 self.nprocs, engine, self._proc.pid, self.log_path)
 
     # ------------------------------------------------------------------ engine interface
     def train_step(self, batch: Sequence[TrainSample]) -> dict[str, float]:
@@ -114,8 +240,10 @@ class ProcessGroupEngine(OptimEngine):
 
     def export_weights(self) -> Iterable[tuple[str, Any]]:
         """Full HF-named weights (LoRA merged), read from the file rank 0 wrote; CPU tensors."""
-        from safetensors.torch import load_file
+        from safetensors.torch import load, load_file
 
+        if not self._shared_shm:  # rank 0 on another host: the file comes over the connection
+            return list(load(self._call("export_weights", None)).items())
         path = self._shm / "weights.safetensors"
         self._call("export_weights", str(path))
         try:
@@ -158,6 +286,8 @@ class ProcessGroupEngine(OptimEngine):
                         continue
         if not self._log.closed:
             self._log.close()
+        if self.join_spec_path is not None:  # its authkey is spent; a node started later waits for a fresh one
+            self.join_spec_path.unlink(missing_ok=True)
         if self.log_path.parent != self._shm:
             shutil.rmtree(self._shm, ignore_errors=True)
 
@@ -185,10 +315,16 @@ class ProcessGroupEngine(OptimEngine):
         box: dict[str, Any] = {}
 
         def accept() -> None:
-            try:
-                box["conn"] = listener.accept()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                box["error"] = exc
+            while True:
+                try:
+                    box["conn"] = listener.accept()
+                    return
+                except (AuthenticationError, EOFError, ConnectionError) as exc:
+                    # a connection without the authkey (a port scan, a stale node): wait for rank 0
+                    log.warning("training group listener: refused a connection (%s)", exc)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    box["error"] = exc
+                    return
 
         t = threading.Thread(target=accept, daemon=True)
         t.start()
@@ -243,19 +379,23 @@ def _state(engine: Any) -> dict[str, int]:
     return {"optimizer_steps": int(engine.optimizer_steps), "train_steps": int(engine.train_steps)}
 
 
-def save_weights(weights: dict[str, Any], path: str | Path) -> None:
-    """Write named tensors to a safetensors file (CPU copies; tied tensors get their own
-    storage, which safetensors requires); written beside and renamed, so readers never see half."""
-    from safetensors.torch import save_file
-
+def _cpu_tensors(weights: dict[str, Any]) -> dict[str, Any]:
+    """CPU, contiguous copies; tied tensors get their own storage, which safetensors requires."""
     out, seen = {}, set()
     for k, v in weights.items():
         v = v.detach().to("cpu").contiguous()
         ptr = v.untyped_storage().data_ptr()
         out[k] = v.clone() if ptr in seen else v
         seen.add(ptr)
+    return out
+
+
+def save_weights(weights: dict[str, Any], path: str | Path) -> None:
+    """Write named tensors to a safetensors file; written beside and renamed, so readers never see half."""
+    from safetensors.torch import save_file
+
     tmp = f"{path}.tmp"
-    save_file(out, tmp)
+    save_file(_cpu_tensors(weights), tmp)
     os.replace(tmp, path)
 
 
@@ -263,9 +403,13 @@ def _run(engine: OptimEngine, name: str, arg: Any, rank: int) -> Any:
     if name == "train_step":
         metrics = engine.train_step([TrainSample.from_dict(s) for s in arg])
         return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
-    if name == "export_weights":
+    if name == "export_weights":  # arg: a file on the server's host, or None: the safetensors bytes
+        from safetensors.torch import save
+
         weights = dict(engine.export_weights())
         if rank == 0:
+            if arg is None:
+                return save(_cpu_tensors(weights))
             save_weights(weights, arg)
         return None
     if name == "save_checkpoint":
@@ -278,16 +422,32 @@ def _run(engine: OptimEngine, name: str, arg: Any, rank: int) -> Any:
     raise ValueError(f"unknown group command {name!r}")
 
 
-def serve(engine: OptimEngine, address: str) -> None:
-    """Every rank: run the commands rank 0 receives from the server until ``close`` (or EOF)."""
+def _read_shm_id(shm: str) -> str | None:
+    try:
+        return (Path(shm) / "server.id").read_text() if shm else None
+    except OSError:
+        return None
+
+
+def serve(engine: OptimEngine, address: str, shm: str = "") -> None:
+    """Every rank: run the commands rank 0 receives from the server until ``close`` (or EOF).
+
+    ``shm``: the server's /dev/shm folder; rank 0 reports the id it finds there, so the server
+    knows whether rank 0 shares its host (weights by file) or not (weights over the connection).
+    """
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     conn: Connection | None = None
     if rank == 0:
         host, port = address.rsplit(":", 1)
-        conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-        conn.send(("ok", {"world": world}, _state(engine)))
+        try:
+            conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+        except (OSError, AuthenticationError, EOFError) as exc:
+            raise RuntimeError(f"rank 0 cannot reach the server's group listener at {address} ({exc}): on several "
+                               "hosts, set optim.group_host to an address of the server that every node reaches, "
+                               "open optim.group_port, and join with the server's current spec") from exc
+        conn.send(("ok", {"world": world, "shm_id": _read_shm_id(shm)}, _state(engine)))
     while True:
         box: list[Any] = [None]
         if conn is not None:

@@ -6,7 +6,7 @@
     await backend.update_weights(named_tensors=trainer.export_weights(), version=trainer.global_step)
 
 Checkpoints live in ``run_dir/checkpoints/step_{global_step:08d}`` with a
-``latest`` marker. With ``optim.nprocs > 1`` the engine trains in a torchrun
+``latest`` marker. With ``optim.nprocs > 1`` (or ``optim.nnodes > 1``) the engine trains in a torchrun
 group of its own (:mod:`swarmkit.training.group`) that this process drives.
 """
 
@@ -105,8 +105,10 @@ class Trainer:
         self.model_path = resolve_model_path(ModelConfig(**self.model_cfg).path)
         name, nprocs = optim_launch(self.optim_cfg)
         self.engine: OptimEngine
-        if nprocs > 1 and "WORLD_SIZE" not in os.environ:
-            # the engine trains in a torchrun group of its own; this process drives it
+        nnodes = int(self.optim_cfg.get("nnodes") or 1)
+        if (nprocs > 1 or nnodes > 1) and "WORLD_SIZE" not in os.environ:
+            # the engine trains in a torchrun group of its own (on several hosts with nnodes > 1); this
+            # process drives it
             from swarmkit.training.group import ProcessGroupEngine
 
             log_path = None

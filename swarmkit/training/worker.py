@@ -19,6 +19,9 @@ swarm server (:class:`swarmkit.training.group.ProcessGroupEngine`).
 Rank 0 connects back to the server (``multiprocessing.connection``, authkey from
 ``SWARMKIT_GROUP_AUTHKEY``), receives one command at a time, broadcasts it to
 every rank, and answers with the result once every rank has run it.
+On several hosts (``torchrun --nnodes N`` with a c10d rendezvous; the server's
+launcher and ``python -m swarmkit join`` build that command) global rank 0 may
+run on any of them; ``--world`` makes a group of another size fail clearly.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=0, help="skip the first N steps of the file (after --resume)")
     ap.add_argument("--export", default="")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--world", type=int, default=0, help="ranks the group must have (0 = any)")
+    ap.add_argument("--shm", default="", help="with --serve: the server's /dev/shm folder (weights by file)")
     args = ap.parse_args(argv)
     if not args.serve and not (args.samples and args.out):
         ap.error("give --samples and --out, or --serve HOST:PORT")
@@ -98,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
     rank = dist.get_rank()
+    if args.world and dist.get_world_size() != args.world:
+        print(f"swarmkit worker: world size mismatch: torch.distributed formed {dist.get_world_size()} ranks, "
+              f"the group expects {args.world} (nnodes x nprocs); every node must join with the same spec",
+              file=sys.stderr, flush=True)
+        return 3
 
     model_cfg = {"path": args.model, **json.loads(args.model_cfg)}
     optim_cfg = {"name": args.engine, **json.loads(args.optim_cfg)}
@@ -108,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         engine.load_checkpoint(args.resume)
     if args.serve:
-        serve(engine, args.serve)
+        serve(engine, args.serve, args.shm)
         dist.destroy_process_group()
         return 0
     steps = [[TrainSample.from_dict(s) for s in step] for step in json.loads(Path(args.samples).read_text())]

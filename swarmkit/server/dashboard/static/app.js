@@ -169,6 +169,13 @@ async function refreshOverview() {
       (trainer.training ? `step ${s.global_step + 1} training in the background` : "trainer idle") +
       ` · ${trainer.ready_batches} batch(es) ready · ${trainer.in_flight} of ${trainer.capacity} episodes in flight` }));
   }
+  if (s.replicas && s.replicas.length) {
+    const alive = s.replicas.filter((r) => r.alive).length;
+    poolBox.append(el("div", { class: alive < s.replicas.length ? "async bad" : "async",
+      text: `inference replicas ${alive} of ${s.replicas.length} in rotation: ` + s.replicas.map((r) =>
+        `#${r.index} ${r.device || "default"} ` + (r.alive ? `${r.in_flight} in flight, ${r.episodes} episodes`
+          : `OUT (${r.error})`)).join(" · ") }));
+  }
   if (fill) {
     const bar = el("div", { class: "fill" }, el("div"));
     bar.firstChild.style.width = Math.min(100, 100 * fill.current / Math.max(fill.target, 1)) + "%";

@@ -1,0 +1,594 @@
+"""``launcher=ray``: the main job's swarm (servers and task clients) as Ray actors on a Ray cluster.
+
+``python -m swarmkit launcher=ray ...`` (after ``ray start --head``) does what
+``mode=local`` does, from the same config, with the pieces placed by Ray:
+
+- **one placement group per server** (``ray.servers`` of them): bundle 0 is
+  the server actor (:class:`ServerWorker`: the swarm server of ``mode=server``
+  in a thread, configured through the controller API like the main job does;
+  its inference engine, pool and HTTP endpoint, and with ``optim.nprocs > 1``
+  its torchrun ranks, which stay child processes of the actor and whose
+  ``ray.rank_cpus/rank_gpus`` are added to that bundle so they see the actor's
+  GPUs); bundles 1..``ray.clients`` are its client actors
+  (:class:`ClientWorker`: the built-in :class:`~swarmkit.apps.task_client.TrainingClient`).
+  While ``server.host`` is a loopback address the group is ``STRICT_PACK``
+  (the clients must share the server's node); with ``server.host=0.0.0.0``
+  the actor advertises its node's IP and the group may span nodes.
+- **the driver** (this process) only talks to actors: it boots the servers,
+  evaluates before and after training (the server actor runs the held-out
+  episodes against itself), prints one line per training step of each
+  server, replaces a client actor that died (``ray.max_client_restarts``),
+  writes ``server_<k>/summary.json`` per server and ``summary.json`` for the
+  run, and tears everything down.
+
+Ray is imported lazily: without it the launcher fails with the extra to
+install (``swarmkit[ray]``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from swarmkit.apps.serve import start_server_thread
+from swarmkit.apps.task_client import (
+    EpisodeResult,
+    EvalResult,
+    TrainingClient,
+    evaluate,
+    send_demonstrations,
+)
+from swarmkit.client import SwarmClient, SwarmError
+from swarmkit.config.compose import DEFAULT_CHOICES, validated
+from swarmkit.config.schema import RayConfig
+from swarmkit.config.validate import to_dict
+from swarmkit.errors import ConfigError
+from swarmkit.swarm.metrics import read_metrics, step_line
+from swarmkit.tasks import make_tasks
+
+log = logging.getLogger("swarmkit.ray")
+
+#: the extra that installs Ray
+INSTALL_HINT = "pip install 'swarmkit[ray]'"
+#: environment variables the driver hands to its actors (Ray workers start from the raylet's environment)
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM")
+#: loggers whose per-request lines are noise in a Ray worker's log
+_QUIET = ("httpx", "httpcore", "swarmkit.client", "swarmkit.cycle", "swarmkit.apps.task_client")
+
+
+class RayMissing(RuntimeError):
+    """Ray is not installed."""
+
+
+class LaunchError(RuntimeError):
+    """The swarm cannot be placed or run on the cluster (the message says why)."""
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or :class:`RayMissing` naming the extra."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayMissing(f"launcher=ray needs ray, which is not installed: {INSTALL_HINT}") from exc
+    return ray
+
+
+def _quiet() -> None:
+    """A Ray worker's output goes to the driver's terminal, prefixed: keep it to warnings."""
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:  # weight loading / shard writing bars, once per boot and per checkpoint
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    except ImportError:
+        pass
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _eval_dict(r: EvalResult) -> dict[str, Any]:
+    return {"mean": r.mean, "ci95": r.ci95, "n": r.n, "failures": r.failures,
+            **{k: {"mean": m, "ci95": c} for k, (m, c) in r.metrics.items()}}
+
+
+# --------------------------------------------------------------------------- actors (plain classes; the
+# driver wraps them with ray.remote, so importing this module needs no Ray)
+class ServerWorker:
+    """A swarm server in a Ray actor: built and served in a thread of the actor's process (OFFLINE until
+    :meth:`boot`); the driver's only way in (controller calls go over loopback HTTP from here)."""
+
+    def __init__(self, cfg: dict[str, Any], index: int):
+        _quiet()
+        self.index = index
+        self.cfg = OmegaConf.create(cfg)
+        host, port = str(self.cfg.server.host), int(self.cfg.server.port)
+        if port and not _port_free(host, port):
+            self.cfg.server.port = 0
+        self.handle = start_server_thread(self.cfg)
+        self.ctl = SwarmClient(self.handle.url, token=self.handle.admin_token, retry_for=3600,
+                               client_id=f"controller-ray-{index}")
+        task = self.cfg.task
+        self.eval_tasks = make_tasks(task.name, task.eval_size, seed=task.seed, split="eval",
+                                     options=dict(task.options))
+
+    def info(self) -> dict[str, Any]:
+        """Where the server runs: the URL clients use (the node's IP when bound to every address)."""
+        import ray
+
+        host = str(self.cfg.server.host)
+        node_ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        advertised = node_ip if host in ("0.0.0.0", "::", "") else host
+        if ":" in advertised:
+            advertised = f"[{advertised}]"
+        return {"url": f"http://{advertised}:{self.handle.swarm.port}", "local_url": self.handle.url,
+                "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip,
+                "pid": os.getpid(), "run_dir": str(self.cfg.server.run_dir)}
+
+    def boot(self, timeout: float = 3600.0) -> dict[str, Any]:
+        """Configure (the config this actor was built with) and start; returns once ROLLING."""
+        try:
+            self.ctl.configure(to_dict(self.cfg))
+            self.ctl.start()
+            return self.ctl.wait_for_state("ROLLING", timeout=timeout)
+        except SwarmError as exc:  # the SDK's errors do not cross Ray's (de)serialization: their message does
+            raise RuntimeError(f"server {self.index} did not boot: {exc}") from None
+
+    def warm_start(self) -> int:
+        """Send ``task.demonstrations`` demonstration episodes (the supervised warm start); how many."""
+        task = self.cfg.task
+        if int(task.demonstrations) <= 0:
+            return 0
+        demos = make_tasks(task.name, int(task.demonstrations), seed=task.seed + 1, split="demo",
+                           options=dict(task.options))
+        return send_demonstrations(self.ctl, demos, group_size=int(self.cfg.batching.rollouts_per_task),
+                                   concurrency=int(task.concurrency))
+
+    def evaluate(self) -> EvalResult:
+        """Greedy reward on the held-out tasks (eval episodes: never trained on)."""
+        task = self.cfg.task
+        return evaluate(self.ctl, self.eval_tasks, max_tokens=int(task.max_tokens),
+                        concurrency=int(task.concurrency))
+
+    def status(self) -> dict[str, Any]:
+        return self.ctl.status()
+
+    def metrics(self, after_step: int) -> list[dict[str, Any]]:
+        """The training steps' metrics rows after ``after_step`` (from this node's ``metrics.jsonl``)."""
+        return [r for r in read_metrics(self.cfg.server.run_dir)
+                if r.get("kind", "train") == "train" and int(r.get("step") or 0) > after_step]
+
+    def checkpoint(self) -> dict[str, Any]:
+        return self.ctl.checkpoint()
+
+    def shutdown(self) -> None:
+        """Stop the server (it frees its engine and trainer) and its HTTP thread."""
+        try:
+            self.ctl.stop()
+        except Exception as exc:  # noqa: BLE001 - shutting down whatever state it is in
+            log.warning("server %d: stop failed: %s", self.index, exc)
+        self.handle.stop()
+
+
+class ClientWorker:
+    """The built-in task client in a Ray actor: samples training episodes against one server until stopped.
+
+    Every accepted episode is appended to ``episode_log`` (JSON lines, written only after the server
+    acknowledged the report), so what a client was told is in the journal can be checked after a crash.
+    """
+
+    def __init__(self, url: str, cfg: dict[str, Any], *, name: str, seed: int, episode_log: str | None,
+                 client_token: str | None = None):
+        _quiet()
+        self.name = name
+        task, batching = cfg["task"], cfg["batching"]
+        self.client = SwarmClient(url, client_token=client_token, retry_for=3600, client_id=name)
+        self._lock = threading.Lock()
+        self._log = None
+        if episode_log:
+            Path(episode_log).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(episode_log, "a", buffering=1)  # noqa: SIM115 - lives as long as the actor
+        self.rewards: list[float] = []
+        self.loop = TrainingClient(
+            self.client, make_tasks(task["name"], int(task["train_size"]), seed=int(task["seed"]), split="train",
+                                    options=dict(task["options"])),
+            rollouts_per_task=int(batching["rollouts_per_task"]), max_tokens=int(task["max_tokens"]),
+            temperature=float(task["temperature"]), concurrency=int(task["concurrency"]), seed=seed,
+            on_result=self._on_result,
+        ).start()
+
+    def _on_result(self, r: EpisodeResult) -> None:
+        with self._lock:
+            self.rewards.append(r.reward)
+            if self._log is not None and r.accepted:
+                self._log.write(json.dumps({"episode_id": r.episode_id, "task_id": r.task_id, "reward": r.reward,
+                                            "client": self.name}) + "\n")
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        with self._lock:
+            return {"name": self.name, "finished": self.loop.finished, "failures": self.loop.failures,
+                    "last_error": self.loop.last_error, "sampling": not self.loop.stop_event.is_set(),
+                    "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def stop(self) -> dict[str, Any]:
+        self.loop.stop()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.stats()
+
+
+# --------------------------------------------------------------------------- the driver
+@dataclass
+class _ClientSlot:
+    """One client position of a server (its bundle); its actor is replaced when it dies."""
+
+    server: int
+    index: int
+    bundle: int
+    actor: Any = None
+    name: str = ""
+    generation: int = 0
+    #: episodes finished by the slot's earlier (dead) actors, plus the live one's last count
+    finished_before: int = 0
+    last: dict[str, Any] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> int:
+        return self.finished_before + int(self.last.get("finished", 0))
+
+
+@dataclass
+class _Server:
+    index: int
+    cfg: DictConfig
+    pg: Any
+    actor: Any
+    info: dict[str, Any] = field(default_factory=dict)
+    clients: list[_ClientSlot] = field(default_factory=list)
+    seen: int = 0
+    step: int = 0
+    state: str = "OFFLINE"
+    before: EvalResult | None = None
+    after: EvalResult | None = None
+    demos: int = 0
+
+
+def server_configs(cfg: DictConfig, run_dir: Path) -> list[DictConfig]:
+    """One validated config per server: the job's config, ``ray.server_overrides[k]`` laid over it,
+    ``server.run_dir`` = ``<run_dir>/server_<k>``, ``server.port`` = ``server.port + k``.
+
+    :raises ConfigError: a bad override (a group selection, or a key or value the schemas refuse).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    rcfg = RayConfig(**to_dict(cfg.ray))
+    out: list[DictConfig] = []
+    problems: list[str] = []
+    parser = OverridesParser.create()
+    for k in range(rcfg.servers):
+        node = OmegaConf.create(to_dict(cfg))
+        OmegaConf.set_struct(node, False)
+        text = rcfg.server_overrides[k] if rcfg.server_overrides else ""
+        try:
+            overrides = parser.parse_overrides(shlex.split(text))
+        except Exception as exc:  # noqa: BLE001 - Hydra's grammar errors
+            problems.append(f"ray.server_overrides[{k}]: {text!r} is not a list of key=value overrides: {exc}")
+            continue
+        for o in overrides:
+            key = o.key_or_group
+            if key in DEFAULT_CHOICES or o.is_delete() or o.is_sweep_override():
+                problems.append(f"ray.server_overrides[{k}]: {o.input_line!r}: only key=value overrides here "
+                                f"(select groups such as {key}=... on the command line, for every server)")
+                continue
+            OmegaConf.update(node, key, o.value(), merge=True, force_add=True)
+        node.server.run_dir = str(run_dir / f"server_{k}")
+        if int(node.server.port):
+            node.server.port = int(node.server.port) + k
+        try:
+            out.append(validated(node))
+        except ConfigError as exc:
+            problems.extend(f"server {k}: {p}" for p in exc.problems)
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _env_vars() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("SWARMKIT_")}
+
+
+class RayLauncher:
+    """Places and runs the swarm of one validated config on a Ray cluster (see the module docstring)."""
+
+    def __init__(self, cfg: DictConfig, out: Any = None):
+        self.ray = import_ray()
+        self.cfg = cfg
+        self.rcfg = RayConfig(**to_dict(cfg.ray))
+        self.run_dir = Path(str(cfg.server.run_dir)).resolve()
+        self.namespace = self.rcfg.namespace or f"swarmkit-{self.run_dir.name}"
+        self.out = out or sys.stdout
+        self.servers: list[_Server] = []
+        self._connected = False
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ cluster and placement
+    def connect(self) -> None:
+        ray = self.ray
+        address = self.rcfg.address
+        try:  # "local": a new private Ray (address=None would join a cluster it finds on this machine)
+            ray.init(address=address or "local", namespace=self.namespace, logging_level=logging.WARNING,
+                     runtime_env={"env_vars": _env_vars()})
+        except ConnectionError as exc:
+            raise LaunchError(f"no Ray cluster at ray.address={address!r} ({exc}); start one with "
+                               "`ray start --head`, or set ray.address=null to start a private Ray here") from exc
+        self._connected = True
+        self.say(f"ray: connected to {ray.get_runtime_context().gcs_address} (namespace {self.namespace}); "
+                 f"cluster resources {ray.cluster_resources()}")
+
+    def strategy(self, cfg: DictConfig) -> str:
+        if self.rcfg.placement_strategy != "auto":
+            return self.rcfg.placement_strategy
+        return "STRICT_PACK" if _is_loopback(str(cfg.server.host)) else "PACK"
+
+    def server_resources(self, cfg: DictConfig) -> dict[str, float]:
+        """The server actor's bundle: itself plus its training ranks when ``optim.nprocs > 1``."""
+        nprocs = int(cfg.optim.get("nprocs", 1) or 1)
+        ranks = nprocs if nprocs > 1 else 0
+        res = {"CPU": self.rcfg.server_cpus + ranks * self.rcfg.rank_cpus,
+               "GPU": self.rcfg.server_gpus + ranks * self.rcfg.rank_gpus}
+        return {k: v for k, v in res.items() if v > 0}
+
+    def place(self, cfgs: list[DictConfig]) -> None:
+        """A placement group per server, then its server actor in bundle 0; fails clearly without room."""
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        for k, cfg in enumerate(cfgs):
+            bundles = [self.server_resources(cfg)] + [{"CPU": self.rcfg.client_cpus}] * self.rcfg.clients
+            pg = placement_group(bundles, strategy=self.strategy(cfg), name=f"{self.namespace}-server-{k}")
+            self.servers.append(_Server(k, cfg, pg, None))
+        try:
+            ray.get([s.pg.ready() for s in self.servers], timeout=self.rcfg.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            asks = [[self.server_resources(c)] + [{"CPU": self.rcfg.client_cpus}] * self.rcfg.clients for c in cfgs]
+            free = {k: v for k, v in ray.available_resources().items() if "group" not in k}
+            raise LaunchError(
+                f"Ray could not place the swarm in {self.rcfg.placement_timeout_s:g} s: the servers' bundles "
+                f"{asks} ({self.strategy(cfgs[0])}), the cluster has {ray.cluster_resources()} "
+                f"({free} not reserved)"
+            ) from None
+        remote = ray.remote(ServerWorker)
+        for s in self.servers:
+            res = self.server_resources(s.cfg)
+            s.actor = remote.options(
+                name=f"server-{s.index}", num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0), max_restarts=0,
+                max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(s.pg, placement_group_bundle_index=0),
+            ).remote(to_dict(s.cfg), s.index)
+            s.clients = [_ClientSlot(s.index, j, 1 + j) for j in range(self.rcfg.clients)]
+        for s, info in zip(self.servers, ray.get([s.actor.info.remote() for s in self.servers]), strict=True):
+            s.info = info
+            self.say(f"[server {s.index}] {info['url']} on node {info['node_ip']} ({info['node_id'][:12]}), "
+                     f"run dir {info['run_dir']}")
+
+    def start_client(self, s: _Server, slot: _ClientSlot) -> None:
+        """A (new) client actor in the slot's bundle of its server's placement group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        suffix = f".{slot.generation}" if slot.generation else ""
+        slot.name = f"client-{s.index}-{slot.index}{suffix}"
+        cfg = to_dict(s.cfg)
+        slot.actor = self.ray.remote(ClientWorker).options(
+            name=slot.name, num_cpus=self.rcfg.client_cpus, max_restarts=0, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(s.pg, placement_group_bundle_index=slot.bundle),
+        ).remote(s.info["url"], cfg, name=slot.name,
+                 seed=int(s.cfg.seed) + 1000 * s.index + 100 * slot.index + slot.generation,
+                 episode_log=str(Path(str(s.cfg.server.run_dir)) / "clients" / f"{slot.name}.jsonl"),
+                 client_token=s.cfg.server.client_token)
+        slot.last = {}
+
+    # ------------------------------------------------------------------ supervision
+    def check_clients(self, s: _Server) -> None:
+        """Poll each client actor; replace one that died (an actor crash, a lost node, ``ray.kill``)."""
+        ray = self.ray
+        for slot in s.clients:
+            if slot.actor is None:
+                continue
+            try:
+                slot.last = ray.get(slot.actor.stats.remote(), timeout=30)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                continue  # a transient loss of contact, or a busy actor: ask again next round
+            except ray.exceptions.RayActorError as exc:  # dead for good (max_restarts=0)
+                slot.finished_before += int(slot.last.get("finished", 0))
+                limit = self.rcfg.max_client_restarts
+                if 0 <= limit <= slot.generation:
+                    raise LaunchError(f"client {slot.name} died and was replaced {slot.generation} times "
+                                       f"(ray.max_client_restarts={limit})") from exc
+                self.say(f"[server {s.index}] client actor {slot.name} died ({type(exc).__name__}); "
+                         "starting a new one")
+                slot.generation += 1
+                self.start_client(s, slot)
+                continue
+            node = str(slot.last.get("node_id", ""))
+            if node and node not in slot.nodes:
+                slot.nodes.append(node)
+
+    def poll(self, s: _Server) -> None:
+        """The server's state and every new step's line."""
+        try:
+            status = self.ray.get(s.actor.status.remote(), timeout=120)
+            pool = status.get("pool") or {}
+            last = pool.get("last_step")
+            rows = (self.ray.get(s.actor.metrics.remote(s.seen), timeout=120)
+                    if last and int(last["step"]) > s.seen else [])
+        except self.ray.exceptions.RayActorError as exc:
+            raise LaunchError(f"server {s.index}'s actor died: {exc}") from None
+        fill = pool.get("fill")
+        for row in rows:  # the pool's fill is the current one: shown on the newest step's line
+            text = step_line(row, pool=f"{fill['current']:g}/{fill['target']:g} {fill['unit']}"
+                             if fill and row is rows[-1] else None)
+            self.say(f"[server {s.index}] {text}")
+        s.seen = max([s.seen, *(int(r["step"]) for r in rows)])
+        s.step, s.state = int(status["global_step"]), str(status["state"])
+        if s.state == "OFFLINE":
+            raise LaunchError(f"server {s.index} went OFFLINE: {status.get('last_error')}")
+
+    # ------------------------------------------------------------------ the job
+    def run(self) -> int:
+        t0 = time.time()
+        cfgs = server_configs(self.cfg, self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.connect()
+        try:
+            self.place(cfgs)
+            ray = self.ray
+            self.say(f"booting {len(self.servers)} server(s) ({self.cfg.model.name}: {self.cfg.model.path})...")
+            try:
+                ray.get([s.actor.boot.remote() for s in self.servers])
+            except ray.exceptions.RayTaskError as exc:
+                raise LaunchError(str(exc.cause)) from None
+            for s, r in zip(self.servers, ray.get([s.actor.evaluate.remote() for s in self.servers]), strict=True):
+                s.before = r
+                self.say(f"[server {s.index}] eval reward before training: {r}")
+            for s, n in zip(self.servers, ray.get([s.actor.warm_start.remote() for s in self.servers]), strict=True):
+                s.demos = n
+                if n:
+                    self.say(f"[server {s.index}] supervised warm start: {n} demonstrations in the pool")
+            self.train()
+            for s in self.servers:
+                for slot in s.clients:
+                    if slot.actor is not None:
+                        try:
+                            slot.last = ray.get(slot.actor.stop.remote(), timeout=120)
+                        except ray.exceptions.RayActorError:
+                            pass
+            ray.get([s.actor.checkpoint.remote() for s in self.servers])
+            for s, r in zip(self.servers, ray.get([s.actor.evaluate.remote() for s in self.servers]), strict=True):
+                s.after = r
+                self.say(f"[server {s.index}] eval reward after training: {r}")
+            statuses = ray.get([s.actor.status.remote() for s in self.servers])
+            self.write_summaries(statuses, time.time() - t0)
+        finally:
+            self.teardown()
+        return 0
+
+    def train(self) -> None:
+        """Start the clients (after a warm start's steps) and supervise until every server reached its steps."""
+        total = int(self.cfg.trainer.total_steps)
+        last_check = 0.0
+        while True:
+            for s in self.servers:
+                self.poll(s)
+                b, n = int(s.cfg.batching.batch_size), int(s.cfg.batching.rollouts_per_task)
+                if any(c.actor is None for c in s.clients) and s.step >= s.demos // max(1, b * n):
+                    for slot in s.clients:  # sampling starts once a warm start's steps are trained
+                        if slot.actor is None:
+                            self.start_client(s, slot)
+            if time.monotonic() - last_check > 2.0:
+                for s in self.servers:
+                    if s.step < total or not total:
+                        self.check_clients(s)
+                last_check = time.monotonic()
+            if total and all(s.step >= total for s in self.servers):
+                return
+            time.sleep(0.5)
+
+    def write_summaries(self, statuses: list[dict[str, Any]], wall: float) -> None:
+        runs = []
+        for s, st in zip(self.servers, statuses, strict=True):
+            assert s.before is not None and s.after is not None
+            summary = {
+                "server": s.index, "url": s.info.get("url"), "node_id": s.info.get("node_id"),
+                "eval_before": _eval_dict(s.before), "eval_after": _eval_dict(s.after),
+                "improvement": s.after.mean - s.before.mean, "demonstrations": s.demos,
+                "global_step": st["global_step"], "train_episodes": sum(c.finished for c in s.clients),
+                "clients": [{"slot": c.index, "name": c.name, "replacements": c.generation, "finished": c.finished,
+                             "nodes": c.nodes} for c in s.clients],
+                "client_replacements": sum(c.generation for c in s.clients),
+                "wall_time_s": wall, "run_dir": str(s.cfg.server.run_dir),
+            }
+            folder = self.run_dir / f"server_{s.index}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+            runs.append(summary)
+            self.say(f"[server {s.index}] eval {s.before.mean:.3f} -> {s.after.mean:.3f}, "
+                     f"{summary['global_step']} steps, {summary['train_episodes']} episodes, "
+                     f"{summary['client_replacements']} client replacement(s)")
+        (self.run_dir / "summary.json").write_text(json.dumps(
+            {"launcher": "ray", "namespace": self.namespace, "servers": runs, "wall_time_s": wall}, indent=2))
+        self.say(f"run folder {self.run_dir} ({wall:.0f} s)")
+
+    def teardown(self) -> None:
+        """Stop the servers, kill every actor, free the placement groups, leave the cluster."""
+        ray = self.ray
+        if not self._connected:
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        for s in self.servers:
+            for slot in s.clients:
+                if slot.actor is not None:
+                    ray.kill(slot.actor)
+        live = [s for s in self.servers if s.actor is not None]
+        try:
+            ray.get([s.actor.shutdown.remote() for s in live], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - a dead server has nothing left to stop
+            log.warning("stopping the servers: %s", exc)
+        for s in self.servers:
+            if s.actor is not None:
+                ray.kill(s.actor)
+            remove_placement_group(s.pg)
+        ray.shutdown()
+        self._connected = False
+
+
+def run_ray(cfg: DictConfig) -> int:
+    """``launcher=ray``: run the main job on a Ray cluster; the exit status (2: Ray missing or a bad config)."""
+    try:
+        launcher = RayLauncher(cfg)
+    except RayMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return launcher.run()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
