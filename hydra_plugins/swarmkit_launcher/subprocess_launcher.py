@@ -53,6 +53,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
 
+from swarmkit.research.procs import die_with_parent, write_json_atomic
+
 log = logging.getLogger(__name__)
 
 #: a job's final statuses (``retried``: succeeded after a failed attempt)
@@ -112,25 +114,6 @@ class _Running:
     log_path: str | None
     log_file: IO[bytes] | None
     kill_reason: str | None = None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the launching process dies (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that a reader (or a resume after a kill) sees the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def load_jobs_file(path: str) -> list[JobSpec]:
@@ -247,7 +230,7 @@ class JobRunner:
             log_file = open(log_path, "wb")  # noqa: SIM115 - closed when the job ends
         log.info("%s (attempt %d): %s", job.name, attempt, " ".join(job.overrides))
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
         now = time.time()
         rec["status"] = "running"
         rec["attempts"].append({"n": attempt, "pid": proc.pid, "started": now, "ended": None, "rc": None,

@@ -27,6 +27,7 @@ from swarmkit.research.analysis import read_run, summarize
 from swarmkit.research.blueprint import DEFAULT_COMMAND, Blueprint, BlueprintError, parse_blueprints
 from swarmkit.research.executor import Budget, job_name, run_dir, run_stage
 from swarmkit.research.planner import StagePlan, StudySpec, conclude, parse_spec
+from swarmkit.research.procs import write_json_atomic
 
 
 class Leader(Protocol):
@@ -52,13 +53,6 @@ class Settings:
     llm_url: str = ""
     llm_model: str = ""
     report_dir: str = ""
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str, allow_nan=False))
-    tmp.replace(path)
 
 
 def _finite(obj: Any) -> Any:

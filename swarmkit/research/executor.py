@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 from swarmkit.errors import SwarmkitError
 from swarmkit.research.blueprint import Blueprint
+from swarmkit.research.procs import die_with_parent
 
 #: the job statuses that end a job (``retried``: it succeeded after a failed attempt)
 FINAL = ("ok", "retried", "failed")
@@ -59,16 +59,6 @@ def stage_jobs(stage_dir: Path, blueprints: Sequence[Blueprint], timeout_s: floa
     return [{"name": job_name(bp, s), "overrides": [*bp.override_args(), f"seed={s}", "server.port=0"],
              "dir": str(run_dir(stage_dir, bp, s)), "timeout_s": timeout_s or bp.budget_s, "command": list(bp.command)}
             for bp in blueprints for s in bp.seeds]
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def _quoted(value: object) -> str:
@@ -117,7 +107,7 @@ def run_stage(stage_dir: Path, blueprints: Sequence[Blueprint], budget: Budget,
         log_path = stage_dir / "multirun.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(multirun_command(stage_dir, budget), stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "HYDRA_FULL_ERROR": "1"}, preexec_fn=_die_with_parent)
+                                    env={**os.environ, "HYDRA_FULL_ERROR": "1"}, preexec_fn=die_with_parent)
             reported = set(before)
             while True:
                 rc = proc.poll()
