@@ -21,7 +21,14 @@ from omegaconf import OmegaConf
 from swarmkit.contract import SamplingParams
 from swarmkit.contract.backend import ROUTING_KEY
 from swarmkit.errors import ConfigError
-from swarmkit.swarm.replicas import Balancer, Replica, ReplicaError, ReplicaSet, build_replicas
+from swarmkit.swarm.replicas import (
+    Balancer,
+    Replica,
+    ReplicaError,
+    ReplicaSet,
+    build_replicas,
+    check_replicable,
+)
 from swarmkit.testing.scripted import ScriptedBackend
 
 TOKEN = "replica-admin-token-" + "x" * 12
@@ -325,3 +332,17 @@ def test_an_update_every_replica_refuses_retires_none(tokenizer):
     with pytest.raises(ReplicaError, match="failed on every replica \\(all kept in rotation\\)"):
         asyncio.run(rs.update_weights([("w", 1)], version=1))
     assert all(r["alive"] for r in rs.replica_status()) and rs.policy_version == 0
+
+
+def test_a_backend_that_cannot_run_twice_in_a_process_refuses_replicas():
+    class Single(ScriptedBackend):
+        replicable = False
+
+    check_replicable(Single, "single", 1)
+    with pytest.raises(ValueError, match="backend 'single' cannot run several engines in one server process"):
+        check_replicable(Single, "single", 2)
+    check_replicable(ScriptedBackend, "scripted", 4)
+    from swarmkit_plugins.backend_vllm.engine import VLLMBackend  # imports no vllm
+
+    with pytest.raises(ValueError, match="backend 'vllm' cannot run several engines"):
+        check_replicable(VLLMBackend, "vllm", 2)

@@ -124,8 +124,9 @@ class VLLMBackend(InferenceBackend):
     ``vllm.EngineArgs`` as is).
     """
 
-    #: in-process engines started in this process and not closed (vLLM supports one)
-    _in_process_engines = 0
+    #: two vLLM engines in one process corrupted each other's memory here (in and out of process mode):
+    #: no ``backend.replicas`` (run several servers, or vLLM's own parallelism through ``engine_args``)
+    replicable = False
 
     reports_token_versions = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
@@ -143,7 +144,6 @@ class VLLMBackend(InferenceBackend):
         self.enable_lora = bool(self.cfg.enable_lora) or lora_rank > 0
         self.max_lora_rank = max(int(self.cfg.max_lora_rank), lora_rank)
         self.in_process = bool(self.cfg.in_process)
-        self._counted = False  # counted in _in_process_engines
         self._engine: Any = None
         self._tokenizer: Any = None
         self._eos_ids: frozenset[int] = frozenset()
@@ -178,13 +178,6 @@ class VLLMBackend(InferenceBackend):
     async def start(self) -> None:
         if self._thread is not None:
             return
-        if self.in_process:
-            if VLLMBackend._in_process_engines:
-                raise RuntimeError("vLLM runs one in-process engine per process (a second one corrupts the first's "
-                                   "memory): set backend.in_process=false for several engines in one server "
-                                   "(backend.replicas > 1)")
-            VLLMBackend._in_process_engines += 1
-            self._counted = True
         self.model_dir = resolve_model_path(self.model_cfg.path)
         self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -205,7 +198,6 @@ class VLLMBackend(InferenceBackend):
         except BaseException:
             self._thread.join(30)
             self._thread = None
-            self._uncount()
             raise
 
     def engine_args(self) -> Any:
@@ -264,15 +256,9 @@ class VLLMBackend(InferenceBackend):
             self._cv.notify_all()
         await asyncio.to_thread(self._thread.join, 60)
         self._thread = None
-        self._uncount()
         if self._shm_dir is not None:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
             self._shm_dir = None
-
-    def _uncount(self) -> None:
-        if self._counted:
-            VLLMBackend._in_process_engines -= 1
-            self._counted = False
 
     # ------------------------------------------------------------------ engine thread
     def _worker(self, report: Callable[[BaseException | None], None]) -> None:

@@ -159,6 +159,8 @@ class InferenceBackend(ABC):
     #: weights are swapped mid-generation; otherwise every token is labelled with the version its
     #: request started with, which over-states the staleness of a partial rollout (safe, not exact)
     reports_token_versions: bool = False
+    #: whether several instances may serve side by side in one process (``backend.replicas`` > 1)
+    replicable: bool = True
 
     @property
     @abstractmethod

@@ -287,6 +287,17 @@ class ReplicaSet(InferenceBackend):
                   rep.device or "default device", why, len(self.balancer.live()), len(self.replicas))
 
 
+def check_replicable(cls: type, name: str, replicas: int) -> None:
+    """Refuse ``backend.replicas`` > 1 for a backend class that cannot run twice in one process.
+
+    :raises ValueError: naming the backend and what to do instead.
+    """
+    if replicas > 1 and not getattr(cls, "replicable", True):
+        raise ValueError(f"backend '{name}' cannot run several engines in one server process "
+                         f"(backend.replicas={replicas}): run one server per engine (docs/multi_model.md, "
+                         "launcher=ray ray.servers=N) or the engine's own parallelism (docs/scaling.md)")
+
+
 def build_replicas(make: Callable[[dict[str, Any]], InferenceBackend], backend_cfg: dict[str, Any],
                    replicas: int, devices: Sequence[str], sync_timeout_s: float) -> ReplicaSet:
     """``replicas`` backends from one ``backend`` group: replica ``i`` gets ``device = devices[i]``

@@ -47,7 +47,7 @@ from swarmkit.swarm.episodes import (
 )
 from swarmkit.swarm.families import EvalTally
 from swarmkit.swarm.presence import ClientTracker
-from swarmkit.swarm.replicas import ReplicaSet, build_replicas
+from swarmkit.swarm.replicas import ReplicaSet, build_replicas, check_replicable
 from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
 from swarmkit.timelines.render import ChatRenderer, TokenText
 from swarmkit.timelines.track import ContextTracker
@@ -455,6 +455,7 @@ class SwarmServer:
         replica = ReplicaConfig(**{k: v for k, v in full["backend"].items() if k in REPLICA_KEYS})
         if replica.replicas <= 1 and not replica.replica_devices:
             return cls(config=own, model=full["model"])
+        check_replicable(cls, component.name, replica.replicas)
         return build_replicas(lambda c: cls(config=c, model=full["model"]), own, replica.replicas,
                               replica.replica_devices, replica.replica_sync_timeout_s)
 
