@@ -114,7 +114,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:  # the commands that are not a Hydra job
-        sys.exit(SUBCOMMANDS[args[0]](args[1:]))
+        try:
+            sys.exit(SUBCOMMANDS[args[0]](args[1:]))
+        except BrokenPipeError:  # `| head` closed the pipe: not an error (and no traceback at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
     try:
         hargs = hydra_argv(args)
         if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith(("--cfg", "-c"))
