@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from swarmkit.config.validate import is_loopback
 from swarmkit.training.group import GroupError, group_command, group_env, read_join_spec
 
 #: exit status of a join that failed before or while the node ran
@@ -99,7 +100,7 @@ def main(args: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return FAILED
     rdzv_host = str(spec["rdzv_endpoint"]).rpartition(":")[0]
-    local_addr = ns.local_addr or ("127.0.0.1" if rdzv_host.startswith(("127.", "localhost")) else None)
+    local_addr = ns.local_addr or ("127.0.0.1" if is_loopback(rdzv_host) else None)
     cmd = group_command(spec, host=False, local_addr=local_addr)
     print(f"swarmkit join: node of {spec['nnodes']} x {spec['nprocs']} {spec['engine']} rank(s), rendezvous "
           f"{spec['rdzv_endpoint']} (rdzv_id {spec['rdzv_id']})", file=sys.stderr, flush=True)

@@ -12,7 +12,6 @@ prints a summary. Everything lands in the run folder: ``metrics.jsonl``,
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from swarmkit.apps.processes import port_free
 from swarmkit.apps.serve import start_server_thread
 from swarmkit.apps.task_client import EvalResult, TrainingClient, evaluate, send_demonstrations
 from swarmkit.client import SwarmClient
@@ -32,15 +32,6 @@ from swarmkit.tasks import make_tasks
 
 #: soft wrap: a line piped to a file is never cut at 80 columns
 console = Console(soft_wrap=True)
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _step_line(m: dict[str, Any], fill: dict[str, Any] | None) -> str:
@@ -57,7 +48,7 @@ def run_local(cfg: DictConfig) -> int:
     t_start = time.time()
     run_dir = Path(cfg.server.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not _port_free(cfg.server.host, int(cfg.server.port)):
+    if not port_free(cfg.server.host, int(cfg.server.port)):
         console.print(f"port {cfg.server.port} is taken: using a free port")
         cfg.server.port = 0
     handle = start_server_thread(cfg)

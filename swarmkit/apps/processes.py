@@ -28,6 +28,16 @@ from swarmkit.swarm.metrics import read_metrics
 DEFAULT_TOKEN = "swarmkit-local-token"
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``host`` (IPv4 or IPv6) now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:

@@ -27,12 +27,10 @@ install (``swarmkit[ray]``).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
 import shlex
-import socket
 import sys
 import threading
 import time
@@ -42,6 +40,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from swarmkit.apps.processes import port_free
 from swarmkit.apps.serve import start_server_thread
 from swarmkit.apps.task_client import (
     EpisodeResult,
@@ -53,7 +52,7 @@ from swarmkit.apps.task_client import (
 from swarmkit.client import SwarmClient, SwarmError
 from swarmkit.config.compose import DEFAULT_CHOICES, validated
 from swarmkit.config.schema import RayConfig
-from swarmkit.config.validate import to_dict
+from swarmkit.config.validate import is_loopback, to_dict
 from swarmkit.errors import ConfigError
 from swarmkit.swarm.metrics import read_metrics, step_line
 from swarmkit.tasks import make_tasks
@@ -97,24 +96,6 @@ def _quiet() -> None:
         pass
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _eval_dict(r: EvalResult) -> dict[str, Any]:
     return {"mean": r.mean, "ci95": r.ci95, "n": r.n, "failures": r.failures,
             **{k: {"mean": m, "ci95": c} for k, (m, c) in r.metrics.items()}}
@@ -131,7 +112,7 @@ class ServerWorker:
         self.index = index
         self.cfg = OmegaConf.create(cfg)
         host, port = str(self.cfg.server.host), int(self.cfg.server.port)
-        if port and not _port_free(host, port):
+        if port and not port_free(host, port):
             self.cfg.server.port = 0
         self.handle = start_server_thread(self.cfg)
         self.ctl = SwarmClient(self.handle.url, token=self.handle.admin_token, retry_for=3600,
@@ -362,7 +343,7 @@ class RayLauncher:
     def strategy(self, cfg: DictConfig) -> str:
         if self.rcfg.placement_strategy != "auto":
             return self.rcfg.placement_strategy
-        return "STRICT_PACK" if _is_loopback(str(cfg.server.host)) else "PACK"
+        return "STRICT_PACK" if is_loopback(str(cfg.server.host)) else "PACK"
 
     def server_resources(self, cfg: DictConfig) -> dict[str, float]:
         """The server actor's bundle: itself plus its training ranks when ``optim.nprocs > 1``."""

@@ -8,6 +8,7 @@ unknown component names with the installed choices), in one
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,7 +111,14 @@ def _check_ray(ray: DictConfig, problems: list[str]) -> None:
                         f"{', '.join(PLACEMENT_STRATEGIES)}")
 
 
-_LOOPBACK = ("127.", "localhost", "::1")
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) names this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_group_launch(optim: Mapping[str, Any]) -> list[str]:
@@ -135,7 +143,7 @@ def check_group_launch(optim: Mapping[str, Any]) -> list[str]:
     if group_host in ("", "0.0.0.0", "::", "*"):
         problems.append(f"optim.group_host: give an address of this host that the other nodes reach "
                         f"(rank 0 connects to it), not {group_host!r}")
-    elif host and not host.startswith(_LOOPBACK) and group_host.startswith(_LOOPBACK):
+    elif host and not is_loopback(host) and is_loopback(group_host):
         problems.append(f"optim.group_host: {group_host} is loopback, but the rendezvous {endpoint} is not: "
                         f"rank 0 may run on another host; set optim.group_host to this host's address there")
     if not 0 <= group_port < 65536:
