@@ -250,7 +250,7 @@ class FusedSelectedLogprob(torch.autograd.Function):
 
 
 def set_logprob(fused: bool) -> None:
-    from swarmkit_plugins.optim_fsdp import core
+    from swarmkit.training import logprob as core
 
     if "orig" not in _FUSED:
         _FUSED["orig"] = core.SelectedLogprob

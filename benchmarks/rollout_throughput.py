@@ -21,7 +21,9 @@ tokens/s = completion tokens generated / wall time of the concurrent calls,
 summed over ``--rounds`` rounds. Same messages, ``max_tokens`` and temperature
 in both paths.
 
-    python benchmarks/rollout_throughput.py [--model tiny|smollm2] [--max-tokens 32] [--client process|thread] [--json out.json]
+    python benchmarks/rollout_throughput.py [--model tiny|smollm2|FOLDER] [--max-tokens 32] [--client process|thread]
+        [--device cpu|cuda] [--concurrency 1,8,32] [--json out.json]
+    python benchmarks/rollout_throughput.py --smoke      # seconds, on the CPU
 """
 
 from __future__ import annotations
@@ -54,11 +56,11 @@ def _model(name: str) -> dict[str, Any]:
     return {"name": name, "path": path, "max_context": 1024, "lora_rank": 0}
 
 
-def _backend(kind: str, model: dict[str, Any]) -> Any:
+def _backend(kind: str, model: dict[str, Any], device: str = "cpu", max_batch: int = 32) -> Any:
     if kind == "hf":
         from swarmkit_plugins.backend_hf.engine import HFBackend
 
-        return HFBackend(config={"name": "hf", "device": "cpu", "max_batch_size": 32}, model=model)
+        return HFBackend(config={"name": "hf", "device": device, "max_batch_size": max_batch}, model=model)
     from swarmkit_plugins.backend_vllm.engine import VLLMBackend
 
     return VLLMBackend(config={"name": "vllm", "dtype": "float32", "cpu_kvcache_gib": 1,
@@ -114,14 +116,15 @@ def _endpoint_blocking(url: str, c: int, rounds: int, max_tokens: int, temperatu
 
 
 def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], rounds: int,
-                 max_tokens: int, temperature: float, client: str = "process") -> list[dict[str, Any]]:
+                 max_tokens: int, temperature: float, client: str = "process",
+                 device: str = "cpu") -> list[dict[str, Any]]:
     from swarmkit.apps.serve import start_server_thread
     from swarmkit.config.compose import compose
     from swarmkit.config.validate import validate_config
     from swarmkit.contract import SamplingParams
     from swarmkit.plugins import get_registry
 
-    backend = _backend(kind, model)
+    backend = _backend(kind, model, device, max(32, *concurrency))
     # every episode has its own task and the batch needs far more tasks than the run makes, so no
     # training step (which would run in this process) disturbs the measurement
     cfg = validate_config(compose([f"model={'tiny' if model['name'] == 'tiny' else 'smollm2'}",
@@ -189,8 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--client", choices=["process", "thread"], default="process",
                     help="run the HTTP client in its own process (like a swarm client) or in a thread here")
+    ap.add_argument("--device", default="cpu", help="the hf engine's device (cpu, cuda)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, C=1,2, 4 tokens, one round, no JSON")
     ap.add_argument("--json", default="benchmarks/results/rollout_throughput.json")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.backends, args.concurrency, args.rounds, args.max_tokens, args.json = (
+            "tiny", "hf", "1,2", 1, 4, None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("swarmkit").setLevel(logging.WARNING)
     kinds = [k for k in args.backends.split(",") if k == "hf" or importlib.util.find_spec(k) is not None]
@@ -198,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
     for kind in kinds:
-        rows += _run_backend(kind, model, concurrency, args.rounds, args.max_tokens, args.temperature, args.client)
+        rows += _run_backend(kind, model, concurrency, args.rounds, args.max_tokens, args.temperature, args.client,
+                             args.device)
     print(f"model {args.model}, max_tokens {args.max_tokens}, temperature {args.temperature}, "
           f"{args.rounds} rounds, client in a {args.client}, {os.cpu_count()} CPUs")
     print(f"{'backend':10}{'episodes':>10}{'direct tok/s':>14}{'endpoint tok/s':>16}{'endpoint/direct':>17}")

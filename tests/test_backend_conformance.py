@@ -8,6 +8,9 @@ import pytest
 
 from swarmkit.testing import CONFORMANCE_CHECKS, BackendConformance, build_test_model
 
+#: where the hf engine runs in these tests (SWARMKIT_TEST_DEVICE=cuda runs the suite on a GPU, float32)
+TEST_DEVICE = __import__("os").environ.get("SWARMKIT_TEST_DEVICE", "cpu")
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -15,7 +18,8 @@ pytest.importorskip("transformers")
 def _hf_backend():
     from swarmkit_plugins.backend_hf.engine import HFBackend
 
-    return HFBackend, {"name": "hf", "device": "cpu", "batch_wait_s": 0.01, "max_batch_size": 32}
+    return HFBackend, {"name": "hf", "device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.01,
+                       "max_batch_size": 32}
 
 
 BACKENDS = {"hf": _hf_backend}

@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+#: where the hf engine runs in these tests (SWARMKIT_TEST_DEVICE=cuda runs the suite on a GPU, float32)
+TEST_DEVICE = __import__("os").environ.get("SWARMKIT_TEST_DEVICE", "cpu")
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -23,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def suite(model_dir):
-    cfg = {"device": "cpu", "batch_wait_s": 0.02, "max_batch_size": 32}
+    cfg = {"device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.02, "max_batch_size": 32}
     with BackendConformance.started(HFBackend, config=cfg, model={"path": str(model_dir), "max_context": 64},
                                     reference_dir=model_dir, tol=1e-4) as s:
         yield s
@@ -270,3 +273,34 @@ def test_lora_adapter_merge_replace_unload(suite, tmp_path):
     suite._version = b.policy_version
     assert b.model.model.layers[0].self_attn.q_proj.weight.equal(q)
     suite.assert_same_greedy(base, suite.generate(p)[0], "after unload")
+
+
+def test_a_near_zero_temperature_is_greedy_and_harms_no_other_request(suite):
+    """Issue 31 (critical): ``temperature: 1e-45`` used to overflow the sampler (logits / t = inf, softmax NaN)
+    and fail every sequence of the batch. Below GREEDY_TEMPERATURE a request decodes greedily, and the others
+    in the same batch sample as usual."""
+    b = suite.backend
+    p = suite.prompts[2]
+    greedy = suite.generate(p, max_tokens=6, temperature=0.0)[0]
+
+    async def together():
+        tiny = [b.generate(p, sp(max_tokens=6, temperature=t, stop_token_ids=[]))
+                for t in (1e-45, 5e-324, 1e-300, 9e-6)]
+        normal = [b.generate(q, sp(max_tokens=6, temperature=1.0, seed=i)) for i, q in enumerate(suite.prompts[:4])]
+        return await asyncio.gather(*tiny, *normal)
+
+    res = suite.harness.run(together())
+    for out in res[:4]:
+        assert out[0].token_ids[:len(greedy.token_ids)] == greedy.token_ids[:len(out[0].token_ids)]
+    assert all(len(o[0].token_ids) >= 1 for o in res[4:])
+
+
+def test_sampling_fields_no_sampler_can_compute_are_refused(suite):
+    b = suite.backend
+    for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")},
+                {"repetition_penalty": float("inf")}, {"logit_bias": {3: float("nan")}}):
+        with pytest.raises(ValueError):
+            suite.harness.run(b.generate(suite.prompts[0], sp(max_tokens=2, **bad)))
+    # any integer seed is usable (reduced modulo 2**64), none crashes a stream
+    out = suite.harness.run(b.generate(suite.prompts[0], sp(max_tokens=2, temperature=1.0, seed=2**64 + 5)))
+    assert len(out[0].token_ids) == 2

@@ -284,6 +284,15 @@ def test_two_hf_replicas_serve_with_affinity_train_and_survive_a_dead_one(two_re
         assert [r["policy_version"] for r in st["replicas"]] == [st["policy_version"]] * 2  # both updated
         assert st["engine"]["replicas_alive"] == 2
 
+        # issue 31: a near-zero temperature is greedy; it used to crash the sampler and retire both replicas
+        with c.episode("task-tiny-t") as ep:
+            agent = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+            for t in (1e-45, 5e-324):
+                agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=t)
+            ep.report(0.0)
+        assert c.status()["engine"]["replicas_alive"] == 2
+
         # replica 1's engine breaks: the server takes it out and keeps serving from replica 0
         rs.replicas[1].backend.generate = _raise  # type: ignore[method-assign]
         rs.replicas[1].backend.stream = _raise_stream  # type: ignore[method-assign]

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import inspect
 import logging
 import threading
@@ -79,11 +80,24 @@ from swarmkit.contract import (
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
+from swarmkit_plugins.backend_hf.runner import SlotRunner, bucket
+from swarmkit_plugins.backend_hf.sampler import RowSampling, sample, to_host
 from swarmkit_plugins.backend_hf.schema import HFBackendConfig
+from swarmkit_plugins.backend_hf.slots import SlotCache, register_attention
 
 log = logging.getLogger(__name__)
 
 _STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+
+
+class SequenceError(ValueError):
+    """One request's sequence could not be sampled; the batch and the engine go on."""
+
+
+def torch_tensor(values: list[int], device: Any) -> Any:
+    import torch
+
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 # --------------------------------------------------------------------------- request state
@@ -119,6 +133,7 @@ class _Seq:
     hide_last: bool = False
     sent_tokens: int = 0
     text_out: StreamTextBuffer = field(init=False)
+    slot: int = -1  # the KV-cache slot the sequence owns while it runs
 
     def __post_init__(self) -> None:
         self.text_out = StreamTextBuffer(self.req.params.stop)
@@ -165,8 +180,9 @@ class HFBackend(InferenceBackend):
         self._swap_waiting = threading.Event()
         self._pending: deque[_Seq] = deque()
         self._active: list[_Seq] = []
-        self._kv: list[tuple[Any, Any]] | None = None
-        self._mask: Any = None
+        self._cache: Any = None
+        self._runner: Any = None
+        self._free: list[int] = []
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lora_base: dict[str, Any] = {}
@@ -202,8 +218,14 @@ class HFBackend(InferenceBackend):
             return
         await asyncio.to_thread(self._load)
         self._closed = False
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._worker, name="hf-backend-decode", daemon=True)
         self._thread.start()
+        await asyncio.to_thread(self._ready.wait)
+        if self._start_error is not None:
+            self._thread = None
+            raise self._start_error
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
         loop = asyncio.get_running_loop()
@@ -277,7 +299,7 @@ class HFBackend(InferenceBackend):
             self._fail(seq.req, err)
         self._pending.clear()
         self._active = []
-        self._kv = self._mask = None
+        self._cache = self._runner = None
         self._model = None
 
     # ------------------------------------------------------------------ loading
@@ -301,7 +323,8 @@ class HFBackend(InferenceBackend):
             self.dtype = getattr(torch, dt)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self._worker_tok = AutoTokenizer.from_pretrained(self.model_dir)  # decode off the caller's copy
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype,
+                                                     attn_implementation=register_attention())
         model.to(self.device).eval()
         model.requires_grad_(False)
         self._model = model
@@ -334,16 +357,7 @@ class HFBackend(InferenceBackend):
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
-        if p.n < 1:
-            raise ValueError("n must be >= 1")
-        if p.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if p.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < p.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if p.top_k < 0 or not 0 <= p.min_p <= 1 or p.repetition_penalty <= 0:
-            raise ValueError("top_k must be >= 0, min_p in [0, 1], repetition_penalty > 0")
+        p.check()
         vocab = self._model.get_input_embeddings().num_embeddings
         if any(not 0 <= t < vocab for t in p.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
@@ -361,9 +375,9 @@ class HFBackend(InferenceBackend):
         stop_ids = frozenset(self._eos_ids | {int(t) for t in p.stop_token_ids})
         for i in range(p.n):
             gen = None
-            if p.seed is not None and p.temperature > 0:
+            if p.seed is not None and not p.greedy():
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(p.seed) + i)
+                gen.manual_seed((int(p.seed) + i) % 2**64)  # any integer seed; torch takes [0, 2**64)
             req.seqs.append(_Seq(req=req, index=i, prompt=prompt, max_tokens=max_tokens,
                                  stop_ids=stop_ids, generator=gen, version=self.policy_version,
                                  out_top=[] if p.top_logprobs > 0 else None, shaped=bool(p.shaping())))
@@ -374,10 +388,32 @@ class HFBackend(InferenceBackend):
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ worker
+    def _build_slots(self) -> None:
+        """The slot cache and its runner, built on the worker thread: on a CPU, a thread that runs torch
+        operations gets its own OpenMP team, and idle teams of other threads slow the decode loop down."""
+        cfg = self._model.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        heads = int(cfg.num_attention_heads)
+        self._cache = SlotCache(
+            layers=int(cfg.num_hidden_layers), slots=self.max_batch_size, capacity=256,
+            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+            dtype=self.dtype, device=self.device)
+        self._free = list(range(self.max_batch_size))
+        self._runner = SlotRunner(self._model, self._cache, graphs=bool(self.cfg.cuda_graphs),
+                                  logits_to_keep=self._logits_to_keep)
+
     def _worker(self) -> None:
         import torch
 
         torch.set_grad_enabled(False)
+        try:
+            self._build_slots()
+        except BaseException as exc:  # noqa: BLE001 - start() reports it
+            self._start_error = exc
+            return
+        finally:
+            self._ready.set()
         while True:
             with self._cv:
                 while not self._closed and not self._pending and not self._active:
@@ -386,24 +422,25 @@ class HFBackend(InferenceBackend):
                     return
                 if not self._active and self.batch_wait_s > 0:
                     self._gather_burst()
+                self._reap()
                 joiners = self._take_joiners()
             while self._swap_waiting.is_set():  # a weight swap goes between two steps
                 time.sleep(0.0005)
             try:
                 with self._weights_lock, torch.inference_mode():
                     t0 = time.perf_counter()
-                    self._compact()
                     if joiners:
                         self._prefill(joiners)
+                        self._reap()
                     if self._active:
                         self._decode_step()
                     self.stats["busy_s"] += time.perf_counter() - t0
-            except Exception as exc:  # fail everything in flight, keep serving
+            except Exception as exc:  # the forward itself failed: fail what was in it, keep serving
                 log.exception("hf backend: generation step failed")
-                for seq in joiners + self._active:
+                for seq in {id(s): s for s in joiners + self._active}.values():
                     self._fail(seq.req, exc)
                 self._active = []
-                self._kv = self._mask = None
+                self._free = list(range(self._cache.slots))
 
     def _gather_burst(self) -> None:
         """Idle worker, first request in: wait while requests keep arriving (caller holds ``_cv``).
@@ -424,7 +461,7 @@ class HFBackend(InferenceBackend):
             self._cv.wait(left)
 
     def _take_joiners(self) -> list[_Seq]:
-        room = self.max_batch_size - len(self._active)
+        room = len(self._free)
         out: list[_Seq] = []
         longest = 0
         while self._pending and len(out) < room:
@@ -439,161 +476,117 @@ class HFBackend(InferenceBackend):
             out.append(self._pending.popleft())
         return out
 
-    def _forward(self, input_ids: Any, mask: Any, positions: Any, kv: list | None) -> tuple[Any, list]:
-        from transformers import DynamicCache
+    # ------------------------------------------------------------------ slots
+    def _reap(self) -> None:
+        """Free the slots of finished and cancelled sequences (nothing is copied)."""
+        keep: list[_Seq] = []
+        for seq in self._active:
+            if seq.finish is None and not seq.req.cancelled:
+                keep.append(seq)
+            else:
+                heapq.heappush(self._free, seq.slot)
+                seq.slot = -1
+        self._active = keep
 
-        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
-        kwargs: dict[str, Any] = {}
-        if self._logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                          past_key_values=cache, use_cache=True, **kwargs)
-        self.stats["forward_passes"] += 1
-        new_kv = [(k, v) for k, v, *_ in out.past_key_values]
-        return out.logits[:, -1, :], new_kv
+    def _reserve(self, joiners: list[_Seq]) -> None:
+        """Give each joiner the lowest free slot (decode batches stay as narrow as possible) and make the
+        cache long enough for its prompt and ``max_tokens``."""
+        for seq in joiners:
+            seq.slot = heapq.heappop(self._free)
+        need = max(len(s.prompt) + s.max_tokens for s in joiners)
+        limit = int(self.max_context or need)
+        if need > self._cache.capacity:
+            self._cache.grow(bucket(need, max(limit, need), 256))
+            self._runner.grew()
 
     def _prefill(self, joiners: list[_Seq]) -> None:
-        import torch
-
-        dev = self.device
-        # the n continuations of one request share its prompt: prefill it once, then copy the rows
-        uniq: list[_Seq] = []
-        row_of: list[int] = []
-        rows: dict[int, int] = {}
+        """Prefill the joiners' prompts into their slots (a request's ``n`` continuations share one pass)
+        and sample each one's first token."""
+        self._reserve(joiners)
+        uniq: dict[int, _Seq] = {}
         for seq in joiners:
             seq.version = self.policy_version
-            if id(seq.req) not in rows:
-                rows[id(seq.req)] = len(uniq)
-                uniq.append(seq)
-            row_of.append(rows[id(seq.req)])
-        width = max(len(s.prompt) for s in uniq)
-        ids = torch.full((len(uniq), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(uniq), width), dtype=torch.long)
-        for row, seq in enumerate(uniq):
-            ids[row, width - len(seq.prompt):] = torch.tensor(seq.prompt, dtype=torch.long)
-            mask[row, width - len(seq.prompt):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, kv = self._forward(ids, mask, positions, None)
-        self.stats["prefill_tokens"] += int(mask.sum())
-        if len(uniq) < len(joiners):
-            expand = torch.tensor(row_of, device=dev, dtype=torch.long)
-            logits, mask = logits.index_select(0, expand), mask.index_select(0, expand)
-            kv = [(k.index_select(0, expand), v.index_select(0, expand)) for k, v in kv]
-        # keys/values at padding positions are never attended to; zero them so nothing odd leaks
-        pad = (mask == 0)[:, None, :, None]
-        if bool(pad.any()):
-            kv = [(k.masked_fill(pad, 0), v.masked_fill(pad, 0)) for k, v in kv]
+            uniq.setdefault(id(seq.req), seq)
+        firsts = list(uniq.values())
+        logits = self._runner.prefill([s.prompt for s in firsts], [s.slot for s in firsts], self._pad_id)
+        self.stats["forward_passes"] += 1
         self.stats["prefill_passes"] += 1
+        self.stats["prefill_tokens"] += sum(len(s.prompt) for s in firsts)
         self.stats["sequences"] += len(joiners)
+        if len(firsts) < len(joiners):
+            row = {id(s.req): i for i, s in enumerate(firsts)}
+            for first in firsts:
+                others = [s.slot for s in joiners if s.req is first.req and s is not first]
+                if others:
+                    self._cache.copy_slot(first.slot, others, len(first.prompt))
+            logits = logits.index_select(0, torch_tensor([row[id(s.req)] for s in joiners], logits.device))
+        self._active.extend(joiners)
         self._sample_and_append(joiners, logits)
-        keep = [i for i, s in enumerate(joiners) if s.finish is None]
-        if not keep:
-            return
-        if len(keep) < len(joiners):
-            idx = torch.tensor(keep, device=dev)
-            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-            mask = mask.index_select(0, idx)
-        survivors = [joiners[i] for i in keep]
-        if not self._active:
-            self._kv, self._mask, self._active = kv, mask, survivors
-            return
-        old_w, new_w = self._mask.shape[1], mask.shape[1]
-        w = max(old_w, new_w)
-
-        def lpad(t: Any, n: int, dim: int) -> Any:
-            if n == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = n
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-        self._kv = [
-            (torch.cat([lpad(ka, w - old_w, 2), lpad(kb, w - new_w, 2)], 0),
-             torch.cat([lpad(va, w - old_w, 2), lpad(vb, w - new_w, 2)], 0))
-            for (ka, va), (kb, vb) in zip(self._kv, kv, strict=True)
-        ]
-        self._mask = torch.cat([lpad(self._mask, w - old_w, 1), lpad(mask, w - new_w, 1)], 0)
-        self._active = self._active + survivors
 
     def _decode_step(self) -> None:
-        import torch
-
+        """One token for every active sequence: rows are slots ``0..max slot``."""
         seqs = self._active
-        dev = self.device
-        ids = torch.tensor([[s.out_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
-        positions = self._mask.sum(-1, keepdim=True)
-        mask = torch.cat([self._mask, self._mask.new_ones((len(seqs), 1))], 1)
-        logits, kv = self._forward(ids, mask, positions, self._kv)
-        self._kv, self._mask = kv, mask
+        width = max(s.slot for s in seqs) + 1
+        ids = [self._pad_id] * width
+        pos = [0] * width
+        for s in seqs:
+            ids[s.slot] = s.out_ids[-1]
+            pos[s.slot] = len(s.prompt) + len(s.out_ids) - 1
+        logits = self._runner.decode(ids, pos)
+        slots = [s.slot for s in seqs]
+        if slots != list(range(width)):
+            logits = logits.index_select(0, torch_tensor(slots, logits.device))
+        self.stats["forward_passes"] += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(seqs)
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
         self._sample_and_append(seqs, logits)
 
-    def _compact(self) -> None:
-        """Drop finished/cancelled rows from the batch cache and all-padding leading columns."""
-        import torch
-
-        if self._kv is None or self._mask is None:
-            self._active = []
-            return
-        keep = [i for i, s in enumerate(self._active) if s.finish is None and not s.req.cancelled]
-        if not keep:
-            self._active, self._kv, self._mask = [], None, None
-            return
-        if len(keep) != len(self._active):
-            idx = torch.tensor(keep, device=self.device, dtype=torch.long)
-            self._kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self._kv]
-            self._mask = self._mask.index_select(0, idx)
-            self._active = [self._active[i] for i in keep]
-        used = self._mask.any(0).nonzero()
-        start = int(used[0]) if len(used) else 0
-        if start > 0:
-            self._kv = [(k[:, :, start:], v[:, :, start:]) for k, v in self._kv]
-            self._mask = self._mask[:, start:]
-
     # ------------------------------------------------------------------ sampling
     def _sample_and_append(self, seqs: list[_Seq], logits: Any) -> None:
-        import torch
-
-        logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        chosen: list[int] = []
+        """Sample every row on the device (one host copy), then append; a row the sampler cannot handle
+        fails its own sequence only."""
+        try:
+            toks, lps, bad, tops = self._sample(seqs, logits)
+        except Exception:  # noqa: BLE001 - find the rows at fault, one at a time
+            log.exception("hf backend: batched sampling failed; sampling row by row")
+            toks, lps, bad, tops = [], [], [], []
+            for row, seq in enumerate(seqs):
+                try:
+                    t, lp, b, tp = self._sample([seq], logits[row:row + 1])
+                except Exception as exc:  # noqa: BLE001
+                    seq.finish, seq.req.cancelled = "error", True
+                    self._fail(seq.req, SequenceError(f"sampling failed for this request: {exc}"))
+                    t, lp, b, tp = [0], [0.0], [True], None
+                toks += t
+                lps += lp
+                bad += b
+                tops.append(tp[0] if tp else [])
         for row, seq in enumerate(seqs):
-            p = seq.req.params
-            x = _shaped(logits[row], p, seq) if seq.shaped else logits[row]
-            if p.temperature == 0:
-                tok = int(torch.argmax(x))
-            else:
-                probs = torch.softmax(x / p.temperature, dim=-1)
-                if p.top_k and p.top_k < probs.shape[-1]:
-                    kth = torch.topk(probs, p.top_k).values[-1]
-                    probs = probs.masked_fill(probs < kth, 0.0)
-                if p.min_p > 0:
-                    probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-                if p.top_p < 1.0:
-                    sp, si = torch.sort(probs, descending=True)
-                    cum = torch.cumsum(sp, 0)
-                    drop = (cum - sp) >= p.top_p  # keep the smallest prefix reaching top_p
-                    sp = sp.masked_fill(drop, 0.0)
-                    probs = torch.zeros_like(probs).scatter_(0, si, sp)
-                gen = seq.generator if seq.generator is not None else self._rng
-                tok = int(torch.multinomial(probs, 1, generator=gen))
-            chosen.append(tok)
-        idx = torch.tensor(chosen, device=logprobs.device)
-        lps = logprobs.gather(1, idx[:, None])[:, 0].tolist()
-        k = max((s.req.params.top_logprobs for s in seqs), default=0)
-        tops = None
-        if k > 0:
-            tv, ti = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
-            tops = (tv.tolist(), ti.tolist())
-        for row, seq in enumerate(seqs):
+            if seq.finish is not None:
+                continue
+            if bad[row]:
+                seq.finish, seq.req.cancelled = "error", True
+                self._fail(seq.req, RuntimeError("the model produced non-finite logits for this sequence"))
+                continue
             top = None
             if tops is not None and seq.out_top is not None:
                 kk = seq.req.params.top_logprobs
-                top = {int(t): float(v) for t, v in zip(tops[1][row][:kk], tops[0][row][:kk], strict=True)}
-            self._append(seq, chosen[row], lps[row], top)
+                top = dict(tops[row][:kk])
+            self._append(seq, toks[row], lps[row], top)
+
+    def _sample(self, seqs: list[_Seq], logits: Any) -> tuple[list[int], list[float], list[bool], Any]:
+        shaped = logits
+        rows_shaped = [r for r, s in enumerate(seqs) if s.shaped]
+        if rows_shaped:
+            shaped = logits.float().clone()
+            for r in rows_shaped:
+                shaped[r] = _shaped(shaped[r], seqs[r].req.params, seqs[r])
+        rows = [RowSampling(temperature=0.0 if s.req.params.greedy() else s.req.params.temperature,
+                            top_p=s.req.params.top_p, top_k=s.req.params.top_k, min_p=s.req.params.min_p,
+                            generator=s.generator) for s in seqs]
+        k = max((s.req.params.top_logprobs for s in seqs), default=0)
+        return to_host(sample(logits, shaped, rows, self._rng, top_logprobs=k))
 
     def _decode_text(self, seq: _Seq) -> str:
         ids = seq.out_ids[:-1] if seq.hide_last else seq.out_ids

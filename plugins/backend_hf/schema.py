@@ -18,3 +18,5 @@ class HFBackendConfig:
     batch_wait_max_s: float = 0.1
     #: most (padded) prompt tokens prefilled in one forward pass
     max_prefill_tokens: int = 16384
+    #: on CUDA, capture each decode step's shape once as a CUDA graph and replay it (one launch per step)
+    cuda_graphs: bool = True

@@ -8,6 +8,7 @@ from many episodes. Imports nothing heavy.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextvars import ContextVar
@@ -66,10 +67,37 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None
 
+    def check(self) -> None:
+        """Raise ValueError naming the first field no sampler can compute (every backend calls it)."""
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.n < 1:
+            raise ValueError("n must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or not 0 <= self.min_p <= 1 or self.repetition_penalty <= 0:
+            raise ValueError("top_k must be >= 0, min_p in [0, 1], repetition_penalty > 0")
+        if any(not math.isfinite(float(v)) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite")
+
+    def greedy(self) -> bool:
+        """Whether this request decodes greedily (a temperature below :data:`GREEDY_TEMPERATURE`)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
     def shaping(self) -> set[str]:
         """The distribution-shaping fields set to something other than their default."""
         return {name for name, default in SHAPING_DEFAULTS.items() if getattr(self, name) != default}
 
+
+#: a temperature below this decodes greedily on every backend (as vLLM does): dividing logits by a
+#: near-zero temperature overflows to inf, and the softmax of that is NaN
+GREEDY_TEMPERATURE = 1e-5
 
 #: the distribution-shaping fields of :class:`SamplingParams` and their no-op values
 SHAPING_DEFAULTS: dict[str, object] = {"top_k": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
