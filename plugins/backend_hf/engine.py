@@ -402,6 +402,26 @@ class HFBackend(InferenceBackend):
         self._free = list(range(self.max_batch_size))
         self._runner = SlotRunner(self._model, self._cache, graphs=bool(self.cfg.cuda_graphs),
                                   logits_to_keep=self._logits_to_keep)
+        self._probe()
+
+    def _probe(self) -> None:
+        """Check once that the slot path computes what the model's own forward does (an architecture whose
+        attention or mask does not go through the slot cache would otherwise decode garbage silently)."""
+        import torch
+
+        vocab = self._model.get_input_embeddings().num_embeddings
+        ids = [(7 * i + 3) % vocab for i in range(12)]
+        with torch.inference_mode():
+            slot = torch.log_softmax(self._runner.prefill([ids], [0], self._pad_id).float(), -1)
+            plain = torch.log_softmax(self._model(input_ids=torch.tensor([ids], device=self.device)).logits[:, -1]
+                                      .float(), -1)
+        diff = float((slot - plain).abs().max())
+        tol = 1e-2 if self.dtype == torch.float32 else 0.5
+        if not diff <= tol:
+            raise RuntimeError(
+                f"hf backend: the slot-cache forward of {type(self._model).__name__} differs from its plain "
+                f"forward (max |d logprob| {diff:.3g} > {tol}); this architecture's attention does not go "
+                "through swarmkit's slot attention: use backend=vllm for it")
 
     def _worker(self) -> None:
         import torch

@@ -70,15 +70,17 @@ class SlotRunner:
         return len(self._graphs)
 
     # ------------------------------------------------------------------ forwards
-    def _masks(self, allowed: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Additive masks ``[B, 1, T, L]`` per attention type, from ``allowed [B, T, L]``."""
-        masks = {"full_attention": additive_mask(allowed, self.dtype)[:, None]}
-        if self.window:
-            near = cols[None, None, :] > (pos[:, :, None] - self.window)
-            masks["sliding_attention"] = additive_mask(allowed & near, self.dtype)[:, None]
-        return masks
+    def _masks(self, allowed: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> Any:
+        """The additive mask ``[B, 1, T, L]`` from ``allowed [B, T, L]``: a 4D mask is used as given by every
+        transformers model; one with sliding-window layers gets a mask per attention type (a dict, which
+        such models take as prepared)."""
+        full = additive_mask(allowed, self.dtype)[:, None]
+        if not self.window:
+            return full
+        near = cols[None, None, :] > (pos[:, :, None] - self.window)
+        return {"full_attention": full, "sliding_attention": additive_mask(allowed & near, self.dtype)[:, None]}
 
-    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, masks: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, masks: Any) -> torch.Tensor:
         kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.logits_to_keep else {}
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=masks, past_key_values=self.cache,
                          use_cache=True, **kwargs)

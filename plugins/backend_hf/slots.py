@@ -58,7 +58,7 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     if mask is not None and mask.dtype != query.dtype:
         mask = mask.to(query.dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if t == 1 or g == 1:
+    if t == 1 or (g == 1 and mask is not None):
         # decode: the G query heads of a key/value head become G query positions (head h = kv_head * G + g,
         # as transformers' repeat_kv orders them), so the cached window is read once, never repeated
         q = query.reshape(b, hkv, g * t, d)
@@ -66,10 +66,11 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
             mask = mask.expand(b, 1, g * t, length) if t == 1 else mask
         out = sdpa(q, key, value, attn_mask=mask, scale=scaling)
         return out.reshape(b, h, t, d).transpose(1, 2).contiguous(), None
-    # prefill: repeat the keys/values over the query heads (the mask would otherwise be copied G times)
+    # prefill: repeat the keys/values over the query heads (the mask would otherwise be copied G times);
+    # no mask: a plain forward of the whole sequence (no slot cache), causal
     key = key[:, :, None].expand(b, hkv, g, length, d).reshape(b, h, length, d)
     value = value[:, :, None].expand(b, hkv, g, length, d).reshape(b, h, length, d)
-    out = sdpa(query, key, value, attn_mask=mask, scale=scaling)
+    out = sdpa(query, key, value, attn_mask=mask, scale=scaling, is_causal=mask is None and t == length)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -68,8 +68,12 @@ PROMPTS: tuple[str, ...] = (
 )
 
 
-def build_test_model(folder: str | Path, *, std: float = 0.1, seed: int = 1) -> Path:
+def build_test_model(folder: str | Path, *, std: float = 0.1, seed: int = 1, arch: str = "qwen2") -> Path:
     """Save the built-in tiny model with larger random weights into ``folder``.
+
+    ``arch="llama"`` gives the same model as a Llama (SmolLM2's architecture, whose mask
+    handling differs from Qwen2's): the Qwen2 weights in ``LlamaForCausalLM`` with attention
+    biases (a zero ``o_proj`` bias).
 
     The default init (std 0.02) makes greedy decoding repeat one token whatever
     the prompt; std 0.1 gives prompt-dependent, varied continuations, which
@@ -85,11 +89,31 @@ def build_test_model(folder: str | Path, *, std: float = 0.1, seed: int = 1) -> 
         return folder
     src = tiny_model_dir()
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        c = model.config
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_bias=True,
+            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=True, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id))
+    elif arch != "qwen2":
+        raise ValueError(f"arch must be qwen2 or llama, got {arch!r}")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if arch == "llama":  # the Qwen2 model's weights (a Qwen2 is a Llama with q/k/v biases); o_proj bias 0
+            qwen = AutoModelForCausalLM.from_pretrained(build_test_model(folder.parent / f"{folder.name}-qwen2",
+                                                                         std=std, seed=seed), dtype=torch.float32)
+            missing, unexpected = model.load_state_dict(qwen.state_dict(), strict=False)
+            if unexpected or any("o_proj.bias" not in k for k in missing):
+                raise RuntimeError(f"llama test model: missing {missing}, unexpected {unexpected}")
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.bias.zero_()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     AutoTokenizer.from_pretrained(src).save_pretrained(folder)
