@@ -10,13 +10,22 @@ table and writes JSON.
 
     python benchmarks/agent_merge.py --journal runs/calc/journal.sqlite [--model builtin:smollm2]
         [--episodes 16] [--repeats 2] [--out benchmarks/results/agent_merge.json]
+    python benchmarks/agent_merge.py --smoke      # tiny model, 4 scripted calc_agent episodes, no JSON; seconds
+
+``--smoke`` makes its own journal first: 4 ``calc_agent`` episodes (the task's own
+agent loop, ``run_calc_episode``) against a server in this process whose engine
+answers from a script (a calculator call, then the answer), so every episode has
+two calls; then it times one update per set on the tiny model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,15 +42,79 @@ def load_episodes(journal: Path, n: int) -> list:
     return records[:n]
 
 
+def smoke_journal(run_dir: Path, n: int) -> Path:
+    """A journal of ``n`` two-call ``calc_agent`` episodes, from a scripted engine behind a real server."""
+    import httpx
+
+    from swarmkit.apps.serve import start_server_thread
+    from swarmkit.client import SwarmClient
+    from swarmkit.config.compose import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.models import build_tiny_tokenizer
+    from swarmkit.plugins import get_registry
+    from swarmkit.swarm.cycle import JOURNAL_FILE
+    from swarmkit.tasks import make_tasks
+    from swarmkit.tasks.calc_agent import run_calc_episode
+    from swarmkit.testing.scripted import ScriptedBackend
+
+    tasks = make_tasks("calc_agent", n, split="train")
+    tok = build_tiny_tokenizer()
+
+    def script(ids: list[int]) -> str:  # the agent: call the calculator, then answer with its result
+        prompt = tok.decode(ids)
+        results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", prompt, re.S)
+        if results:
+            return f"<answer>{results[-1]}</answer>"
+        task = next(t for t in tasks if t.messages[1]["content"] in prompt)
+        call = {"name": "calculator", "arguments": {"expression": task.meta["expression"]}}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+    backend = ScriptedBackend(tok, replies=script)
+    # the journal comes with the training cycle; its batch is never full, so no step runs
+    cfg = validate_config(compose(["model=tiny", "batching.batch_size=1000000"]), get_registry())
+    token = "bench-agent-merge-" + "x" * 16
+    handle = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": token,
+                                             "run_dir": str(run_dir)}},
+                                 config=cfg, backend_factory=lambda c: backend, step_fn=lambda records, step: {})
+    try:
+        with SwarmClient(handle.url, token=token, retry_for=30) as client, httpx.Client(timeout=60) as http:
+            client.start()
+            client.wait_for_state("ROLLING", timeout=60)
+            for task in tasks:
+                with client.episode(task.task_id) as ep:
+                    outcome = run_calc_episode(http, ep.base_url, ep.api_key, task, max_tokens=64)
+                    ep.report(outcome.reward)
+    finally:
+        handle.stop()
+    return run_dir / JOURNAL_FILE
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--journal", required=True, type=Path)
+    p.add_argument("--journal", type=Path, help="the run's journal.sqlite (required unless --smoke)")
     p.add_argument("--model", default="builtin:smollm2")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--episodes", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/agent_merge.json"))
+    p.add_argument("--smoke", action="store_true", help="tiny model, 4 scripted calc_agent episodes, one timed "
+                   "update per set, no JSON (seconds, on the CPU)")
     args = p.parse_args()
+    smoke_dir = None
+    if args.smoke:
+        smoke_dir = Path(tempfile.mkdtemp(prefix="swarmkit-bench-agent-merge-"))
+        args.model, args.episodes, args.repeats, args.out = "builtin:tiny", 4, 1, None
+        args.journal = smoke_journal(smoke_dir, args.episodes)
+    elif args.journal is None:
+        p.error("--journal is required (or --smoke)")
+    try:
+        return run(args)
+    finally:
+        if smoke_dir is not None:
+            shutil.rmtree(smoke_dir, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
     records = load_episodes(args.journal, args.episodes)
     if not records:
         raise SystemExit(f"{args.journal}: no sampled episode with more than one call")
@@ -77,8 +150,9 @@ def main() -> int:
               f"{r['update_s_median']:>10.2f}")
     print(f"off/on: forwarded tokens x{out['forwarded_ratio_off_on']:.2f}, "
           f"actor-update time x{out['update_time_ratio_off_on']:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -26,6 +26,7 @@ plus the ratios against sync from the same run.
     python benchmarks/async_throughput.py                       # tiny model, 16 steps each
     python benchmarks/async_throughput.py --model smollm2 --task arithmetic --max-tokens 16 --steps 10 --etas 2 \
         --json benchmarks/results/async_throughput_smollm2.json
+    python benchmarks/async_throughput.py --smoke               # tiny model, sync vs async η=1, 1 small step each
 """
 
 from __future__ import annotations
@@ -277,7 +278,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the run folders")
     p.add_argument("--json", default="benchmarks/results/async_throughput.json")
+    p.add_argument("--smoke", action="store_true", help="tiny model, sync and async η=1, 1 step of 2x2 two-turn "
+                   "episodes, 2 eval episodes, no JSON (seconds, on the CPU)")
     args = p.parse_args()
+    if args.smoke:
+        args.model, args.task, args.steps, args.etas, args.turns, args.delay = "tiny", "token_rule", 1, "1", 2, 0.01
+        args.slow_every, args.max_tokens, args.batch_size, args.rollouts, args.groups, args.eval = 2, 4, 2, 2, 2, 2
+        args.keep, args.json = False, None
     lr = args.lr if args.lr is not None else (1e-2 if args.model == "tiny" else None)
     model = [f"model={args.model}"] if args.model in ("tiny", "smollm2") else ["model=tiny", f"model.path={args.model}"]
     args.base = [*model, f"task={args.task}", "batching=c2", f"batching.batch_size={args.batch_size}",
@@ -304,9 +311,10 @@ def main() -> int:
     print(_table(results))
     payload = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "args": {
         k: v for k, v in vars(args).items() if k != "base"}, "base_overrides": args.base, "results": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(payload, indent=1))
-    print(f"\nwrote {args.json}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+        print(f"\nwrote {args.json}")
     return 0
 
 

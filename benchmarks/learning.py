@@ -8,6 +8,7 @@ the peak RSS of the job. Writes JSON (``--out``).
 
     python benchmarks/learning.py                       # the default recipe, 20 steps
     python benchmarks/learning.py --steps 30 -- model=tiny task=token_rule optim.lr=1e-2
+    python benchmarks/learning.py --smoke               # tiny model, token_rule, 2 small steps, no JSON; seconds
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,8 +28,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default="benchmarks/results/learning.json")
+    p.add_argument("--smoke", action="store_true", help="tiny model, token_rule, 2 steps of 2x2 episodes, "
+                   "4 eval episodes, no JSON (seconds, on the CPU)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for the job")
     args = p.parse_args()
+    if args.smoke:
+        args.steps, args.out = 2, None
+        args.overrides = ["model=tiny", "task=token_rule", "task.max_tokens=4", "task.train_size=8",
+                          "task.eval_size=4", "batching.batch_size=2", "batching.rollouts_per_task=2",
+                          "trainer.checkpoint_every=0", *args.overrides]
     run_dir = Path(tempfile.mkdtemp(prefix="swarmkit-learning-"))
     cmd = [sys.executable, "-m", "swarmkit", f"trainer.total_steps={args.steps}", "server.port=0",
            f"hydra.run.dir={run_dir}", *args.overrides]
@@ -75,6 +84,9 @@ def main() -> int:
               f"({first_better['seconds']:.0f} s) |")
     print(f"| wall time | {wall:.0f} s |")
     print(f"| peak RSS | {peak_rss_gb:.2f} GB |")
+    if args.smoke:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

@@ -18,6 +18,7 @@ turn, as agents do). For each call we time
 few client processes run chat conversations against the server for a fixed time.
 
     python benchmarks/proxy_overhead.py [--conversations 50] [--seconds 5] [--json out.json]
+    python benchmarks/proxy_overhead.py --smoke      # 2 conversations, a 1 s throughput run, no JSON; seconds
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of the throughput run")
     ap.add_argument("--clients", type=int, default=2, help="client processes in the throughput run")
     ap.add_argument("--json", default="benchmarks/results/proxy_overhead.json", help="where to write the results")
+    ap.add_argument("--smoke", action="store_true", help="2 conversations, 1 client for 1 s, no JSON (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.conversations, args.seconds, args.clients, args.json = 2, 1.0, 1, None
 
     import logging
 
@@ -219,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{e + ' ' + kind[:-3]:24}{row['p50']:>10.3f}{row['p99']:>10.3f}")
     print(f"throughput: {rps:.0f} chat calls/s ({args.clients} client processes, {total} calls in "
           f"{args.seconds:g} s; {os.cpu_count()} CPUs)")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {out}")
     return 0
 
 

@@ -17,6 +17,7 @@ Two measurements:
     python benchmarks/replicas.py                                # tiny model, CPU, 1 vs 2 replicas
     python benchmarks/replicas.py --model smollm2 --episodes 32 --max-tokens 32
     python benchmarks/replicas.py --model PATH --devices cuda:0,cuda:0 --json benchmarks/results/replicas_h200.json
+    python benchmarks/replicas.py --smoke                        # tiny model, 1 vs 2 replicas, a few calls, no JSON
 """
 
 from __future__ import annotations
@@ -164,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="backend.max_batch_size of each replica")
     p.add_argument("--calls", type=int, default=20000, help="calls of the overhead measurement")
     p.add_argument("--json", default="benchmarks/results/replicas.json")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 1 vs 2 replicas, 2 one-turn episodes of "
+                   "4 tokens, 200 overhead calls, no JSON (seconds, on the CPU)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.replicas, args.devices, args.json = "tiny", "1,2", "", None
+        args.episodes, args.concurrency, args.turns, args.max_tokens, args.batch_size, args.calls = 2, 2, 1, 4, 4, 200
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     devices = [d for d in args.devices.split(",") if d]
     counts = [int(x) for x in args.replicas.split(",")]
@@ -192,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             payload["machine"]["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(payload, indent=1))
-    print(f"\nwrote {args.json}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+        print(f"\nwrote {args.json}")
     return 0
 
 

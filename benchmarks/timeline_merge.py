@@ -1,6 +1,7 @@
 """Timeline merging: fast vs reference merge time, and training tokens saved.
 
-Run: ``python benchmarks/timeline_merge.py [--out benchmarks/results/timeline_merge.json] [--quick]``
+Run: ``python benchmarks/timeline_merge.py [--out benchmarks/results/timeline_merge.json] [--quick]``,
+or ``python benchmarks/timeline_merge.py --smoke`` (n = 100 and 5-turn episodes only, nothing written; seconds).
 
 (1) merge time of :func:`merge_timelines` vs the literal walk for n = 100,
     1,000, 5,000 timelines from synthetic multi-turn episodes (n / 10 concurrent
@@ -114,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/timeline_merge.json")
     ap.add_argument("--quick", action="store_true", help="n = 100, 1000 only")
+    ap.add_argument("--smoke", action="store_true", help="n = 100, 5-turn episodes only, no JSON (seconds)")
     args = ap.parse_args(argv)
-    sizes = [100, 1000] if args.quick else [100, 1000, 5000]
+    sizes = [100] if args.smoke else [100, 1000] if args.quick else [100, 1000, 5000]
     speed = bench_speed(sizes, "text") + bench_speed(sizes, "token")
     # token match under tokenizer drift: nothing merges across turns, the literal walk is ~n^2
     speed += bench_speed(sizes, "token", drift=True)
@@ -124,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in speed:
         print(f"{r['workload']:>12} {r['n']:>6} {r['survivors']:>9} {r['fast_ms']:>9.2f} "
               f"{r['reference_ms']:>13.1f} {r['speedup']:>7.1f}x")
-    tokens = bench_tokens([5, 10, 20, 40])
+    tokens = bench_tokens([5] if args.smoke else [5, 10, 20, 40])
     print("\ntraining tokens per 20 episodes, without vs with merging")
     print(f"{'turns':>5} {'samples':>13} {'tokens without':>15} {'tokens with':>12} {'ratio':>6}")
     for r in tokens:
         samples = f"{r['samples_without']} -> {r['samples_with']}"
         print(f"{r['turns']:>5} {samples:>13} {r['tokens_without']:>15,} {r['tokens_with']:>12,} {r['ratio']:>5.2f}x")
+    if args.smoke:
+        return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"speed": speed, "tokens": tokens}, indent=2))

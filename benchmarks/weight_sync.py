@@ -9,6 +9,7 @@ tensors of the same shapes (what any sync must at least do). Median of
 ``--repeats`` syncs after one warm-up.
 
     python benchmarks/weight_sync.py [--models tiny,smollm2] [--repeats 5] [--json out.json]
+    python benchmarks/weight_sync.py --smoke      # tiny model, hf, one timed sync, no JSON; seconds
 
 Run it in a venv with vLLM (``/work/venv-vllm``, see docs/backends.md) to get
 the vllm row; without vLLM only ``hf`` and the floor are measured.
@@ -112,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="hf,vllm")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default="benchmarks/results/weight_sync.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, hf only, one timed sync, no JSON")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.models, args.backends, args.repeats, args.json = "tiny", "hf", 1, None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 

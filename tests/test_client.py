@@ -317,6 +317,8 @@ def test_a_client_token_guards_registration_and_votes(train_cfg, tmp_path, monke
             r = httpx.post(h.url + path, json=body, headers={"X-Swarm-Client": "c1",
                                                                "Authorization": "Bearer nope"})
             assert (r.status_code, r.json()["error"]["code"]) == (403, "wrong_client_token"), path
+        # issue 31: a refused request never marks its client id active (an outsider held C4 that way)
+        assert "c1" not in h.swarm.clients.active()
         monkeypatch.setenv("SWARMKIT_ADMIN_TOKEN", "")
         with SwarmClient(h.url, token="", client_token="client-secret-xyz") as c:
             with c.episode("t1") as ep:

@@ -100,3 +100,42 @@ def test_a_large_prompt_is_rendered_off_the_event_loop(server, monkeypatch):
         # the render took a while; health answered meanwhile (the GIL is shared, so not instantly)
         assert lat and max(lat) < max(0.25, took / 4), (took, max(lat))
         ep.report(0.0)
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/completions", {"prompt": "word " * 1_300_000, "max_tokens": 2}),  # 6.5 MB of text
+    ("tokenize", {"prompt": "word " * 1_300_000}),
+    ("tokenize", {"messages": [{"role": "user", "content": "word " * 1_300_000}]}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": ""}] * 70_000, "max_tokens": 2}),  # > context
+])
+def test_what_cannot_fit_the_context_is_refused_at_once_on_every_route(server, route, body):
+    """Issue 31: a 6.4 MB prompt froze /health for 16.5 s on /v1/completions and 14.3 s on /tokenize;
+    more messages than the context has tokens are refused before rendering too."""
+    h, client = server
+    with client.episode("huge-" + route.strip("/")) as ep:
+        url = f"{h.url}/tokenize" if route == "tokenize" else f"{ep.base_url}{route}"
+        r, took, lat = _while_polling_health(h.url, lambda: httpx.post(
+            url, json=body, headers={"Authorization": f"Bearer {ep.api_key}"}, timeout=60))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:200]
+        assert took < 5.0
+        assert lat and max(lat) < 0.1, f"/health took up to {max(lat):.3f} s"
+        ep.report(0.0)
+
+
+@pytest.mark.parametrize("route", ["/chat/completions", "/responses"])
+def test_many_empty_messages_are_rendered_off_the_event_loop(server, route):
+    """Issue 31: 20,000 empty chat messages (660 kB) froze the loop 27-66 s; 10,000 empty /v1/responses
+    input items 17.9 s. Each message now counts as work, so such a request renders in the worker."""
+    h, client = server
+    n = 3_000
+    with client.episode("many-" + route.strip("/")) as ep:
+        if route == "/responses":
+            body = {"input": [{"role": "user", "content": ""}] * n, "max_output_tokens": 2}
+        else:
+            body = {"messages": [{"role": "user", "content": ""}] * n, "max_tokens": 2}
+        r, took, lat = _while_polling_health(h.url, lambda: httpx.post(
+            f"{ep.base_url}{route}", json=body, headers={"Authorization": f"Bearer {ep.api_key}"}, timeout=300))
+        assert r.status_code in (200, 400), r.text[:300]
+        print(f"{route}: {n} empty messages, {took:.2f} s, health max {max(lat) * 1000:.0f} ms")
+        assert lat and max(lat) < max(0.25, took / 4), (took, max(lat))
+        ep.report(0.0)

@@ -456,6 +456,9 @@ def bad_requests(ep, other):
          {"json": {"messages": MSGS, "temperature": "hot"}, "headers": key}, 400, "invalid_value"),
         ("n = 0", "POST", "/v1/chat/completions", {"json": {"messages": MSGS, "n": 0}, "headers": key}, 400,
          "invalid_value"),
+        # issue 31: a seed past 64 bits answered 200 and then dropped the stream
+        ("seed past 64 bits, streamed", "POST", "/v1/chat/completions",
+         {"json": {"messages": MSGS, "seed": 2**64, "stream": True}, "headers": key}, 400, "invalid_value"),
         ("top_logprobs without logprobs", "POST", "/v1/chat/completions",
          {"json": {"messages": MSGS, "top_logprobs": 2}, "headers": key}, 400, "invalid_value"),
         ("no key", "POST", "/v1/chat/completions", {"json": {"messages": MSGS}}, 401, "missing_api_key"),

@@ -733,14 +733,16 @@ class HFBackend(InferenceBackend):
         import torch
 
         if getattr(self, "_state_cache", None) is None or self._state_cache[0] is not self._model:
-            self._state_cache = (self._model, self._state())
-        state = self._state_cache[1]
+            self._state_cache = (self._model, self._state(), {})
+        state, resolved = self._state_cache[1], self._state_cache[2]
         unknown: list[str] = []
         dsts: list[Any] = []
         srcs: list[Any] = []
         seen: set[int] = set()
         for name, tensor in named_tensors:
-            key = self._resolve_name(name, state)
+            key = resolved.get(name, "")
+            if key == "":  # names are stable from sync to sync: resolve each once
+                key = resolved[name] = self._resolve_name(name, state)
             if key is None:
                 if "lora_" in name:
                     raise ValueError(

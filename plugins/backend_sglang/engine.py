@@ -220,7 +220,7 @@ class SGLangBackend(InferenceBackend):
                  stream: bool) -> dict[str, Any]:
         sp: dict[str, Any] = {
             "max_new_tokens": int(params.max_tokens),
-            "temperature": float(params.temperature),
+            "temperature": 0.0 if params.greedy() else float(params.temperature),  # the contract's threshold
             "top_p": float(params.top_p),
             "skip_special_tokens": bool(params.skip_special_tokens),
             "spaces_between_special_tokens": False,
@@ -245,6 +245,7 @@ class SGLangBackend(InferenceBackend):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
         self._check_started()
+        params.check()
         version = self.policy_version
         seeds = [None if params.seed is None else params.seed + i for i in range(max(1, params.n))]
         results = await asyncio.gather(*(self._generate_one(prompt_ids, params, s) for s in seeds))
@@ -285,6 +286,7 @@ class SGLangBackend(InferenceBackend):
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         self._check_started()
+        params.check()
         if params.n != 1:
             raise ValueError("stream() samples one continuation (n == 1)")
         body = self._payload(prompt_ids, params, params.seed, True)

@@ -341,7 +341,7 @@ class VLLMBackend(InferenceBackend):
         p = req.params
         sp = VSP(
             n=max(1, int(p.n)),
-            temperature=float(p.temperature),
+            temperature=0.0 if p.greedy() else float(p.temperature),  # the contract's greedy threshold
             top_p=float(p.top_p),
             max_tokens=int(p.max_tokens),
             stop=list(p.stop) or None,
@@ -392,7 +392,8 @@ class VLLMBackend(InferenceBackend):
                     queue=asyncio.Queue())
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
-        if params.n > 1 and params.temperature == 0:
+        params.check()
+        if params.n > 1 and params.greedy():
             # vLLM refuses n > 1 with greedy sampling: n identical requests (prefix cache shares the prompt)
             one = dataclasses.replace(params, n=1)
             outs = await asyncio.gather(*(self.generate(prompt_ids, one) for _ in range(params.n)))
@@ -442,6 +443,7 @@ class VLLMBackend(InferenceBackend):
         return result
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
+        params.check()
         if params.n != 1:
             raise ValueError("stream() samples one continuation (n == 1)")
         req = self._new_req(prompt_ids, params)

@@ -279,9 +279,9 @@ def _sampling() -> dict[str, Schema]:
     """Fields the OpenAI endpoints share (``swarmkit/server/routes/openai.py::sampling_params``)."""
     return {
         "model": string("accepted and ignored: the server serves one model"),
-        "temperature": number(0, 2), "top_p": number(0, 1),
+        "temperature": number(0, 2, "below 1e-5: greedy (as 0)"), "top_p": number(0, 1),
         "max_tokens": integer(1, MAX_TOKENS, "clipped to the context left"),
-        "n": integer(1, 128), "stop": ref("Stop"), "seed": integer(), "stream": BOOL,
+        "n": integer(1, 128), "stop": ref("Stop"), "seed": integer(-(2**63), 2**63 - 1), "stream": BOOL,
         "stream_options": obj({"include_usage": BOOL}),
         "logit_bias": ref("LogitBias"),
         "frequency_penalty": number(-2, 2), "presence_penalty": number(-2, 2),

@@ -15,10 +15,10 @@ carried it, and prefix merging works across turns of any protocol.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -95,14 +95,21 @@ def _structured(params: SamplingParams) -> dict[str, Any] | None:
 #: requests whose text is longer than this are rendered and tokenized off the event loop (one
 #: worker thread): a big prompt never stalls other calls, a small one pays no thread hop
 INLINE_CHARS = 32_000
+_T = TypeVar("_T")
 _render_pool: ThreadPoolExecutor | None = None
 
 
+#: what one message costs to render, in characters of text (its role markers and the template's work): 20,000
+#: empty messages are as much work as 640 kB of text, not nothing
+MESSAGE_COST = 32
+
+
 def _text_size(messages: Any, tools: Any) -> int:
-    """Characters of text in a request's messages and tools (a cheap upper bound's input)."""
+    """Characters of text in a request's messages and tools, plus :data:`MESSAGE_COST` a message (a cheap
+    upper bound's input)."""
     if not isinstance(messages, list):
         return 0
-    size = len(repr(tools)) if tools else 0
+    size = (len(repr(tools)) if tools else 0) + MESSAGE_COST * len(messages)
     for m in messages:
         if isinstance(m, dict):
             c = m.get("content")
@@ -131,26 +138,60 @@ async def prepare_turn_async(srv: SwarmServer, ep: Episode, messages: Any, tools
     """:func:`prepare_turn` that never stalls the event loop: a request whose text cannot fit the
     context is refused before it is rendered (400 ``context_length_exceeded``), and a large one is
     rendered in a worker thread."""
-    global _render_pool
+    size = check_prompt_size(srv, messages, tools)
+    if size <= INLINE_CHARS and not srv.renders_in_pool:
+        return prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint, template_kwargs=template_kwargs)
+    return await in_render_pool(srv, lambda: prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint,
+                                                          template_kwargs=template_kwargs))
+
+
+def check_prompt_size(srv: SwarmServer, messages: Any, tools: Any) -> int:
+    """400 ``context_length_exceeded`` for messages that cannot fit the context (too much text, or more
+    messages than it has tokens), checked before rendering; returns the size estimate."""
     size = _text_size(messages, tools)
     bound = max_prompt_chars(srv)
+    if isinstance(messages, list) and srv.max_context and len(messages) > int(srv.max_context):
+        raise ApiError(400, f"{len(messages)} messages: more than any prompt of this model's context "
+                       f"({srv.max_context} tokens; every message renders to at least one) can hold",
+                       "context_length_exceeded", param="messages")
     if bound is not None and size > bound:
         raise ApiError(400, f"the messages hold {size} characters, more than any prompt of this model's context "
                        f"({srv.max_context} tokens) can (model.max_context)", "context_length_exceeded",
                        param="messages")
-    if size <= INLINE_CHARS and not srv.renders_in_pool:
-        return prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint, template_kwargs=template_kwargs)
-    # while one render runs in the worker, this server's others queue behind it there: the
-    # renderer's caches are never used from two threads at once
+    return size
+
+
+async def in_render_pool(srv: SwarmServer, fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` (rendering or tokenizing) on the render worker thread, off the event loop. While one
+    runs there, this server's others queue behind it: the renderer's caches are never used from two
+    threads at once (so every render runs there while one is under way)."""
+    global _render_pool
     if _render_pool is None:
         _render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmkit-render")
     srv.renders_in_pool += 1
     try:
-        return await asyncio.get_running_loop().run_in_executor(
-            _render_pool, lambda: prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint,
-                                               template_kwargs=template_kwargs))
+        return await asyncio.get_running_loop().run_in_executor(_render_pool, fn)
     finally:
         srv.renders_in_pool -= 1
+
+
+def check_text_fits(srv: SwarmServer, text: str, param: str) -> None:
+    """400 ``context_length_exceeded`` for a text longer than any prompt of the model's context can be
+    (checked before tokenizing: a 6 MB prompt is refused at once)."""
+    bound = max_prompt_chars(srv)
+    if bound is not None and len(text) > bound:
+        raise ApiError(400, f"'{param}' holds {len(text)} characters, more than any prompt of this model's "
+                       f"context ({srv.max_context} tokens) can (model.max_context)", "context_length_exceeded",
+                       param=param)
+
+
+async def encode_async(srv: SwarmServer, text: str, encode: Callable[[str], list[int]], param: str) -> list[int]:
+    """``encode(text)`` that never stalls the event loop: refused when it cannot fit the context, run in the
+    render worker when long (or while another render runs there)."""
+    check_text_fits(srv, text, param)
+    if len(text) <= INLINE_CHARS and not srv.renders_in_pool:
+        return encode(text)
+    return await in_render_pool(srv, lambda: encode(text))
 
 
 def with_internal_stop(turn: Turn, params: SamplingParams) -> SamplingParams:

