@@ -304,3 +304,23 @@ def test_sampling_fields_no_sampler_can_compute_are_refused(suite):
     # any integer seed is usable (reduced modulo 2**64), none crashes a stream
     out = suite.harness.run(b.generate(suite.prompts[0], sp(max_tokens=2, temperature=1.0, seed=2**64 + 5)))
     assert len(out[0].token_ids) == 2
+
+
+def test_one_request_with_many_continuations_does_not_hold_every_slot(suite):
+    """Issue 31 (generation amplification): ``n`` continuations of one request take at most half the slots
+    while another request waits, so a short call is not held up for all of a long request's tokens."""
+    b = suite.backend
+    p = suite.prompts[1]
+
+    async def go():
+        big = asyncio.ensure_future(b.generate(p, sp(n=b.max_batch_size * 2, max_tokens=40, temperature=1.0,
+                                                     stop_token_ids=[])))
+        await asyncio.sleep(0.05)
+        t0 = b.stats["decode_steps"]
+        await b.generate(p, sp(max_tokens=2))
+        steps_for_short = b.stats["decode_steps"] - t0
+        big.cancel()
+        return steps_for_short
+
+    steps = suite.harness.run(go())
+    assert steps <= 45, steps  # admitted within the big request's first wave (40 tokens), not after its last

@@ -481,19 +481,41 @@ class HFBackend(InferenceBackend):
             self._cv.wait(left)
 
     def _take_joiners(self) -> list[_Seq]:
+        """Waiting sequences to admit now, in arrival order, within the free slots and the prefill budget.
+
+        Fair share: while sequences of more than one request wait, a request holds at most half the slots
+        (its other continuations wait for its own to finish), so one ``n: 128`` request cannot make every
+        later call wait for all of its tokens."""
         room = len(self._free)
+        if not self._pending or not room:
+            return []
+        reqs = {id(s.req) for s in self._pending if not s.req.cancelled}
+        share = max(1, self.max_batch_size // 2) if len(reqs) > 1 else self.max_batch_size
+        held: dict[int, int] = {}
+        for s in self._active:
+            held[id(s.req)] = held.get(id(s.req), 0) + 1
         out: list[_Seq] = []
+        later: deque[_Seq] = deque()
         longest = 0
-        while self._pending and len(out) < room:
-            seq = self._pending[0]
+        while self._pending:
+            seq = self._pending.popleft()
             if seq.req.cancelled:
-                self._pending.popleft()
+                continue
+            if len(out) >= room:
+                later.append(seq)
+                break
+            if held.get(id(seq.req), 0) >= share:
+                later.append(seq)
                 continue
             longest2 = max(longest, len(seq.prompt))
             if out and longest2 * (len(out) + 1) > self.max_prefill_tokens:
+                later.append(seq)
                 break
             longest = longest2
-            out.append(self._pending.popleft())
+            held[id(seq.req)] = held.get(id(seq.req), 0) + 1
+            out.append(seq)
+        later.extend(self._pending)
+        self._pending = later
         return out
 
     # ------------------------------------------------------------------ slots

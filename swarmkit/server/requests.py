@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 
 from swarmkit.errors import ApiError
+from swarmkit.swarm.server import CALLER_GONE
 
 #: the most digits an integer of a request may have (a 64-bit value has 20): larger ones overflow later
 MAX_INT_DIGITS = 20
@@ -27,6 +28,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     valid JSON that no UTF-8 file, database or answer can hold).
     """
     raw = await request.body()
+    CALLER_GONE.set(lambda: _disconnected(request))
     if not raw:
         raise ApiError(400, "empty request body; send a JSON object", "invalid_json")
     try:
@@ -61,3 +63,11 @@ def bearer(request: Request) -> str | None:
             return token.strip()
         return None
     return request.headers.get("x-api-key") or request.headers.get("api-key") or None
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client of ``request`` (whose body was read) disconnects."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

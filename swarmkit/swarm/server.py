@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,6 +52,30 @@ from swarmkit.swarm.replicas import ReplicaSet, build_replicas, check_replicable
 from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
 from swarmkit.timelines.render import ChatRenderer, TokenText
 from swarmkit.timelines.track import ContextTracker
+
+#: set by the HTTP layer for the request being served: awaits until its client disconnects. A call whose
+#: client is gone stops generating (work for a request nobody will read is cancelled)
+CALLER_GONE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("swarmkit_caller_gone", default=None)
+
+
+async def _unless_caller_gone(work: Awaitable[Any]) -> Any:
+    """Await ``work``; cancel it and answer 499 when the caller disconnects first."""
+    gone = CALLER_GONE.get()
+    if gone is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        raise ApiError(499, "the client closed the connection; the generation was cancelled", "client_closed")
+    return task.result()
 
 log = logging.getLogger("swarmkit.server")
 #: the run dir's record of state moves: one ``{"time", "state"}`` JSON line per move
@@ -370,7 +395,7 @@ class SwarmServer:
             if backend is None:
                 raise busy("the server stopped", 2.0, "server_offline")
             try:
-                outputs = await backend.generate(prompt_ids, params)
+                outputs = await _unless_caller_gone(backend.generate(prompt_ids, params))
             except ApiError:
                 raise
             except ValueError as exc:
