@@ -137,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     # a fresh run dir and no training: a step (or a journal left by an earlier run) must not answer 503 mid-timing
     import tempfile
 
-    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench",
+    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench-admin-token",
                                              "run_dir": tempfile.mkdtemp(prefix="bench-proxy-"),
                                              "episode_timeout_s": 3600}},
                                  config=cfg, backend_factory=lambda c: backend, train=False)
     admin = Conn(handle.url)
-    admin.post("/api/v1/admin/start", {}, "bench")
+    admin.post("/api/v1/admin/start", {}, "bench-admin-token")
     while handle.swarm.state.state != "ROLLING":
         time.sleep(0.01)
 

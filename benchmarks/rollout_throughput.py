@@ -130,7 +130,7 @@ def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], round
     cfg = validate_config(compose([f"model={'tiny' if model['name'] == 'tiny' else 'smollm2'}",
                                    f"model.path={model['path']}", "batching.batch_size=1000000"]), get_registry())
     run_dir = tempfile.mkdtemp(prefix=f"swarmkit-bench-rollout-{kind}-")
-    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench", "run_dir": run_dir,
+    handle = start_server_thread({"server": {"port": 0, "admin_token": "bench-admin-token", "run_dir": run_dir,
                                              "episode_timeout_s": 3600}},
                                  config=cfg, backend_factory=lambda c: backend)
     rows = []
@@ -150,7 +150,7 @@ def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], round
     try:
         import httpx
 
-        httpx.post(handle.url + "/api/v1/admin/start", headers={"Authorization": "Bearer bench"}, json={})
+        httpx.post(handle.url + "/api/v1/admin/start", headers={"Authorization": "Bearer bench-admin-token"}, json={})
         end = time.monotonic() + 300
         while handle.swarm.state.state != "ROLLING":
             if handle.swarm.state.last_error:

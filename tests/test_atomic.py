@@ -101,7 +101,11 @@ def test_commit_needs_a_prepared_episode_and_a_primary_must_be_well_formed(serve
     with pytest.raises(SwarmAPIError) as e:
         ep.commit()
     assert e.value.code == "episode_not_prepared"
-    for bad in ({"url": "ftp://x", "episode_id": "e", "api_key": "k"}, {"url": "http://x"}, "http://x"):
+    # issue 31: a primary off this server's peers (default: loopback) is refused, so a client cannot make
+    # the server post to a URL of its choosing (blind SSRF, repeated until 60 s past the deadline)
+    for bad in ({"url": "ftp://x", "episode_id": "e", "api_key": "k"}, {"url": "http://x"}, "http://x",
+                {"url": "http://169.254.169.254/latest", "episode_id": "e", "api_key": "k"},
+                {"url": "https://example.com:8443", "episode_id": "e", "api_key": "k"}):
         with pytest.raises(SwarmAPIError) as e:
             a._call("POST", f"/api/v1/episodes/{ep.episode_id}/prepare", json_body={"reward": 1.0, "primary": bad},
                     key=ep.api_key)
@@ -235,3 +239,15 @@ def test_a_lost_answer_to_the_primary_commit_leaves_the_parts_to_their_servers(s
     assert _status(a, ep.primary.episode_id)["status"] == "finished"
     st = _wait_ended(b, ep.episode("spy").episode_id)
     assert st["status"] == "finished" and st["accepted"] is True  # resolved from the primary, not aborted
+
+
+def test_peers_name_the_servers_a_primary_may_live_on():
+    from swarmkit.server.routes.episodes import _peer_allowed
+
+    assert _peer_allowed("http://127.0.0.1:8001", ["loopback"])
+    assert _peer_allowed("http://localhost:8001/x", ["loopback"]) and _peer_allowed("http://[::1]:9", ["loopback"])
+    assert not _peer_allowed("http://10.0.0.2:8000", ["loopback"])
+    assert _peer_allowed("http://10.0.0.2:8000/", ["loopback", "http://10.0.0.2:8000"])
+    assert not _peer_allowed("http://10.0.0.2:8001", ["http://10.0.0.2:8000"])
+    assert _peer_allowed("https://swarm.example", ["https://swarm.example:443"])
+    assert not _peer_allowed("http://127.0.0.1:8001", [])

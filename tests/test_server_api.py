@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from swarmkit.errors import ConfigError
+
 from swarmkit.swarm.auth import resolve_admin_token
 from swarmkit.testing.scripted import LOGPROB
 
@@ -130,9 +132,13 @@ def test_checkpoint_writes_config_and_status(make, tmp_path):
 
 
 def test_admin_token_precedence_and_private_file(tmp_path, monkeypatch):
-    assert resolve_admin_token("from-config", tmp_path) == ("from-config", "config")
-    monkeypatch.setenv("SWARMKIT_ADMIN_TOKEN", "from-env")
-    assert resolve_admin_token(None, tmp_path) == ("from-env", "env")
+    assert resolve_admin_token("from-config-0123456", tmp_path) == ("from-config-0123456", "config")
+    monkeypatch.setenv("SWARMKIT_ADMIN_TOKEN", "from-env-0123456789")
+    assert resolve_admin_token(None, tmp_path) == ("from-env-0123456789", "env")
+    # issue 31: a one-character admin token was accepted
+    for short in ("x", "fifteen-chars-x"):
+        with pytest.raises(ConfigError, match="at least 16"):
+            resolve_admin_token(short, tmp_path)
     monkeypatch.delenv("SWARMKIT_ADMIN_TOKEN")
     token, where = resolve_admin_token(None, tmp_path)
     assert where == str(tmp_path / "admin_token") and len(token) >= 32
@@ -596,6 +602,23 @@ def test_quotas_on_episodes_calls_tokens_and_meta(make, train_cfg):
     assert_error(r, 422, "invalid_field")
 
 
+def test_meta_that_no_reader_can_read_back_is_refused(make, train_cfg):
+    """Issue 31: NaN, Infinity or ~950-deep nesting in an episode's meta made reading that episode and the
+    admin episode list answer 500 for everyone while it ran."""
+    h = make(train_cfg)
+    ep = h.register(task_id="fine", meta={"a": [1, {"b": 2}]})
+    for raw in (b'{"task_id": "t", "meta": {"x": NaN}}', b'{"task_id": "t", "meta": {"x": [Infinity]}}',
+                b'{"task_id": "t", "meta": ' + b'{"a": ' * 950 + b'1' + b'}' * 950 + b'}',
+                b'{"task_id": "t", "meta": ' + b'[' * 40 + b']' * 40 + b'}'):
+        r = h.tc.post("/api/v1/episodes", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code in (400, 422), (raw[:60], r.status_code, r.text[:200])
+    r = h.tc.post(f"/api/v1/episodes/{ep['episode_id']}/report", content=b'{"reward": 1.0, "meta": {"x": NaN}}',
+                  headers={"Authorization": f"Bearer {ep['api_key']}", "Content-Type": "application/json"})
+    assert_error(r, 422, "invalid_field")
+    assert h.tc.get("/api/v1/episodes?ended=10", headers=h.admin).status_code == 200
+    assert h.tc.get(f"/api/v1/episodes/{ep['episode_id']}", headers=h.admin).status_code == 200
+
+
 def test_silent_clients_are_forgotten():
     from swarmkit.swarm.presence import ClientTracker
 
@@ -657,3 +680,24 @@ def test_an_unexpected_error_answers_an_incident_not_the_exception(make, caplog)
         assert "secret" not in r.text and "incident" in r.json()["error"]["message"]
     tracebacks = [rec for rec in caplog.records if rec.exc_info]
     assert len(tracebacks) == 1 and "seen 3 times" in caplog.records[-1].getMessage()
+
+
+def test_dashboard_logins_are_throttled(make, train_cfg):
+    """Issue 31: the dashboard login took 1,155-1,358 guesses a second. Ten wrong tokens a minute per address
+    (a hundred from all), then 429 with Retry-After; the right token still works once the window passes."""
+    from swarmkit.server.dashboard.session import LoginThrottle
+
+    h = make(train_cfg)
+    for _ in range(10):
+        assert h.tc.post("/dashboard/login", data={"token": "wrong-guess"}).status_code == 401
+    r = h.tc.post("/dashboard/login", data={"token": "wrong-guess"})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
+    r = h.tc.post("/dashboard/login", data={"token": "admin-secret-token"}, follow_redirects=False)
+    assert r.status_code == 429  # no guess is checked while throttled, the right one neither
+    t = LoginThrottle(per_address=2, in_all=3, window_s=10)
+    t.failed("a", now=0)
+    t.failed("a", now=1)
+    assert t.retry_after("a", now=2) == 8 and t.retry_after("b", now=2) == 0
+    t.failed("b", now=3)
+    assert t.retry_after("c", now=4) == 6  # all addresses together
+    assert t.retry_after("a", now=11) == 0

@@ -78,6 +78,10 @@ class ServerConfig:
     #: a prepared part of a multi-server episode whose primary cannot be reached is asked again for this
     #: many seconds after its deadline, then dropped (swarmkit/swarm/atomic.py)
     prepared_grace_s: float = 60.0
+    #: servers the primary of a prepared multi-server episode may live on, the only ones this server
+    #: ever calls: origins ("http://10.0.0.2:8000") or "loopback" (any server on this host); a primary
+    #: elsewhere is refused (422), so a client cannot make the server post to a URL of its choosing
+    peers: list[str] = field(default_factory=lambda: ["loopback"])
     #: the largest reward magnitude a report may carry (larger: 422); keeps advantages finite
     max_abs_reward: float = 1e6
     max_body_bytes: int = 8_000_000

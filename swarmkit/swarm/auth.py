@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from swarmkit.errors import ApiError
+from swarmkit.errors import ApiError, ConfigError
 
 ENV_ADMIN_TOKEN = "SWARMKIT_ADMIN_TOKEN"
 ENV_CLIENT_TOKEN = "SWARMKIT_CLIENT_TOKEN"
@@ -28,10 +28,10 @@ def resolve_admin_token(configured: str | None, run_dir: str | os.PathLike | Non
     ``(token, source)`` where source is ``"config"``, ``"env"`` or the file path.
     """
     if configured:
-        return str(configured), "config"
+        return _long_enough(str(configured), "server.admin_token"), "config"
     env = os.environ.get(ENV_ADMIN_TOKEN)
     if env:
-        return env, "env"
+        return _long_enough(env, f"${ENV_ADMIN_TOKEN}"), "env"
     token = secrets.token_urlsafe(32)
     if run_dir is None:
         return token, "generated (not written: no run_dir)"
@@ -45,6 +45,17 @@ def resolve_admin_token(configured: str | None, run_dir: str | os.PathLike | Non
     finally:
         os.close(fd)
     return token, str(path)
+
+
+#: the shortest admin token a server accepts (a one-character token was accepted, and guessed)
+MIN_ADMIN_TOKEN = 16
+
+
+def _long_enough(token: str, where: str) -> str:
+    if len(token) < MIN_ADMIN_TOKEN:
+        raise ConfigError([f"{where} is {len(token)} characters; an admin token needs at least {MIN_ADMIN_TOKEN} "
+                           "(leave it unset and the server generates one into RUN_DIR/admin_token)"])
+    return token
 
 
 class AdminAuth:

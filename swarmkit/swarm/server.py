@@ -58,6 +58,23 @@ from swarmkit.timelines.track import ContextTracker
 CALLER_GONE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("swarmkit_caller_gone", default=None)
 
 
+#: the deepest a registration's or report's ``meta`` may nest (deeper ones broke every reader of the episode)
+MAX_META_DEPTH = 32
+
+
+def _depth(value: Any, limit: int = MAX_META_DEPTH + 1) -> int:
+    """Nesting depth of JSON-like ``value`` (lists and dicts), counted up to ``limit``, iteratively."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if d >= limit:
+                return d
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 async def _unless_caller_gone(work: Awaitable[Any]) -> Any:
     """Await ``work``; cancel it and answer 499 when the caller disconnects first."""
     gone = CALLER_GONE.get()
@@ -322,8 +339,18 @@ class SwarmServer:
                            headers={"Retry-After": "1"})
 
     def check_meta(self, meta: Any, param: str = "meta") -> None:
-        """422 when a ``meta`` object is larger than ``server.max_meta_bytes`` as JSON."""
-        size = len(json.dumps(meta, ensure_ascii=False, default=str).encode())
+        """422 when a ``meta`` object is larger than ``server.max_meta_bytes`` as JSON, nested deeper than
+        :data:`MAX_META_DEPTH`, or holds NaN or Infinity (which strict JSON readers, the dashboard's and the
+        admin episode list's among them, cannot read back)."""
+        if _depth(meta) > MAX_META_DEPTH:
+            raise ApiError(422, f"'{param}' is nested deeper than {MAX_META_DEPTH} levels", "invalid_field",
+                           param=param)
+        try:
+            text = json.dumps(meta, ensure_ascii=False, default=str, allow_nan=False)
+        except ValueError:
+            raise ApiError(422, f"'{param}' holds NaN or Infinity, which JSON cannot carry", "invalid_field",
+                           param=param) from None
+        size = len(text.encode())
         if size > self.max_meta_bytes:
             raise ApiError(422, f"'{param}' is {size} bytes as JSON, over this server's limit of "
                            f"{self.max_meta_bytes} (server.max_meta_bytes)", "invalid_field", param=param)

@@ -20,6 +20,51 @@ COOKIE = "swarmkit_session"
 SESSION_TTL_S = 12 * 3600.0
 #: at most this many live sessions (the oldest is dropped beyond)
 MAX_SESSIONS = 256
+#: failed logins allowed per client address, and from all addresses together, per window (then 429)
+LOGIN_FAILURES_PER_ADDRESS = 10
+LOGIN_FAILURES_IN_ALL = 100
+LOGIN_WINDOW_S = 60.0
+
+
+class LoginThrottle:
+    """Failed dashboard logins per client address in a sliding window (1,155 guesses/s went through
+    before): past the limit, the login answers 429 until the oldest failure leaves the window."""
+
+    def __init__(self, per_address: int = LOGIN_FAILURES_PER_ADDRESS, in_all: int = LOGIN_FAILURES_IN_ALL,
+                 window_s: float = LOGIN_WINDOW_S):
+        self.per_address, self.in_all, self.window_s = int(per_address), int(in_all), float(window_s)
+        self._lock = threading.Lock()
+        self._failures: dict[str, list[float]] = {}
+        self._all: list[float] = []
+
+    def retry_after(self, address: str, now: float | None = None) -> float:
+        """Seconds until ``address`` may try again (0: it may now)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self._prune(now)
+            mine = self._failures.get(address, [])
+            waits = [0.0]
+            if len(mine) >= self.per_address:
+                waits.append(mine[0] + self.window_s - now)
+            if len(self._all) >= self.in_all:
+                waits.append(self._all[0] + self.window_s - now)
+            return max(waits)
+
+    def failed(self, address: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._lock:
+            self._failures.setdefault(address, []).append(now)
+            self._all.append(now)
+
+    def _prune(self, now: float) -> None:
+        cut = now - self.window_s
+        self._all = [t for t in self._all if t > cut]
+        for addr in list(self._failures):
+            kept = [t for t in self._failures[addr] if t > cut]
+            if kept:
+                self._failures[addr] = kept
+            else:
+                del self._failures[addr]
 
 
 class Sessions:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from swarmkit.server.dashboard import data
-from swarmkit.server.dashboard.session import COOKIE, Sessions
+from swarmkit.server.dashboard.session import COOKIE, LoginThrottle, Sessions
 from swarmkit.server.dashboard.source import DashboardSource
 from swarmkit.server.errors import ApiError
 from swarmkit.server.requests import bearer
@@ -45,6 +45,13 @@ def _static(name: str) -> str:
 
 def _sessions(request: Request) -> Sessions:
     return request.app.state.dashboard_sessions  # type: ignore[no-any-return]
+
+
+def _throttle(request: Request) -> LoginThrottle:
+    state = request.app.state
+    if getattr(state, "dashboard_logins", None) is None:
+        state.dashboard_logins = LoginThrottle()
+    return state.dashboard_logins  # type: ignore[no-any-return]
 
 
 def _source(request: Request) -> DashboardSource:
@@ -101,8 +108,16 @@ async def login(request: Request) -> Response:
         form = parse_qs((await request.body()).decode("utf-8"), max_num_fields=4)
     except ValueError:  # not UTF-8, or too many fields
         return _login_form("The form could not be read.", 400)
+    address = request.client.host if request.client else "?"
+    throttle = _throttle(request)
+    wait = throttle.retry_after(address)
+    if wait > 0:
+        out = _login_form(f"Too many wrong tokens; try again in {math.ceil(wait)} s.", 429)
+        out.headers["Retry-After"] = str(math.ceil(wait))
+        return out
     token = (form.get("token") or [""])[0].strip()
     if not token or not _source(request).is_admin(token):
+        throttle.failed(address)
         return _login_form("That is not this server's admin token.", 401)
     out = RedirectResponse("/dashboard", status_code=303, headers=HEADERS)
     out.set_cookie(COOKIE, _sessions(request).issue(), max_age=int(_sessions(request).ttl_s), path="/",

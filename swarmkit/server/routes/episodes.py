@@ -195,7 +195,40 @@ async def report(request: Request) -> Response:
     return _result(ep)
 
 
-def _check_primary(value: Any) -> dict[str, str] | None:
+def _origin(url: str) -> tuple[str, str] | None:
+    """(``scheme://host:port``, host) of an http(s) URL, the port made explicit; None if it is not one."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    host = parts.hostname.lower()
+    shown = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{shown}:{port}", host
+
+
+def _peer_allowed(url: str, peers: list[str]) -> bool:
+    """Whether ``url`` is on one of the operator's ``server.peers``."""
+    from swarmkit.config.validate import is_loopback
+
+    got = _origin(url)
+    if got is None:
+        return False
+    origin, host = got
+    for peer in peers:
+        if peer == "loopback":
+            if is_loopback(host):
+                return True
+        elif (p := _origin(peer)) is not None and p[0] == origin:
+            return True
+    return False
+
+
+def _check_primary(value: Any, peers: list[str] | None = None) -> dict[str, str] | None:
     if value is None:
         return None
     fields = ("url", "episode_id", "api_key")
@@ -206,6 +239,10 @@ def _check_primary(value: Any) -> dict[str, str] | None:
     if not value["url"].startswith(("http://", "https://")):
         raise ApiError(422, "'primary.url' must be an http(s) URL of the primary's server", "invalid_field",
                        param="primary.url")
+    if peers is not None and not _peer_allowed(value["url"], peers):
+        raise ApiError(422, f"'primary.url' is not on this server's peers ({', '.join(peers) or 'none'}): it "
+                       "calls no other server (server.peers lists the swarm servers a primary may live on)",
+                       "invalid_field", param="primary.url")
     return {k: value[k] for k in fields}
 
 
@@ -213,7 +250,7 @@ async def prepare(request: Request) -> Response:
     """First phase of ending a multi-server episode: keep the reward, wait for ``commit`` (or an abort)."""
     srv = _server(request)
     ep, reward, rewards, body = await _ended_by_client(request, srv)
-    srv.episodes.prepare(ep, reward, rewards, _check_primary(body.get("primary")))
+    srv.episodes.prepare(ep, reward, rewards, _check_primary(body.get("primary"), list(srv.server_cfg.peers)))
     return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": reward, "rewards": rewards or None,
                          "deadline": ep.deadline})
 
