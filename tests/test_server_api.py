@@ -10,7 +10,6 @@ import time
 import pytest
 
 from swarmkit.errors import ConfigError
-
 from swarmkit.swarm.auth import resolve_admin_token
 from swarmkit.testing.scripted import LOGPROB
 
