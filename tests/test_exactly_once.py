@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from swarmkit.apps.serve import start_server_thread
-from swarmkit.client import SwarmClient
+from swarmkit.client import ServerUnavailable, SwarmClient
 from swarmkit.pool.journal import SamplePool
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.swarm.cycle import TrainingCycle
@@ -136,5 +136,40 @@ def test_a_step_the_journal_cannot_record_is_not_trained_twice(train_cfg, tmp_pa
             assert sorted(trainer.trained) == sorted(first + second)  # each episode trained once
             assert {cycle.pool.get(e).trained_step for e in first} == {1}
             assert {cycle.pool.get(e).trained_step for e in second} == {2}
+    finally:
+        h.stop()
+
+
+def test_a_report_the_journal_cannot_store_names_the_error_in_the_status(train_cfg, tmp_path):
+    """Issue 31: while the journal could not be written (a full disk), reports answered 503 but ``last_error``
+    stayed empty, though reliability.md promises SQLite's own error there."""
+    from swarmkit.models import build_tiny_tokenizer
+
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 100, 2
+    cfg.trainer.total_steps = 0
+    cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: _Trainer())
+    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                        "run_dir": str(tmp_path)}},
+                            config=cfg, backend_factory=lambda c: ScriptedBackend(build_tiny_tokenizer(),
+                                                                                  replies=["ok"]),
+                            cycle=cycle)
+    try:
+        with SwarmClient(h.url, token=TOKEN, retry_for=1) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=20)
+            with cycle.pool._lock:
+                _fill_disk(cycle.pool._db)
+            ep = c.register("task-full")
+            with pytest.raises(ServerUnavailable, match="503 pool_unavailable"):
+                c._call("POST", f"/api/v1/episodes/{ep.episode_id}/report", json_body={"reward": 0.5, "meta":
+                        {"pad": "x" * 60_000}}, key=ep.api_key)
+            err = c.status()["pool"].get("last_error") or ""
+            assert "full" in err and ep.episode_id in err, err
+            with cycle.pool._lock:
+                _free_disk(cycle.pool._db)
+            c._call("POST", f"/api/v1/episodes/{ep.episode_id}/report", json_body={"reward": 0.5}, key=ep.api_key)
+            assert cycle.pool.get(ep.episode_id) is not None
+            assert not c.status()["pool"].get("last_error")
     finally:
         h.stop()

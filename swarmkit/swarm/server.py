@@ -58,6 +58,9 @@ from swarmkit.timelines.track import ContextTracker
 CALLER_GONE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("swarmkit_caller_gone", default=None)
 
 
+#: how ``last_error`` starts while the journal refuses finished episodes (cleared by the next one it takes)
+JOURNAL_STORE_ERROR = "the journal could not store episode"
+
 #: the deepest a registration's or report's ``meta`` may nest (deeper ones broke every reader of the episode)
 MAX_META_DEPTH = 32
 
@@ -683,7 +686,13 @@ class SwarmServer:
         elif not ep.eval:
             try:
                 await self.accept(ep)
+                if str(getattr(self.cycle, "last_error", None) or "").startswith(JOURNAL_STORE_ERROR):
+                    self.cycle.last_error = None  # the journal takes episodes again
             except Exception as exc:  # noqa: BLE001 - the sample was not stored: let the client retry
+                if hasattr(self.cycle, "last_error"):  # the status names the store's own error (e.g. a full disk)
+                    self.cycle.last_error = (f"{JOURNAL_STORE_ERROR} {ep.id}: "
+                                             f"{type(exc).__name__}: {exc}; reports answer 503 until it can")
+                    log.error("%s", self.cycle.last_error)
                 ep.status = on_failure
                 if on_failure == RUNNING:
                     ep.reward, ep.rewards = None, {}
