@@ -666,7 +666,9 @@ def _dashboard_paths() -> dict[str, Schema]:
             body={"required": True, "content": {"application/x-www-form-urlencoded": {
                 "schema": obj({"token": string("the admin token")}, ("token",))}}},
             responses={**see_other, "400": _html("the login form again: the form could not be read"),
-                       "401": _html("the login form again: not the admin token"), **errors()})},
+                       "401": _html("the login form again: not the admin token"),
+                       "429": _html("the login form again: too many wrong tokens from this address (or from all) "
+                                    "in the last minute; see Retry-After"), **errors()})},
         "/dashboard/logout": {"post": op(
             "End the session", tag, PUBLIC, operation_id="dashboard_logout", responses={**see_other, **errors()})},
         "/dashboard/static/{name}": {"get": op(
