@@ -415,13 +415,16 @@ class HFBackend(InferenceBackend):
             slot = torch.log_softmax(self._runner.prefill([ids], [0], self._pad_id).float(), -1)
             plain = torch.log_softmax(self._model(input_ids=torch.tensor([ids], device=self.device)).logits[:, -1]
                                       .float(), -1)
-        diff = float((slot - plain).abs().max())
-        tol = 1e-2 if self.dtype == torch.float32 else 0.5
-        if not diff <= tol:
+        # KL(plain || slot) of the next-token distributions: ~1e-9 in float32, small in bf16 (rounding), and
+        # far above 1 when the mask or the cache is bypassed (the max |d logprob| of a bf16 vocabulary is not
+        # a usable test: some of 150k rare tokens move by rounding alone)
+        kl = float((plain.exp() * (plain - slot)).sum())
+        tol = 1e-3 if self.dtype == torch.float32 else 0.1
+        if not kl <= tol:
             raise RuntimeError(
                 f"hf backend: the slot-cache forward of {type(self._model).__name__} differs from its plain "
-                f"forward (max |d logprob| {diff:.3g} > {tol}); this architecture's attention does not go "
-                "through swarmkit's slot attention: use backend=vllm for it")
+                f"forward (KL {kl:.3g} > {tol}); this architecture's attention does not go through swarmkit's "
+                "slot attention: use backend=vllm for it")
 
     def _worker(self) -> None:
         import torch
