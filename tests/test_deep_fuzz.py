@@ -66,28 +66,52 @@ def server(train_cfg, tmp_path_factory):
     cfg.trainer.total_steps = 0
     cfg.logger = []
     h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN, "episode_timeout_s": 3600,
-                                        "max_calls_per_episode": 100_000,
                                         "run_dir": str(tmp_path_factory.mktemp("deep-fuzz"))}}, config=cfg)
     with SwarmClient(h.url, token=TOKEN) as c:
         c.start()
         c.wait_for_state("ROLLING", timeout=120)
-        ep = c.register("deep-fuzz", timeout_s=3600)
         vocab = len(h.swarm.backend.tokenizer)
-        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {ep.api_key}"}) as http:
-            yield h, http, ep.base_url.rstrip("/"), vocab
+        with httpx.Client(timeout=120) as http:
+            yield h, Episodes(c, http), vocab
         h.stop()
 
 
-def _send(http: httpx.Client, url: str, body: dict, route: str) -> None:
+class Episodes:
+    """Calls go to one episode after another (an episode takes at most server.max_calls_per_episode)."""
+
+    def __init__(self, client: SwarmClient, http: httpx.Client, calls_each: int = 500):
+        self.client, self.http, self.calls_each = client, http, calls_each
+        self.calls = 0
+        self.ep = None
+
+    def next(self) -> tuple[str, dict]:
+        if self.ep is None or self.calls >= self.calls_each:
+            self.ep = self.client.register(f"deep-fuzz-{self.calls}", timeout_s=3600)
+            self.calls = 0
+        self.calls += 1
+        return self.ep.base_url.rstrip("/"), {"Authorization": f"Bearer {self.ep.api_key}"}
+
+
+def _send(eps: Episodes, path: str, body: dict, route: str) -> None:
+    """POST ``body`` to ``path`` under the current episode's base URL (``/tokenize``: the server's root)."""
+    base, auth = eps.next()
+    url = f"{base.removesuffix('/v1')}{path}"
     if body.get("stream"):
-        with http.stream("POST", url, json=body) as r:
+        with eps.http.stream("POST", url, json=body, headers=auth) as r:
             text = r.read().decode("utf-8", "replace")
     else:
-        r = http.post(url, json=body)
+        r = eps.http.post(url, json=body, headers=auth)
         text = r.text
     assert r.status_code < 500, (route, r.status_code, json.dumps(body)[:400], text[:400])
     assert "server_error" not in text and "incident" not in text, (route, json.dumps(body)[:400], text[:400])
     SEEN[f"{route} {r.status_code // 100}xx"] += 1
+    if r.status_code >= 400:
+        try:
+            err = json.loads(text).get("error", {})
+            code = err.get("code") or err.get("type") if isinstance(err, dict) else err
+        except ValueError:
+            code = text[:40]
+        SEEN[f"{route} {r.status_code} {code}"] += 1
     SEEN[f"{route} total"] += 1
 
 
@@ -97,7 +121,7 @@ def _settings(route: str):
 
 
 def test_chat_completions(server):
-    h, http, base, vocab = server
+    h, eps, vocab = server
 
     @_settings("chat")
     @given(msgs=chat_messages(), params=sampling(vocab), n=st.integers(1, 3), max_tokens=st.integers(1, 6),
@@ -108,12 +132,12 @@ def test_chat_completions(server):
             body["n"] = n
         if lp is not None:
             body |= {"logprobs": True, "top_logprobs": lp}
-        _send(http, f"{base}/chat/completions", body, "chat")
+        _send(eps, "/v1/chat/completions", body, "chat")
     run()
 
 
 def test_completions(server):
-    h, http, base, vocab = server
+    h, eps, vocab = server
 
     @_settings("completions")
     @given(prompt=st.one_of(texts, st.lists(st.integers(0, vocab - 1), min_size=1, max_size=30)),
@@ -122,12 +146,12 @@ def test_completions(server):
         body = {"prompt": prompt, "max_tokens": max_tokens, **params}
         if lp is not None:
             body["logprobs"] = lp
-        _send(http, f"{base}/completions", body, "completions")
+        _send(eps, "/v1/completions", body, "completions")
     run()
 
 
 def test_messages(server):
-    h, http, base, vocab = server
+    h, eps, vocab = server
     anthropic = st.fixed_dictionaries({}, optional={"temperature": st.one_of(st.sampled_from([0.0, 5e-324, 1.0]),
                                                                              st.floats(0, 1)),
                                                     "top_p": top_ps, "top_k": st.integers(0, 500),
@@ -145,13 +169,12 @@ def test_messages(server):
                 a["role"] = "assistant" if b["role"] == "user" else "user"
         if turns[0]["role"] != "user":
             turns = turns[1:] or [{"role": "user", "content": "hi"}]
-        _send(http, f"{base.removesuffix('/v1')}/v1/messages", {"messages": turns, "max_tokens": max_tokens, **params},
-              "messages")
+        _send(eps, "/v1/messages", {"messages": turns, "max_tokens": max_tokens, **params}, "messages")
     run()
 
 
 def test_responses(server):
-    h, http, base, vocab = server
+    h, eps, vocab = server
     items = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer"]),
                                             "content": texts}), min_size=1, max_size=3)
 
@@ -161,27 +184,29 @@ def test_responses(server):
     def run(inp, temperature, top_p, stream, max_tokens):
         body = {"input": inp, "temperature": temperature, "top_p": top_p, "stream": stream,
                 "max_output_tokens": max_tokens, "store": False}
-        _send(http, f"{base}/responses", body, "responses")
+        _send(eps, "/v1/responses", body, "responses")
     run()
 
 
 def test_tokenize(server):
-    h, http, base, vocab = server
+    h, eps, vocab = server
 
     @_settings("tokenize")
     @given(body=st.one_of(st.fixed_dictionaries({"prompt": texts}), st.fixed_dictionaries({"messages": chat_messages()})))
     def run(body):
-        _send(http, f"{h.url}/tokenize", body, "tokenize")
+        _send(eps, "/tokenize", body, "tokenize")
     run()
 
 
 def test_every_route_answered_and_the_server_still_serves(server):
-    h, http, base, vocab = server
+    h, eps, vocab = server
     total = sum(v for k, v in SEEN.items() if k.endswith("total"))
     ok = sum(v for k, v in SEEN.items() if k.endswith("2xx"))
     print(dict(SEEN))
     assert total >= 5000 * float(__import__("os").environ.get("SWARMKIT_FUZZ_SCALE", "1")), dict(SEEN)
     assert ok >= 0.95 * total, dict(SEEN)
     assert httpx.get(f"{h.url}/api/v1/health").status_code == 200
-    r = http.post(f"{base}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    base, auth = eps.next()
+    r = eps.http.post(f"{base}/chat/completions", headers=auth,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text[:300]
