@@ -173,3 +173,34 @@ def test_a_report_the_journal_cannot_store_names_the_error_in_the_status(train_c
             assert not c.status()["pool"].get("last_error")
     finally:
         h.stop()
+
+
+def test_the_journal_has_a_quota(train_cfg, tmp_path):
+    """Issue 31: the journal grew without bound (10.3 MB/s with 64 KiB meta). Past server.max_journal_bytes
+    (or under server.min_free_disk_bytes free) a report gets 507 journal_full and the status says why."""
+    from swarmkit.client import SwarmAPIError
+    from swarmkit.models import build_tiny_tokenizer
+
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 100, 2
+    cfg.trainer.total_steps = 0
+    cfg.server.max_journal_bytes = 1
+    cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: _Trainer())
+    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                        "run_dir": str(tmp_path)}},
+                            config=cfg, backend_factory=lambda c: ScriptedBackend(build_tiny_tokenizer(),
+                                                                                  replies=["ok"]),
+                            cycle=cycle)
+    try:
+        with SwarmClient(h.url, token=TOKEN, retry_for=1) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=20)
+            ep = c.register("task-quota")
+            with pytest.raises(SwarmAPIError) as e:
+                ep.report(0.5)
+            assert e.value.status == 507 and e.value.code == "journal_full"
+            assert "max_journal_bytes" in (c.status()["pool"].get("last_error") or "")
+            with pytest.raises(KeyError):
+                cycle.pool.get(ep.episode_id)  # nothing was stored
+    finally:
+        h.stop()

@@ -93,6 +93,10 @@ class ServerConfig:
     max_tokens_per_request: int = 262_144
     #: the largest ``meta`` of a registration or report, as JSON (422)
     max_meta_bytes: int = 65_536
+    #: the journal (RUN_DIR/journal.sqlite with its WAL) may grow to this many bytes; past it, and while the
+    #: run folder's disk has less than min_free_disk_bytes free, finished episodes are refused (507)
+    max_journal_bytes: int = 32 * 2**30
+    min_free_disk_bytes: int = 2**30
     #: an inference request with a field the endpoint does not know gets 400 (default: the call goes
     #: through, the server logs the names and answers with the X-Swarm-Ignored-Fields header)
     strict_fields: bool = False

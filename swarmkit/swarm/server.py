@@ -17,6 +17,8 @@ import inspect
 import json
 import logging
 import math
+import os
+import shutil
 import sys
 import threading
 import time
@@ -302,6 +304,8 @@ class SwarmServer:
         self.max_calls_per_episode = int(scfg.max_calls_per_episode)
         self.max_tokens_per_request = int(scfg.max_tokens_per_request)
         self.max_meta_bytes = int(scfg.max_meta_bytes)
+        self.max_journal_bytes = int(scfg.max_journal_bytes)
+        self.min_free_disk_bytes = int(scfg.min_free_disk_bytes)
 
     def check_client(self, token: str | None) -> None:
         """A sampling client's call (register, vote, heartbeat): the client token when one is set."""
@@ -664,11 +668,28 @@ class SwarmServer:
         except Exception:  # noqa: BLE001
             log.exception("on_episode_finished hooks failed")
 
+    def check_journal_room(self) -> None:
+        """507 ``journal_full`` when the journal is past ``server.max_journal_bytes`` or its disk has less than
+        ``server.min_free_disk_bytes`` free (a client cannot grow the run folder without bound)."""
+        path = getattr(getattr(self.cycle, "pool", None), "db_path", None)
+        if not path:
+            return
+        size = sum(os.path.getsize(p) for p in (path, path + "-wal") if os.path.exists(p))
+        if size > self.max_journal_bytes:
+            raise ApiError(507, f"the journal holds {size} bytes, over server.max_journal_bytes "
+                           f"({self.max_journal_bytes}); no further episodes are stored", "journal_full")
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        if free < self.min_free_disk_bytes:
+            raise ApiError(507, f"the run folder's disk has {free} bytes free, under server.min_free_disk_bytes "
+                           f"({self.min_free_disk_bytes}); no further episodes are stored", "journal_full")
+
     async def accept(self, ep: Episode) -> None:
         """Hand a finished training episode to the cycle (before answering its reporter).
 
-        Raising makes the report fail with 503 (the client retries) and leaves the episode running.
+        Raising makes the report fail with 503 (the client retries; 507 past the journal's quota) and leaves
+        the episode running.
         """
+        self.check_journal_room()
         result = self.cycle.accept(ep)
         if inspect.isawaitable(result):
             await result
@@ -691,11 +712,13 @@ class SwarmServer:
             except Exception as exc:  # noqa: BLE001 - the sample was not stored: let the client retry
                 if hasattr(self.cycle, "last_error"):  # the status names the store's own error (e.g. a full disk)
                     self.cycle.last_error = (f"{JOURNAL_STORE_ERROR} {ep.id}: "
-                                             f"{type(exc).__name__}: {exc}; reports answer 503 until it can")
+                                             f"{type(exc).__name__}: {exc}; reports are refused until it can")
                     log.error("%s", self.cycle.last_error)
                 ep.status = on_failure
                 if on_failure == RUNNING:
                     ep.reward, ep.rewards = None, {}
+                if isinstance(exc, ApiError):
+                    raise
                 raise busy(f"the episode could not be stored in the sample pool ({type(exc).__name__}: {exc}); "
                            "retry", 1.0, "pool_unavailable") from None
             accepted = True
