@@ -38,29 +38,18 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-try:  # the repo not pip-installed (the GPU machine): map swarmkit_plugins onto plugins/
-    import swarmkit_plugins  # noqa: F401
-except ImportError:
-    import types
-
-    _pkg = types.ModuleType("swarmkit_plugins")
-    _pkg.__path__ = [str(ROOT / "plugins")]
-    sys.modules["swarmkit_plugins"] = _pkg
+from _repo import (
+    QWEN_05B,  # also makes the checkout importable (the GPU machine may not pip-install it)
+)
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
+    "0.5b": QWEN_05B,
     "smoke": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256),
 }

@@ -52,22 +52,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-try:  # the repo not pip-installed (the GPU machine): map swarmkit_plugins onto plugins/
-    import swarmkit_plugins  # noqa: F401
-except ImportError:
-    import types
-
-    _pkg = types.ModuleType("swarmkit_plugins")
-    _pkg.__path__ = [str(ROOT / "plugins")]
-    sys.modules["swarmkit_plugins"] = _pkg
+from _repo import (
+    QWEN_05B,  # also makes the checkout importable (the GPU machine may not pip-install it)
+)
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936),
+    "0.5b": dict(QWEN_05B, vocab_size=151936),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936),
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -43,6 +43,38 @@ def train_cfg():
 
 
 @pytest.fixture(scope="session")
+def serve_tiny_hf(train_cfg):
+    """A context manager ``serve(run_dir, token, **server_keys)``: a real server (uvicorn on 127.0.0.1) running
+    the hf engine on the tiny model on the CPU, no training step, started and ROLLING; yields ``(handle,
+    SwarmClient)`` and stops the server on exit."""
+    import contextlib
+
+    from omegaconf import OmegaConf
+
+    from swarmkit.apps.serve import start_server_thread
+    from swarmkit.client import SwarmClient
+
+    @contextlib.contextmanager
+    def serve(run_dir, token, **server_keys):
+        cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+        cfg.backend.device = "cpu"
+        cfg.trainer.total_steps = 0
+        cfg.logger = []
+        for key, value in server_keys.items():  # the training config's server limits apply at boot
+            cfg.server[key] = value
+        h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": token,
+                                            "run_dir": str(run_dir), **server_keys}}, config=cfg)
+        try:
+            with SwarmClient(h.url, token=token) as c:
+                c.start()
+                c.wait_for_state("ROLLING", timeout=120)
+                yield h, c
+        finally:
+            h.stop()
+    return serve
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     from swarmkit.models import build_tiny_tokenizer
 

@@ -19,7 +19,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 
 from swarmkit.client import SwarmClient
 
@@ -58,22 +57,10 @@ def sampling(vocab: int, *, openai: bool = True):
 
 
 @pytest.fixture(scope="module")
-def server(train_cfg, tmp_path_factory):
-    from swarmkit.apps.serve import start_server_thread
-
-    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
-    cfg.backend.device = "cpu"
-    cfg.trainer.total_steps = 0
-    cfg.logger = []
-    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN, "episode_timeout_s": 3600,
-                                        "run_dir": str(tmp_path_factory.mktemp("deep-fuzz"))}}, config=cfg)
-    with SwarmClient(h.url, token=TOKEN) as c:
-        c.start()
-        c.wait_for_state("ROLLING", timeout=120)
-        vocab = len(h.swarm.backend.tokenizer)
-        with httpx.Client(timeout=120) as http:
-            yield h, Episodes(c, http), vocab
-        h.stop()
+def server(serve_tiny_hf, tmp_path_factory):
+    with serve_tiny_hf(tmp_path_factory.mktemp("deep-fuzz"), TOKEN, episode_timeout_s=3600) as (h, c), \
+            httpx.Client(timeout=120) as http:
+        yield h, Episodes(c, http), len(h.swarm.backend.tokenizer)
 
 
 class Episodes:

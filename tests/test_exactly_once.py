@@ -81,20 +81,35 @@ class _Trainer:
         pass
 
 
+def _start(cfg, tmp_path, cycle):
+    """A real server on a scripted backend (one reply, "ok") with ``cycle`` as its training cycle."""
+    from swarmkit.models import build_tiny_tokenizer
+
+    return start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                           "run_dir": str(tmp_path)}},
+                               config=cfg, backend_factory=lambda c: ScriptedBackend(build_tiny_tokenizer(),
+                                                                                     replies=["ok"]),
+                               cycle=cycle)
+
+
+def _no_step_cfg(train_cfg, **server):
+    """The tiny config, no step limit, a batch no test fills (episodes stay in the pool); ``server`` limits."""
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 100, 2
+    cfg.trainer.total_steps = 0
+    for key, value in server.items():
+        cfg.server[key] = value
+    return cfg
+
+
 def test_a_step_the_journal_cannot_record_is_not_trained_twice(train_cfg, tmp_path):
     cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
     cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
     cfg.trainer.total_steps = 0
-    from swarmkit.models import build_tiny_tokenizer
-
     trainer = _Trainer()
     cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: trainer)
     cycle.journal_attempts = 2
-    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                        "run_dir": str(tmp_path)}},
-                            config=cfg, backend_factory=lambda c: ScriptedBackend(build_tiny_tokenizer(),
-                                                                                  replies=["ok"]),
-                            cycle=cycle)
+    h = _start(cfg, tmp_path, cycle)
 
     def wait(cond, what, timeout=20.0):
         end = time.monotonic() + timeout
@@ -143,17 +158,8 @@ def test_a_step_the_journal_cannot_record_is_not_trained_twice(train_cfg, tmp_pa
 def test_a_report_the_journal_cannot_store_names_the_error_in_the_status(train_cfg, tmp_path):
     """Issue 31: while the journal could not be written (a full disk), reports answered 503 but ``last_error``
     stayed empty, though reliability.md promises SQLite's own error there."""
-    from swarmkit.models import build_tiny_tokenizer
-
-    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
-    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 100, 2
-    cfg.trainer.total_steps = 0
     cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: _Trainer())
-    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                        "run_dir": str(tmp_path)}},
-                            config=cfg, backend_factory=lambda c: ScriptedBackend(build_tiny_tokenizer(),
-                                                                                  replies=["ok"]),
-                            cycle=cycle)
+    h = _start(_no_step_cfg(train_cfg), tmp_path, cycle)
     try:
         with SwarmClient(h.url, token=TOKEN, retry_for=1) as c:
             c.start()
@@ -179,18 +185,9 @@ def test_the_journal_has_a_quota(train_cfg, tmp_path):
     """Issue 31: the journal grew without bound (10.3 MB/s with 64 KiB meta). Past server.max_journal_bytes
     (or under server.min_free_disk_bytes free) a report gets 507 journal_full and the status says why."""
     from swarmkit.client import SwarmAPIError
-    from swarmkit.models import build_tiny_tokenizer
 
-    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
-    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 100, 2
-    cfg.trainer.total_steps = 0
-    cfg.server.max_journal_bytes = 1
     cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: _Trainer())
-    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                        "run_dir": str(tmp_path)}},
-                            config=cfg, backend_factory=lambda c: ScriptedBackend(build_tiny_tokenizer(),
-                                                                                  replies=["ok"]),
-                            cycle=cycle)
+    h = _start(_no_step_cfg(train_cfg, max_journal_bytes=1), tmp_path, cycle)
     try:
         with SwarmClient(h.url, token=TOKEN, retry_for=1) as c:
             c.start()

@@ -8,28 +8,14 @@ import time
 
 import httpx
 import pytest
-from omegaconf import OmegaConf
-
-from swarmkit.client import SwarmClient
 
 TOKEN = "generation-limits-admin-" + "x" * 16
 
 
 @pytest.fixture(scope="module")
-def hf_server(train_cfg, tmp_path_factory):
-    from swarmkit.apps.serve import start_server_thread
-
-    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
-    cfg.backend.device = "cpu"
-    cfg.trainer.total_steps = 0
-    cfg.logger = []
-    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                        "run_dir": str(tmp_path_factory.mktemp("limits"))}}, config=cfg)
-    with SwarmClient(h.url, token=TOKEN) as c:
-        c.start()
-        c.wait_for_state("ROLLING", timeout=120)
-        yield h, c
-    h.stop()
+def hf_server(serve_tiny_hf, tmp_path_factory):
+    with serve_tiny_hf(tmp_path_factory.mktemp("limits"), TOKEN) as served:
+        yield served
 
 
 def test_a_call_whose_client_disconnects_stops_generating(hf_server):

@@ -4,11 +4,14 @@ How it works
 ------------
 One background worker thread owns the model. Requests (from any number of
 asyncio callers) are queued; at every step boundary the worker admits waiting
-requests (up to ``max_batch_size`` sequences in flight), prefills them together
-as one left-padded batch, and merges their KV cache into the running batch
-(continuous batching: a new request never waits for the current batch to
-finish). Each decode step feeds the last sampled token of every active sequence
-in one forward pass. Finished sequences leave the batch at once. When the worker
+requests (up to ``max_batch_size`` sequences in flight, one request at most half
+of them while others wait), gives each the lowest free slot of a preallocated KV
+cache (:mod:`.slots`) and prefills them together as one left-padded batch into
+their slots (continuous batching: a new request never waits for the current batch
+to finish). Each decode step feeds the last sampled token of every active
+sequence in one forward pass (a replayed CUDA graph on CUDA, :mod:`.runner`) and
+samples all rows on the device (:mod:`.sampler`). A finished sequence frees its
+slot at once; nothing is copied. When the worker
 was idle, the first request waits for others to batch with: the window stays open
 while requests keep arriving less than ``batch_wait_s`` apart, for at most
 ``batch_wait_max_s``.
@@ -24,7 +27,7 @@ Semantics
   tokens), ``repetition_penalty`` (over prompt and generation) and ``logit_bias`` shape
   the distribution sampled from (and the argmax of greedy decoding); the logprobs stay
   the raw ones, as with temperature and top-p.
-- ``temperature == 0`` is greedy (argmax). ``seed`` makes sampling reproducible
+- ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5) is greedy (argmax). ``seed`` makes sampling reproducible
   and independent of what else is in the batch (one generator per sequence;
   continuation ``i`` of ``n`` uses ``seed + i``).
 - Stop token ids (``stop_token_ids`` plus the tokenizer's / generation config's
@@ -627,9 +630,9 @@ class HFBackend(InferenceBackend):
             shaped = logits.float().clone()
             for r in rows_shaped:
                 shaped[r] = _shaped(shaped[r], seqs[r].req.params, seqs[r])
-        rows = [RowSampling(temperature=0.0 if s.req.params.greedy() else s.req.params.temperature,
-                            top_p=s.req.params.top_p, top_k=s.req.params.top_k, min_p=s.req.params.min_p,
-                            generator=s.generator) for s in seqs]
+        rows = [RowSampling(temperature=s.req.params.temperature, top_p=s.req.params.top_p,
+                            top_k=s.req.params.top_k, min_p=s.req.params.min_p, generator=s.generator)
+                for s in seqs]  # the sampler decodes greedily below GREEDY_TEMPERATURE
         k = max((s.req.params.top_logprobs for s in seqs), default=0)
         return to_host(sample(logits, shaped, rows, self._rng, top_logprobs=k))
 
