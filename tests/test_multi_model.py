@@ -122,8 +122,10 @@ def test_both_servers_train_their_own_model(swarm):
 
 def test_each_journal_holds_only_its_own_roles_tokens(swarm):
     servers = {s.role: s for s in swarm["servers"]}
-    journals = {r: _journal(servers[r]) for r in ROLES}
+    # the client keeps running and logs an episode only after both servers acknowledged its reports
+    # (journaled before the acknowledgement): read the log first, so every logged episode is journaled
     logged = _logged(swarm["log"])
+    journals = {r: _journal(servers[r]) for r in ROLES}
     assert len(logged) >= 8
     ids = {r: {rec["id"] for rec in journals[r]} for r in ROLES}
     assert not ids["a"] & ids["b"]
