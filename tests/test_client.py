@@ -120,7 +120,7 @@ def test_register_retries_while_the_server_is_busy(client, handle):
         time.sleep(1.2)
         on_loop(handle, srv.enter_weight_syncing)
         time.sleep(0.2)
-        on_loop(handle, srv.resume_rolling, 0)
+        on_loop(handle, srv.resume_rolling)
 
     threading.Thread(target=resume).start()
     t0 = time.monotonic()
@@ -141,7 +141,7 @@ def test_busy_server_gives_a_clear_error_after_the_retry_budget(handle):
             assert time.monotonic() - t0 < 4
     finally:
         on_loop(handle, srv.enter_weight_syncing)
-        on_loop(handle, srv.resume_rolling, 0)
+        on_loop(handle, srv.resume_rolling)
         time.sleep(0.1)
 
 

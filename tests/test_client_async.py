@@ -77,7 +77,7 @@ def busy_for(handle, seconds: float) -> threading.Thread:
         time.sleep(seconds)
         on_loop(handle, srv.enter_weight_syncing)
         time.sleep(0.05)
-        on_loop(handle, srv.resume_rolling, 0)
+        on_loop(handle, srv.resume_rolling)
 
     t = threading.Thread(target=resume, daemon=True)
     t.start()
@@ -246,7 +246,7 @@ def test_busy_server_gives_a_clear_error_after_the_retry_budget(handle):
         assert time.monotonic() - t0 < 4
     finally:
         on_loop(handle, srv.enter_weight_syncing)
-        on_loop(handle, srv.resume_rolling, 0)
+        on_loop(handle, srv.resume_rolling)
         time.sleep(0.1)
 
 

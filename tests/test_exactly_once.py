@@ -201,3 +201,67 @@ def test_the_journal_has_a_quota(train_cfg, tmp_path):
                 cycle.pool.get(ep.episode_id)  # nothing was stored
     finally:
         h.stop()
+
+
+class _SavingTrainer(_Trainer):
+    """A :class:`_Trainer` that saves checkpoints (a folder holding the step it was saved at)."""
+
+    def save_checkpoint(self, path, extra=None):
+        from pathlib import Path
+
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "step.txt").write_text(str(self.global_step))
+        return folder
+
+    def prune_checkpoints(self, keep):
+        return []
+
+
+def test_a_checkpoint_requested_during_a_step_is_named_after_the_step_it_saves(train_cfg, tmp_path):
+    """Issue 33: the controller's checkpoint was named from the server's step before the cycle took the
+    trainer lock; requested while a step ran, the folder of step 1's weights was called step_00000000."""
+    import threading
+
+    import httpx
+
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
+    cfg.trainer.total_steps = 0
+    trainer = _SavingTrainer()
+    in_step, release = threading.Event(), threading.Event()
+
+    def hold():
+        in_step.set()
+        assert release.wait(20)
+
+    trainer.on_step = hold
+    cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: trainer)
+    h = _start(cfg, tmp_path, cycle)
+    try:
+        with SwarmClient(h.url, token=TOKEN, retry_for=20) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=20)
+            for _ in range(2):
+                with c.episode("task-a") as ep:
+                    ep.report(0.5)
+            assert in_step.wait(20)  # step 1 is under way, its trainer held
+            answer: dict = {}
+
+            def ask():
+                answer.update(httpx.post(f"{h.url}/api/v1/admin/checkpoint", timeout=30,
+                                         headers={"Authorization": f"Bearer {TOKEN}"}).json())
+
+            asker = threading.Thread(target=ask)
+            asker.start()
+            time.sleep(0.5)  # the request waits for the step
+            release.set()
+            asker.join(30)
+            assert answer["global_step"] == 1, answer
+            folder = tmp_path / "checkpoints" / "step_00000001"
+            assert answer["path"] == str(folder)
+            assert (folder / "step.txt").read_text() == "1" and (folder / "status.json").exists()
+            assert not (tmp_path / "checkpoints" / "step_00000000").exists()
+    finally:
+        release.set()
+        h.stop()

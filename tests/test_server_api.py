@@ -270,7 +270,8 @@ def test_rolling_post_refuses_new_episodes_but_running_ones_finish(make):
     assert h.report(ep, 1.0).status_code == 200
     h.call(h.srv.enter_weight_syncing)
     assert_error(h.tc.post("/api/v1/episodes", json={"task_id": "t"}), 503, "server_busy")
-    h.call(h.srv.resume_rolling, 1)
+    h.srv.cycle.global_step = 1  # the test plays the cycle: it moves the step on, then resumes
+    h.call(h.srv.resume_rolling)
     assert h.register()["episode_id"]
     assert h.tc.get("/api/v1/health").json()["global_step"] == 1
 
@@ -287,7 +288,8 @@ def test_call_during_weight_sync_waits_for_the_new_weights(make):
     t.start()
     time.sleep(0.2)
     assert "r" not in result
-    h.call(h.srv.resume_rolling, 1)
+    h.srv.cycle.global_step = 1  # the test plays the cycle: it moves the step on, then resumes
+    h.call(h.srv.resume_rolling)
     t.join(5)
     assert result["r"].status_code == 200
 
@@ -539,7 +541,7 @@ def test_pool_record_carries_what_the_pool_needs(make, tmp_path):
 def test_after_the_step_limit_training_episodes_are_refused_and_late_reports_are_not_pooled(make):
     h = make()
     open_before = h.register()
-    h.srv.training_finished = "training finished: trainer.total_steps=2 reached"
+    h.srv.cycle.training_finished = "training finished: trainer.total_steps=2 reached"
     r = h.tc.post("/api/v1/episodes", json={"task_id": "t2"})
     assert_error(r, 409, "training_finished")
     assert h.tc.post("/api/v1/episodes", json={"task_id": "t2", "eval": True}).status_code == 201

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -36,6 +37,7 @@ from swarmkit.contract.batching import (
     PoolEpisode,
     scalar_reward,
 )
+from swarmkit.errors import ApiError
 from swarmkit.pool.records import (
     FILTERED,
     TRAINED,
@@ -94,7 +96,31 @@ class SamplePool:
         self._reserved: set[str] = set()
         self._trained = 0
         self._filtered = 0
+        #: the quota :meth:`add` keeps (see :meth:`set_quota`): journal bytes, free bytes on its disk
+        self.max_bytes: int | None = None
+        self.min_free_bytes = 0
         self._rebuild()
+
+    def set_quota(self, max_bytes: int | None, min_free_bytes: int = 0) -> None:
+        """Refuse new episodes past ``max_bytes`` of journal (None: no limit) or with less than
+        ``min_free_bytes`` free on its disk (a client cannot grow the run folder without bound)."""
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
+        self.min_free_bytes = int(min_free_bytes)
+
+    def check_room(self) -> None:
+        """507 ``journal_full`` (an :class:`~swarmkit.errors.ApiError`) when the quota is reached."""
+        path = self.db_path
+        if self.max_bytes is not None:
+            size = sum(os.path.getsize(p) for p in (path, path + "-wal") if os.path.exists(p))
+            if size > self.max_bytes:
+                raise ApiError(507, f"the journal holds {size} bytes, over server.max_journal_bytes "
+                               f"({self.max_bytes}); no further episodes are stored", "journal_full")
+        if self.min_free_bytes:
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+            if free < self.min_free_bytes:
+                raise ApiError(507, f"the run folder's disk has {free} bytes free, under "
+                               f"server.min_free_disk_bytes ({self.min_free_bytes}); no further episodes are "
+                               "stored", "journal_full")
 
     # ------------------------------------------------------------------ set-up
     def _rebuild(self) -> None:
@@ -134,9 +160,11 @@ class SamplePool:
 
         Raises :class:`DuplicateEpisodeError` if the id is already in the
         journal, ``ValueError`` for a non-finite reward or a record that is
-        already marked trained.
+        already marked trained, and a 507 ``journal_full``
+        :class:`~swarmkit.errors.ApiError` past the quota (:meth:`set_quota`).
         """
         reward = check_reward(record.reward)
+        self.check_room()
         if record.trained_step is not None or record.status != UNTRAINED:
             raise ValueError(f"episode {record.episode_id!r}: only untrained episodes can be added")
         row = (record.episode_id, record.task_id, record.client_id, record.task_family,

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmkit.config.plain import as_dict
 from swarmkit.config.schema import TrainerConfig
@@ -41,13 +41,49 @@ from swarmkit.swarm.staleness import admission_capacity, admits, holds_step
 from swarmkit.swarm.state import ServerState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from swarmkit.swarm.server import SwarmServer
+    from swarmkit.contract import InferenceBackend
+    from swarmkit.swarm.episodes import EpisodeRegistry
+    from swarmkit.swarm.families import EvalTally
+    from swarmkit.swarm.presence import ClientTracker
+    from swarmkit.swarm.state import StateMachine
 
 log = logging.getLogger("swarmkit.cycle")
+
+class CycleHost(Protocol):
+    """All a training cycle uses of its server (:class:`~swarmkit.swarm.server.SwarmServer`): the one
+    seam between them. The server's limits, clients, episodes and state machine are read; the cycle
+    moves the state machine only through the four step methods. Training progress (``global_step``,
+    ``training_finished``) is the cycle's own; the server reads it."""
+
+    run_dir: Path | None
+    config: Any
+    backend: InferenceBackend | None
+    drain_timeout_s: float
+    drain_idle_s: float
+    max_journal_bytes: int
+    min_free_disk_bytes: int
+    clients: ClientTracker
+    episodes: EpisodeRegistry
+    eval_tally: EvalTally
+    state: StateMachine
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def enter_rolling_post(self) -> None: ...
+
+    async def drain(self, timeout_s: float | None = None, *, include_eval: bool = True) -> int: ...
+
+    def enter_weight_syncing(self) -> None: ...
+
+    def resume_rolling(self) -> None: ...
+
 
 StepFn = Callable[[Sequence[EpisodeRecord], int], dict[str, float]]
 TrainerFactory = Callable[[dict[str, Any], Path], Any]
 JOURNAL_FILE = "journal.sqlite"
+#: how ``last_error`` starts while the journal refuses finished episodes (cleared by the next one it takes)
+JOURNAL_STORE_ERROR = "the journal could not store episode"
 
 
 def pool_record(ep: Episode) -> EpisodeRecord:
@@ -71,7 +107,7 @@ def pool_record(ep: Episode) -> EpisodeRecord:
 
 
 class TrainingCycle:
-    """Owns the pool, the batching policy and the trainer of one :class:`SwarmServer`.
+    """Owns the pool, the batching policy and the trainer of one server (:class:`CycleHost`).
 
     :param run_dir: the server's run folder (journal, metrics, checkpoints).
     :param trainer_factory: ``(config dict, run_dir) -> trainer`` (``step``,
@@ -96,6 +132,10 @@ class TrainingCycle:
         self.metrics: MetricsWriter | None = None
         self.last_metrics: dict[str, float] = {}
         self.last_error: str | None = None
+        #: the training steps applied and served: this cycle is its only writer (the server reads it)
+        self.global_step = 0
+        #: why no further step trains (``trainer.total_steps`` reached); training episodes are then refused
+        self.training_finished: str | None = None
         self.steps_failed = 0
         self.total_steps = 0
         self.checkpoint_every = 0
@@ -125,23 +165,44 @@ class TrainingCycle:
         self._trainer_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._server: SwarmServer | None = None
+        self._server: CycleHost | None = None
 
     # ------------------------------------------------------------------ the server's Cycle
-    def attach(self, server: SwarmServer) -> None:
+    def attach(self, server: CycleHost) -> None:
         if server.run_dir is None or Path(server.run_dir) != self.run_dir:
             raise ValueError(f"the training cycle's run_dir {self.run_dir} is not the server's ({server.run_dir})")
         self._server = server
 
     @property
-    def server(self) -> SwarmServer:
+    def server(self) -> CycleHost:
         if self._server is None:
             raise RuntimeError("the training cycle is not attached to a server")
         return self._server
 
+    @property
+    def active_window_s(self) -> float | None:
+        """The batching policy's active window (the server's client tracker uses it); None before boot."""
+        return float(self.policy.active_window_s) if self.policy is not None else None
+
+    def waiting(self) -> list[PoolEpisode]:
+        """The accepted episodes waiting in the pool for a step."""
+        return self.pool.view()
+
     def accept(self, ep: Episode) -> None:
-        """Journal the episode (durable) before its reporter is answered."""
-        self.pool.add(pool_record(ep))
+        """Journal the episode (durable) before its reporter is answered.
+
+        A journal that refuses it raises (the reporter retries) and ``last_error`` says why until
+        the journal takes an episode again.
+        """
+        try:
+            self.pool.add(pool_record(ep))
+        except Exception as exc:
+            self.last_error = (f"{JOURNAL_STORE_ERROR} {ep.id}: {type(exc).__name__}: {exc}; "
+                               "reports are refused until it can")
+            log.error("%s", self.last_error)
+            raise
+        if self.last_error and self.last_error.startswith(JOURNAL_STORE_ERROR):
+            self.last_error = None  # the journal takes episodes again
         self._wake.set()
 
     def status(self) -> dict[str, Any]:
@@ -161,11 +222,9 @@ class TrainingCycle:
         batching = dict(cfg["batching"])
         self.policy_name = str(batching["name"])
         self.policy = load_component("batching", self.policy_name)(**batching)
-        # one owner of "active": the policy's window is the client tracker's
-        server.clients.active_window_s = float(self.policy.active_window_s)
         trainer_cfg = TrainerConfig(**as_dict(cfg.get("trainer")))
         self.total_steps = int(trainer_cfg.total_steps)
-        server.training_finished = None
+        self.training_finished = None
         self.checkpoint_every = int(trainer_cfg.checkpoint_every)
         self.keep_checkpoints = int(trainer_cfg.keep_checkpoints)
         self.log_trajectories = max(0, int(trainer_cfg.log_trajectories))
@@ -176,6 +235,8 @@ class TrainingCycle:
                         "a generation that spans a weight swap is labelled with the version it started with, "
                         "so its staleness is over-stated (tokens may be left out of the loss needlessly)",
                         type(server.backend).__name__)
+        # the server's limits (its training config's, applied before this boot step) bound the journal
+        self.pool.set_quota(server.max_journal_bytes, server.min_free_disk_bytes)
         if self.metrics is None:
             self.metrics = MetricsWriter(self.run_dir)
         if self.custom_step is None:
@@ -187,7 +248,7 @@ class TrainingCycle:
                 await server.backend.update_weights(
                     named_tensors=self.trainer.export_weights(), version=self.trainer.global_step
                 )
-                server.global_step = self.trainer.global_step
+                self.global_step = self.trainer.global_step
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -218,17 +279,20 @@ class TrainingCycle:
             except Exception:  # noqa: BLE001 - stopping must always succeed
                 log.exception("closing the trainer failed")
 
-    async def checkpoint(self, path: str) -> dict[str, Any] | None:
-        """Save the trainer into ``path`` (the controller's checkpoint folder); None without a trainer.
+    async def checkpoint(self, folder_for: Callable[[int], Path]) -> dict[str, Any] | None:
+        """Save the trainer into ``folder_for(step)``; None without a trainer.
 
-        Waits for a step under way (async mode) and its own checkpoint: a checkpoint is never
-        taken of a trainer in the middle of a step.
+        Waits for a step under way (and its own checkpoint), then names the folder after the step the
+        trainer is at: a checkpoint is never taken of a trainer in the middle of a step, nor named
+        after the step before it.
         """
         if self.trainer is None:
             return None
         async with self._trainer_lock:
-            folder = await asyncio.to_thread(self.trainer.save_checkpoint, path, {"pool": self.pool.stats()})
-            return {"path": str(folder), "global_step": self.trainer.global_step}
+            step = int(self.trainer.global_step)
+            folder = await asyncio.to_thread(self.trainer.save_checkpoint, str(folder_for(step)),
+                                             {"pool": self.pool.stats()})
+            return {"path": str(folder), "global_step": step}
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
@@ -265,13 +329,12 @@ class TrainingCycle:
     def _limit_reached(self) -> bool:
         """Whether ``trainer.total_steps`` is reached; the first time, the server says so and refuses
         training episodes from then on."""
-        srv = self.server
-        if not (self.total_steps and srv.global_step >= self.total_steps):
+        if not (self.total_steps and self.global_step >= self.total_steps):
             return False
-        if srv.training_finished is None:
-            srv.training_finished = (f"training finished: trainer.total_steps={self.total_steps} reached; "
-                                     "training episodes are refused (eval episodes still run)")
-            log.warning("%s", srv.training_finished)
+        if self.training_finished is None:
+            self.training_finished = (f"training finished: trainer.total_steps={self.total_steps} reached; "
+                                      "training episodes are refused (eval episodes still run)")
+            log.warning("%s", self.training_finished)
         return True
 
     async def train_once(self, decision: Any) -> dict[str, float]:
@@ -291,7 +354,8 @@ class TrainingCycle:
         try:
             return await self._step(decision, drain)
         finally:
-            srv.resume_rolling(max(srv.global_step, self._applied_step))
+            self.global_step = max(self.global_step, self._applied_step)
+            srv.resume_rolling()
             self._limit_reached()
 
     async def _step(self, decision: Any, extra: dict[str, float]) -> dict[str, float]:
@@ -307,8 +371,8 @@ class TrainingCycle:
 
     async def _step_locked(self, decision: Any, extra: dict[str, float]) -> dict[str, float]:
         srv = self.server
-        step = srv.global_step + 1
-        self._applied_step = srv.global_step
+        step = self.global_step + 1
+        self._applied_step = self.global_step
         filtered = list(decision.detail.get("filtered") or [])
         records = self.pool.take(decision.selected)
         ids = [r.episode_id for r in records]
@@ -330,9 +394,9 @@ class TrainingCycle:
                     metrics = await asyncio.to_thread(self.trainer.step, records, self.max_staleness)
                 else:
                     metrics = await asyncio.to_thread(self.trainer.step, records)
-                if self.trainer.global_step == srv.global_step and metrics.get("nonfinite_skipped"):
+                if self.trainer.global_step == self.global_step and metrics.get("nonfinite_skipped"):
                     # nothing was applied (a non-finite loss or gradient): drop the batch, keep the weights
-                    self.pool.mark_filtered(ids, srv.global_step)
+                    self.pool.mark_filtered(ids, self.global_step)
                     self.last_error = (f"a step on {len(ids)} episodes was skipped: non-finite loss or gradient "
                                        "(the episodes were dropped, the weights are unchanged)")
                     log.warning("%s", self.last_error)
@@ -364,8 +428,8 @@ class TrainingCycle:
             log.info("%s", step_line(self.last_metrics, trigger=_trigger(self.policy_name, decision)))
             self._notify(step, metrics, sync_s, records[: self.log_trajectories])
             if self.mode == "async":
-                # the server never left ROLLING; its step moves on once the step is on record
-                srv.global_step = step
+                # the server never left ROLLING; the step moves on once it is on record
+                self.global_step = step
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
                 await asyncio.to_thread(self.trainer.prune_checkpoints, self.keep_checkpoints)
@@ -395,8 +459,8 @@ class TrainingCycle:
             log.exception("training step failed")
             await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.steps_failed, 6)))
         finally:
-            if self._applied_step > self.server.global_step:  # applied, then failed before serving it
-                self.server.global_step = self._applied_step
+            if self._applied_step > self.global_step:  # applied, then failed before serving it
+                self.global_step = self._applied_step
             self.last_step_s = time.time() - t0
             self._training_since = None
             self._limit_reached()
@@ -416,7 +480,7 @@ class TrainingCycle:
                 versions = tl.blocks[-1].versions if tl.blocks else None
                 if versions:
                     oldest = min(versions) if oldest is None else min(oldest, min(versions))
-        if holds_step(srv.global_step, oldest, self.max_staleness):
+        if holds_step(self.global_step, oldest, self.max_staleness):
             if self._held_since is None:
                 self._held_since = now
             if now - self._held_since < srv.drain_timeout_s:
@@ -470,7 +534,7 @@ class TrainingCycle:
         """How many training episodes may be in flight under the staleness bound."""
         srv = self.server
         per_step = int(self.policy.batch_size) * int(self.policy.rollouts_per_task)
-        return admission_capacity(srv.policy_version, srv.global_step, self.training_in_progress,
+        return admission_capacity(srv.policy_version, self.global_step, self.training_in_progress,
                                   self.max_staleness, per_step)
 
     def ready_batches(self, limit: int = 8) -> int:
@@ -491,7 +555,7 @@ class TrainingCycle:
 
     def trainer_status(self) -> dict[str, Any]:
         """What the trainer is doing, for ``status()["pool"]["trainer"]``."""
-        out: dict[str, Any] = {"mode": self.mode, "global_step": self.server.global_step,
+        out: dict[str, Any] = {"mode": self.mode, "global_step": self.global_step,
                                "policy_version": self.server.policy_version}
         if self.mode == "async":
             out.update(max_staleness=self.max_staleness, training=self.training_in_progress,

@@ -17,8 +17,6 @@ import inspect
 import json
 import logging
 import math
-import os
-import shutil
 import sys
 import threading
 import time
@@ -59,9 +57,6 @@ from swarmkit.timelines.track import ContextTracker
 #: client is gone stops generating (work for a request nobody will read is cancelled)
 CALLER_GONE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("swarmkit_caller_gone", default=None)
 
-
-#: how ``last_error`` starts while the journal refuses finished episodes (cleared by the next one it takes)
-JOURNAL_STORE_ERROR = "the journal could not store episode"
 
 #: the deepest a registration's or report's ``meta`` may nest (deeper ones broke every reader of the episode)
 MAX_META_DEPTH = 32
@@ -119,7 +114,21 @@ def log_thread_stacks(why: str) -> None:
 
 
 class Cycle(Protocol):
-    """What a server hands accepted episodes to, and asks at boot, stop, status and checkpoint."""
+    """What a server hands accepted episodes to, and asks at boot, stop, status and checkpoint.
+
+    The cycle owns training progress: ``global_step`` and ``training_finished`` are written by the
+    cycle only; the server reads them (its status, admission and run-end hooks).
+    """
+
+    #: training steps applied and served
+    global_step: int
+    #: why no further step trains (training episodes are then refused); None while training goes on
+    training_finished: str | None
+
+    @property
+    def active_window_s(self) -> float | None:
+        """How long a client counts as active after it was last heard (the batching policy's); None:
+        the server's default."""
 
     def attach(self, server: SwarmServer) -> None:
         """Called once by the server's constructor."""
@@ -130,8 +139,12 @@ class Cycle(Protocol):
     def status(self) -> dict[str, Any]:
         """The ``pool`` part of the server's status."""
 
-    def checkpoint(self, path: str) -> dict[str, Any] | None | Awaitable[dict[str, Any] | None]:
-        """Save trainer state; None when there is none."""
+    def checkpoint(self, folder_for: Callable[[int], Path]) -> dict[str, Any] | None | Awaitable[dict[str, Any] | None]:
+        """Save trainer state into ``folder_for(step)``, ``step`` being the one it is saved at
+        (``{"path", "global_step"}``); None when there is none."""
+
+    def waiting(self) -> list[Any]:
+        """The accepted episodes waiting for a step (``task_id``, ``task_family``, ``reward``)."""
 
     def pacing(self, task_id: str | None = None) -> tuple[str, float] | None:
         """Why a new training episode of ``task_id`` must wait and about how long (asynchronous
@@ -150,9 +163,13 @@ class MemoryCycle:
     :param on_accept: called with each accepted episode (raise to refuse it).
     """
 
+    active_window_s = None
+
     def __init__(self, on_accept: Callable[[Episode], Any] | None = None):
         self.on_accept = on_accept
         self.accepted: list[Episode] = []
+        self.global_step = 0
+        self.training_finished: str | None = None
 
     def attach(self, server: SwarmServer) -> None:
         pass
@@ -165,8 +182,11 @@ class MemoryCycle:
     def status(self) -> dict[str, Any]:
         return {"episodes": len(self.accepted), "tasks": len({e.task_id for e in self.accepted})}
 
-    def checkpoint(self, path: str) -> None:
+    def checkpoint(self, folder_for: Callable[[int], Path]) -> None:
         return None
+
+    def waiting(self) -> list[Any]:
+        return []
 
     def pacing(self, task_id: str | None = None) -> tuple[str, float] | None:
         return None
@@ -210,8 +230,6 @@ class SwarmServer:
         self.port: int = int(scfg.port)
         self.run_dir: Path | None = Path(scfg.run_dir) if scfg.run_dir and scfg.run_dir != "auto" else None
         self._apply_limits(scfg)
-        #: why this server trains no more (its step limit was reached); training episodes are then refused
-        self.training_finished: str | None = None
         self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
         self.max_body_bytes = int(scfg.max_body_bytes)
         self.public_url: str | None = scfg.public_url.rstrip("/") if scfg.public_url else None
@@ -242,7 +260,6 @@ class SwarmServer:
         self.tracker: ContextTracker | None = None
         #: cached per-token strings for logprob answers (built at boot)
         self.token_text: TokenText | None = None
-        self.global_step = 0
         self.started_at: float | None = None
         self.created_at = time.time()
         self.model_name = "swarmkit"
@@ -262,6 +279,16 @@ class SwarmServer:
             f.write(json.dumps({"time": self.state.since, "state": str(new)}) + "\n")
 
     # ------------------------------------------------------------------ properties
+    @property
+    def global_step(self) -> int:
+        """Training steps applied and served (the cycle's; read-only here)."""
+        return int(self.cycle.global_step)
+
+    @property
+    def training_finished(self) -> str | None:
+        """Why this server trains no more (the cycle's); training episodes are then refused."""
+        return self.cycle.training_finished
+
     @property
     def tokenizer(self) -> Any:
         if self.backend is None:
@@ -333,6 +360,27 @@ class SwarmServer:
         if state not in SERVING_STATES and state is not ServerState.WEIGHT_SYNCING:
             raise busy(f"the server is {state}: no model is being served", 2.0, "server_offline")
         return ep, role
+
+    def admit_episode(self, task_id: str, *, is_eval: bool, client_id: str) -> None:
+        """Whether a new episode may be registered now: 503 while no step is being rolled out (with
+        Retry-After), 409 ``training_finished`` for a training episode past the step limit, 503
+        ``staleness_bound`` while asynchronous training paces it, 429 past the running-episode quotas.
+        The one place of episode admission (an inference call's is :meth:`authorize_call`)."""
+        state = self.state.state
+        if state is not ServerState.ROLLING:
+            if state in (ServerState.ROLLING_POST, ServerState.WEIGHT_SYNCING):
+                raise busy(f"server busy ({state}: a training step is being prepared); retry later",
+                           self.expected_busy_s())
+            if state is ServerState.BOOTING:
+                raise busy("server busy (BOOTING: loading the model); retry later", 2.0, "server_booting")
+            raise busy("the server is OFFLINE (not configured or stopped); retry later", 2.0, "server_offline")
+        if self.training_finished and not is_eval:
+            raise ApiError(409, self.training_finished, "training_finished", param="eval")
+        if not is_eval:
+            paced = self.cycle.pacing(task_id)
+            if paced is not None:
+                raise busy(paced[0], paced[1], "staleness_bound")
+        self.check_quota(client_id)
 
     def check_quota(self, client_id: str) -> None:
         """429 when a registration would pass the running-episode quotas."""
@@ -443,9 +491,9 @@ class SwarmServer:
     def set_config(self, cfg: Any) -> None:
         self.config = cfg
 
-    async def checkpoint(self, path: str) -> dict[str, Any] | None:
-        """Trainer state saved by the cycle (None: the cycle has nothing to save)."""
-        result = self.cycle.checkpoint(path)
+    async def checkpoint(self, folder_for: Callable[[int], Path]) -> dict[str, Any] | None:
+        """Trainer state saved by the cycle into ``folder_for(its step)`` (None: nothing to save)."""
+        result = self.cycle.checkpoint(folder_for)
         if inspect.isawaitable(result):
             result = await result
         return result
@@ -486,6 +534,9 @@ class SwarmServer:
                 self._apply_limits(ServerConfig(**as_dict(full["server"])))
                 self.episodes.default_timeout_s = self.episode_timeout_s
             await self.cycle.after_boot()
+            window = self.cycle.active_window_s
+            if window is not None:  # one owner of "active": the batching policy's window is the tracker's
+                self.clients.active_window_s = float(window)
             self.started_at = time.time()
             self.state.transition(ServerState.ROLLING)
             try:
@@ -642,9 +693,8 @@ class SwarmServer:
     def enter_weight_syncing(self) -> None:
         self.state.transition(ServerState.WEIGHT_SYNCING)
 
-    def resume_rolling(self, global_step: int | None = None) -> None:
-        if global_step is not None:
-            self.global_step = int(global_step)
+    def resume_rolling(self) -> None:
+        """WEIGHT_SYNCING → ROLLING (the cycle has moved its step on)."""
         if self.cycle_started:
             self.last_cycle_s = time.time() - self.cycle_started
         self.state.transition(ServerState.ROLLING)
@@ -668,28 +718,12 @@ class SwarmServer:
         except Exception:  # noqa: BLE001
             log.exception("on_episode_finished hooks failed")
 
-    def check_journal_room(self) -> None:
-        """507 ``journal_full`` when the journal is past ``server.max_journal_bytes`` or its disk has less than
-        ``server.min_free_disk_bytes`` free (a client cannot grow the run folder without bound)."""
-        path = getattr(getattr(self.cycle, "pool", None), "db_path", None)
-        if not path:
-            return
-        size = sum(os.path.getsize(p) for p in (path, path + "-wal") if os.path.exists(p))
-        if size > self.max_journal_bytes:
-            raise ApiError(507, f"the journal holds {size} bytes, over server.max_journal_bytes "
-                           f"({self.max_journal_bytes}); no further episodes are stored", "journal_full")
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-        if free < self.min_free_disk_bytes:
-            raise ApiError(507, f"the run folder's disk has {free} bytes free, under server.min_free_disk_bytes "
-                           f"({self.min_free_disk_bytes}); no further episodes are stored", "journal_full")
-
     async def accept(self, ep: Episode) -> None:
         """Hand a finished training episode to the cycle (before answering its reporter).
 
         Raising makes the report fail with 503 (the client retries; 507 past the journal's quota) and leaves
         the episode running.
         """
-        self.check_journal_room()
         result = self.cycle.accept(ep)
         if inspect.isawaitable(result):
             await result
@@ -707,13 +741,7 @@ class SwarmServer:
         elif not ep.eval:
             try:
                 await self.accept(ep)
-                if str(getattr(self.cycle, "last_error", None) or "").startswith(JOURNAL_STORE_ERROR):
-                    self.cycle.last_error = None  # the journal takes episodes again
             except Exception as exc:  # noqa: BLE001 - the sample was not stored: let the client retry
-                if hasattr(self.cycle, "last_error"):  # the status names the store's own error (e.g. a full disk)
-                    self.cycle.last_error = (f"{JOURNAL_STORE_ERROR} {ep.id}: "
-                                             f"{type(exc).__name__}: {exc}; reports are refused until it can")
-                    log.error("%s", self.cycle.last_error)
                 ep.status = on_failure
                 if on_failure == RUNNING:
                     ep.reward, ep.rewards = None, {}
@@ -723,6 +751,10 @@ class SwarmServer:
                            "retry", 1.0, "pool_unavailable") from None
             accepted = True
         self.episodes.finish(ep, ep.reward if ep.reward is not None else 0.0, ep.rewards, accepted)
+
+    def waiting(self) -> list[Any]:
+        """Accepted episodes waiting in the pool for a step (``task_id``, ``task_family``, ``reward``)."""
+        return list(self.cycle.waiting())
 
     def pool_info(self) -> dict[str, Any]:
         try:

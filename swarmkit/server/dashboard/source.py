@@ -94,10 +94,7 @@ class LiveSource:
         return match_name(self.srv.config)
 
     def pool_tasks(self) -> list[dict[str, Any]]:
-        pool = getattr(self.srv.cycle, "pool", None)
-        if pool is None or not hasattr(pool, "view"):
-            return []
-        return pool_tasks(((e.task_id, e.task_family, e.reward) for e in pool.view()),
+        return pool_tasks(((e.task_id, e.task_family, e.reward) for e in self.srv.waiting()),
                           rollouts_per_task(self.srv.config))
 
 

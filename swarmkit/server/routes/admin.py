@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -125,9 +126,12 @@ async def checkpoint(request: Request) -> Response:
     srv = _admin(request)
     if srv.run_dir is None:
         raise ApiError(409, "this server has no run_dir to write checkpoints to (server.run_dir)", "no_run_dir")
-    folder = checkpoint_path(srv.run_dir, srv.global_step)
-    info: dict[str, Any] = {"path": str(folder), "global_step": srv.global_step, "time": time.time()}
-    trainer = await srv.checkpoint(str(folder))
+    run_dir = srv.run_dir
+    # the cycle names the folder after the step it saves (a step under way finishes first)
+    trainer = await srv.checkpoint(lambda step: checkpoint_path(run_dir, step))
+    step = int(trainer["global_step"]) if trainer is not None else srv.global_step
+    folder = Path(trainer["path"]) if trainer is not None else checkpoint_path(run_dir, step)
+    info: dict[str, Any] = {"path": str(folder), "global_step": step, "time": time.time()}
     folder.mkdir(parents=True, exist_ok=True)
     if srv.config is not None:
         (folder / "config.json").write_text(json.dumps(redacted(to_dict(srv.config)), indent=2))

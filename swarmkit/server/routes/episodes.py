@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from swarmkit.errors import ApiError, busy
+from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import (
     check_tools_rendered,
     normalize_messages,
@@ -37,7 +37,6 @@ from swarmkit.server.chat_input import (
 )
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.swarm.episodes import FINISHED, PREPARED, RUNNING, check_reward
-from swarmkit.swarm.state import ServerState
 from swarmkit.timelines import Timeline
 from swarmkit.timelines.render import TemplateError
 
@@ -105,21 +104,7 @@ async def register(request: Request) -> Response:
         raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
     srv.check_meta(meta)
     client_id = _client_id(request, body)
-    state = srv.state.state
-    if state is not ServerState.ROLLING:
-        if state in (ServerState.ROLLING_POST, ServerState.WEIGHT_SYNCING):
-            raise busy(f"server busy ({state}: a training step is being prepared); retry later",
-                       srv.expected_busy_s())
-        if state is ServerState.BOOTING:
-            raise busy("server busy (BOOTING: loading the model); retry later", 2.0, "server_booting")
-        raise busy("the server is OFFLINE (not configured or stopped); retry later", 2.0, "server_offline")
-    if srv.training_finished and not is_eval:
-        raise ApiError(409, srv.training_finished, "training_finished", param="eval")
-    if not is_eval:
-        paced = srv.cycle.pacing(task_id)
-        if paced is not None:
-            raise busy(paced[0], paced[1], "staleness_bound")
-    srv.check_quota(client_id)
+    srv.admit_episode(task_id, is_eval=is_eval, client_id=client_id)
     ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=timeout, roles=roles, client_id=client_id,
                                meta=meta, policy_version=srv.policy_version)
     keys = {r: k for r, k in ep.keys.items() if r is not None}
