@@ -376,3 +376,35 @@ def test_a_client_votes_and_beats_only_in_its_own_name(train_cfg, tmp_path, monk
                 assert other.ready(True)["client_key"]
     finally:
         h.stop()
+
+
+def test_a_client_holds_its_id_from_its_first_registration(train_cfg, tmp_path, monkeypatch):
+    """Issue 31: whoever voted first under a client id took it over from the client that had registered
+    episodes under it (its own votes then got 403). The SDK shows a key with its registrations, so the id is
+    bound at the client's first contact; another caller's vote in its name is refused."""
+    import httpx
+
+    from swarmkit.models import build_tiny_tokenizer
+
+    backend = ScriptedBackend(build_tiny_tokenizer(), replies=["ok"])
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "run_dir": str(tmp_path)}},
+                            config=train_cfg, backend_factory=lambda cfg: backend, train=False)
+    monkeypatch.setenv("SWARMKIT_CLIENT_KEYS", str(tmp_path / "keys"))
+    try:
+        with SwarmClient(h.url, token=TOKEN) as admin:
+            admin.start()
+            admin.wait_for_state("ROLLING", timeout=20)
+            for named in ("worker-7", None):
+                with SwarmClient(h.url, client_id=named) as client:
+                    ep = client.register("task-1")  # the first contact: nothing voted yet
+                    r = httpx.post(h.url + "/api/v1/clients/ready", json={"ready": True},
+                                   headers={"Authorization": f"Bearer {TOKEN}", "X-Swarm-Client": client.client_id})
+                    assert (r.status_code, r.json()["error"]["code"]) == (403, "client_key_mismatch")
+                    assert client.ready(True)["ready"] is True  # the client's own vote counts
+                    ep.abort("done")
+            # a raw HTTP client that registers without a key keeps today's rule: its first vote binds the id
+            raw = {"Authorization": f"Bearer {TOKEN}", "X-Swarm-Client": "raw-client"}
+            assert httpx.post(h.url + "/api/v1/episodes", json={"task_id": "t"}, headers=raw).status_code == 201
+            assert httpx.post(h.url + "/api/v1/clients/ready", json={"ready": True}, headers=raw).json()["client_key"]
+    finally:
+        h.stop()

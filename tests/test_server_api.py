@@ -568,6 +568,25 @@ def test_a_drain_aborts_an_idle_episode_at_once_and_waits_for_a_busy_one(make):
     busy.in_flight = 0
 
 
+def test_one_address_cannot_fill_the_episode_cap_under_many_client_ids(make, train_cfg):
+    """Issue 31: one caller without a client token filled the global 4,096-episode cap through four client
+    ids, and every other client got 429. Client ids are self-declared; the registering address is not:
+    by default one address holds at most half the cap (server.max_running_per_address)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.server.update(max_running_episodes=8, max_running_per_client=8)
+    h = make(config=cfg)
+    assert h.srv.max_running_per_address == 4
+    answers = [h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"X-Swarm-Client": f"sybil-{i}"})
+               for i in range(6)]
+    assert [r.status_code for r in answers] == [201] * 4 + [429] * 2
+    assert "max_running_per_address" in answers[-1].json()["error"]["message"]
+    assert h.srv.episodes.running_count() == 4  # half the cap is left for everyone else
+    h.srv.episodes.abort(h.srv.episodes.get(answers[0].json()["episode_id"]), "done")
+    assert h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"X-Swarm-Client": "sybil-9"}).status_code == 201
+
+
 def test_quotas_on_episodes_calls_tokens_and_meta(make, train_cfg):
     """Running episodes (in all, per client), calls per episode, tokens per request and meta size
     are bounded, with clear 429 / 400 / 422 answers; ending episodes frees the quota."""
@@ -575,7 +594,7 @@ def test_quotas_on_episodes_calls_tokens_and_meta(make, train_cfg):
 
     cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
     cfg.server.update(max_running_episodes=3, max_running_per_client=2, max_calls_per_episode=2,
-                      max_tokens_per_request=100, max_meta_bytes=200)
+                      max_tokens_per_request=100, max_meta_bytes=200, max_running_per_address=3)
     h = make(config=cfg)
     a = [h.tc.post("/api/v1/episodes", json={"task_id": "t"}, headers={"X-Swarm-Client": "a"}) for _ in range(3)]
     assert [r.status_code for r in a] == [201, 201, 429]

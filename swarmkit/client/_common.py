@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -181,17 +182,26 @@ class HoldsClientId:
     url: str
     client_id: str
     _client_key: str | None = None
+    #: the id was given by the caller (a restarted client comes back under it: its key is kept on disk)
+    _named: bool = False
 
-    def _key_header(self) -> dict[str, str]:
+    def _key_header(self, *, create: bool = False) -> dict[str, str]:
+        """The key header; with ``create``, a fresh key when this client has none yet (registrations
+        show it, so the server binds the id to this client at its first contact)."""
         if self._client_key is None:
-            self._client_key = load_client_key(self.url, self.client_id)
+            self._client_key = load_client_key(self.url, self.client_id) if self._named else None
+        if self._client_key is None and create:
+            self._client_key = secrets.token_urlsafe(24)
+            if self._named:
+                save_client_key(self.url, self.client_id, self._client_key)
         return {CLIENT_KEY_HEADER: self._client_key} if self._client_key else {}
 
     def _kept_key(self, answer: dict[str, Any]) -> dict[str, Any]:
         key = answer.get("client_key")
         if isinstance(key, str) and key and key != self._client_key:
             self._client_key = key
-            save_client_key(self.url, self.client_id, key)
+            if self._named:
+                save_client_key(self.url, self.client_id, key)
         return answer
 
 

@@ -128,6 +128,7 @@ class AsyncSwarmClient(HoldsClientId):
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
         self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
+        self._named = client_id is not None
         self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
         self._client_key: str | None = None
         self.retry_for = float(retry_for)
@@ -241,7 +242,8 @@ class AsyncSwarmClient(HoldsClientId):
                        roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> AsyncEpisode:
         """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
         body = register_body(task_id, eval, timeout_s, roles, meta)
-        return AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key()))
+        return AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key(),
+                                                   extra_headers=self._key_header(create=True)))
 
     @asynccontextmanager
     async def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

@@ -138,6 +138,7 @@ class SwarmClient(HoldsClientId):
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
         self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
+        self._named = client_id is not None
         self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
         self._client_key: str | None = None
         self.retry_for = float(retry_for)
@@ -248,7 +249,8 @@ class SwarmClient(HoldsClientId):
                  roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Episode:
         """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
         body = register_body(task_id, eval, timeout_s, roles, meta)
-        return Episode(self, self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key()))
+        return Episode(self, self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key(),
+                                        extra_headers=self._key_header(create=True)))
 
     @contextmanager
     def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

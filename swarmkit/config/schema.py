@@ -88,6 +88,10 @@ class ServerConfig:
     #: quotas (429 when reached): running episodes in all and per client id, inference calls per episode
     max_running_episodes: int = 4096
     max_running_per_client: int = 1024
+    #: running episodes registered from one network address, whatever client ids it sends (client ids are
+    #: self-declared: without it one caller fills the whole cap under several ids); null = half of
+    #: max_running_episodes, so one address never locks the others out
+    max_running_per_address: int | None = None
     max_calls_per_episode: int = 1024
     #: the most tokens one inference request may ask for: n x max_tokens (x prompts for /v1/completions); 400
     max_tokens_per_request: int = 262_144

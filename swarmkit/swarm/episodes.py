@@ -58,6 +58,8 @@ class Episode:
     ended: float | None = None
     timelines: list[Any] = field(default_factory=list)
     n_calls: int = 0
+    #: the network address the registration came from (the per-address quota counts it)
+    address: str = ""
     #: calls now being generated (the reaper waits for none, it aborts anyway)
     in_flight: int = 0
     #: when the client last did something with this episode (registered, a call began or ended)
@@ -191,6 +193,7 @@ class EpisodeRegistry:
         self._ended: OrderedDict[str, Episode] = OrderedDict()
         self._by_key: dict[str, tuple[Episode, str | None]] = {}
         self._per_client: dict[str, int] = {}  # running episodes per client id
+        self._per_address: dict[str, int] = {}  # running episodes per registering address
         self.counts = {"registered": 0, "finished": 0, "aborted": 0, "reaped": 0, "eval_finished": 0}
 
     # ------------------------------------------------------------------ register
@@ -205,6 +208,7 @@ class EpisodeRegistry:
         meta: dict[str, Any] | None = None,
         policy_version: int = 0,
         now: float | None = None,
+        address: str = "",
     ) -> Episode:
         now = time.time() if now is None else now
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
@@ -229,16 +233,20 @@ class EpisodeRegistry:
             roles=roles,
             meta=dict(meta or {}),
             policy_version=policy_version,
+            address=address,
         )
         self._running[ep.id] = ep
         self._per_client[client_id] = self._per_client.get(client_id, 0) + 1
+        self._per_address[address] = self._per_address.get(address, 0) + 1
         for role, key in keys.items():
             self._by_key[key] = (ep, role)
         self.counts["registered"] += 1
         return ep
 
-    def running_count(self, client_id: str | None = None) -> int:
-        """Running episodes, of one client id when given."""
+    def running_count(self, client_id: str | None = None, *, address: str | None = None) -> int:
+        """Running episodes: all, of one client id, or registered from one address."""
+        if address is not None:
+            return self._per_address.get(address, 0)
         return len(self._running) if client_id is None else self._per_client.get(client_id, 0)
 
     # ------------------------------------------------------------------ lookup
@@ -332,11 +340,12 @@ class EpisodeRegistry:
     def _end(self, ep: Episode) -> None:
         ep.ended = time.time()
         if self._running.pop(ep.id, None) is not None:
-            left = self._per_client.get(ep.client_id, 1) - 1
-            if left > 0:
-                self._per_client[ep.client_id] = left
-            else:
-                self._per_client.pop(ep.client_id, None)
+            for counts, who in ((self._per_client, ep.client_id), (self._per_address, ep.address)):
+                left = counts.get(who, 1) - 1
+                if left > 0:
+                    counts[who] = left
+                else:
+                    counts.pop(who, None)
         self._ended[ep.id] = ep
         while len(self._ended) > self.keep_ended:
             _, old = self._ended.popitem(last=False)

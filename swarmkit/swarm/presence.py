@@ -63,6 +63,16 @@ class ClientTracker:
                 raise PermissionError(client_id)
             return None
 
+    def claim(self, client_id: str, key: str) -> bool:
+        """Bind an id nobody holds to ``key`` (a registration that shows one claims its id before any vote
+        can); True when ``key`` holds the id afterwards. A held id is left as it is."""
+        with self._lock:
+            held = self._keys.get(client_id)
+            if held is None:
+                self._keys[client_id] = _digest(key)
+                return True
+            return hmac.compare_digest(held, _digest(key))
+
     def reset_ready(self) -> None:
         """Clear every ready flag (the server calls this when a batch fires)."""
         with self._lock:

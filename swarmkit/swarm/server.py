@@ -328,6 +328,8 @@ class SwarmServer:
         self.strict_fields = bool(scfg.strict_fields)
         self.max_running_episodes = int(scfg.max_running_episodes)
         self.max_running_per_client = int(scfg.max_running_per_client)
+        self.max_running_per_address = (int(scfg.max_running_per_address) if scfg.max_running_per_address is not None
+                                        else max(1, self.max_running_episodes // 2))
         self.max_calls_per_episode = int(scfg.max_calls_per_episode)
         self.max_tokens_per_request = int(scfg.max_tokens_per_request)
         self.max_meta_bytes = int(scfg.max_meta_bytes)
@@ -361,10 +363,11 @@ class SwarmServer:
             raise busy(f"the server is {state}: no model is being served", 2.0, "server_offline")
         return ep, role
 
-    def admit_episode(self, task_id: str, *, is_eval: bool, client_id: str) -> None:
+    def admit_episode(self, task_id: str, *, is_eval: bool, client_id: str, address: str = "") -> None:
         """Whether a new episode may be registered now: 503 while no step is being rolled out (with
         Retry-After), 409 ``training_finished`` for a training episode past the step limit, 503
-        ``staleness_bound`` while asynchronous training paces it, 429 past the running-episode quotas.
+        ``staleness_bound`` while asynchronous training paces it, 429 past the running-episode quotas
+        (in all, per client id, per registering ``address``).
         The one place of episode admission (an inference call's is :meth:`authorize_call`)."""
         state = self.state.state
         if state is not ServerState.ROLLING:
@@ -380,9 +383,9 @@ class SwarmServer:
             paced = self.cycle.pacing(task_id)
             if paced is not None:
                 raise busy(paced[0], paced[1], "staleness_bound")
-        self.check_quota(client_id)
+        self.check_quota(client_id, address)
 
-    def check_quota(self, client_id: str) -> None:
+    def check_quota(self, client_id: str, address: str = "") -> None:
         """429 when a registration would pass the running-episode quotas."""
         if self.episodes.running_count() >= self.max_running_episodes:
             raise ApiError(429, f"{self.episodes.running_count()} episodes are running, this server's limit "
@@ -392,6 +395,10 @@ class SwarmServer:
             raise ApiError(429, f"client '{client_id}' has {self.max_running_per_client} running episodes, the limit "
                            "per client (server.max_running_per_client); end some first", "too_many_episodes",
                            headers={"Retry-After": "1"})
+        if address and self.episodes.running_count(address=address) >= self.max_running_per_address:
+            raise ApiError(429, f"{self.max_running_per_address} running episodes were registered from this address, "
+                           "the limit per address (server.max_running_per_address), whatever client ids it sends; "
+                           "end some first", "too_many_episodes", headers={"Retry-After": "1"})
 
     def check_meta(self, meta: Any, param: str = "meta") -> None:
         """422 when a ``meta`` object is larger than ``server.max_meta_bytes`` as JSON, nested deeper than

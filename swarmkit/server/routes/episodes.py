@@ -104,9 +104,13 @@ async def register(request: Request) -> Response:
         raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
     srv.check_meta(meta)
     client_id = _client_id(request, body)
-    srv.admit_episode(task_id, is_eval=is_eval, client_id=client_id)
+    address = request.client.host if request.client else ""
+    shown = request.headers.get(CLIENT_KEY_HEADER.lower())
+    if client_id and shown:  # the client claims its id at its first contact: nobody can vote in its name first
+        srv.clients.claim(client_id, shown)
+    srv.admit_episode(task_id, is_eval=is_eval, client_id=client_id, address=address)
     ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=timeout, roles=roles, client_id=client_id,
-                               meta=meta, policy_version=srv.policy_version)
+                               meta=meta, policy_version=srv.policy_version, address=address)
     keys = {r: k for r, k in ep.keys.items() if r is not None}
     return JSONResponse(
         {
