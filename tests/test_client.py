@@ -408,3 +408,40 @@ def test_a_client_holds_its_id_from_its_first_registration(train_cfg, tmp_path, 
             assert httpx.post(h.url + "/api/v1/clients/ready", json={"ready": True}, headers=raw).json()["client_key"]
     finally:
         h.stop()
+
+
+def test_a_dead_clients_episode_does_not_hold_the_drain(handle, client):
+    """Issue 31: a client that died just before a step held it for server.drain_idle_s (29.8 s by default)
+    while registrations got 503. The SDK beats every 2 s while it has an episode open; a client that missed
+    three is gone, and the drain aborts its episode at once. A live client's idle episode still gets the
+    whole idle window (nothing tells its silence from a long tool call but its heartbeat)."""
+    import asyncio as aio
+
+    code = ("import sys, time; from swarmkit.client import SwarmClient; "
+            f"c = SwarmClient({handle.url!r}, token={TOKEN!r}); ep = c.register('doomed'); "
+            "print(ep.episode_id, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        doomed = proc.stdout.readline().split()[0]
+        alive = client.register("alive")  # this process lives on and beats
+        time.sleep(2.5)  # the doomed client has beaten (declared its interval) at least once
+        proc.kill()
+        proc.wait(10)
+        srv = handle.swarm
+        assert srv.drain_idle_s == 30.0
+        on_loop(handle, srv.enter_rolling_post)
+        t0 = time.monotonic()
+        fut = aio.run_coroutine_threadsafe(srv.drain(12.0), handle.loop)
+        deadline = time.monotonic() + 12
+        while srv.episodes.get(doomed).running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        ep = srv.episodes.get(doomed)
+        assert ep.status == "aborted" and ep.abort_reason == "idle at drain" and took < 9.0, (ep.status, took)
+        assert srv.episodes.get(alive.episode_id).running  # beating: it keeps its idle window
+        assert fut.result(20) >= 1  # the drain ran out on the live one, then aborted it
+    finally:
+        proc.kill()
+        on_loop(handle, srv.enter_weight_syncing)
+        time.sleep(0.1)
+        on_loop(handle, srv.resume_rolling)

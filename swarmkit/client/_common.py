@@ -31,6 +31,14 @@ minutes: a training group gets 60 s to exit before it is killed); other calls us
 CLIENT_HEADER = "X-Swarm-Client"
 #: the key that holds a client id on a server (answered to the first vote or heartbeat)
 CLIENT_KEY_HEADER = "X-Swarm-Client-Key"
+#: seconds between the heartbeats a client sends while it has an episode open (the server counts a client
+#: that missed three as gone: its episodes do not hold a training step)
+HEARTBEAT_S = 2.0
+
+
+def beat_body(interval_s: float) -> dict[str, float]:
+    """The body of a periodic heartbeat: the interval the server may expect the next one in."""
+    return {"interval_s": float(interval_s)}
 
 #: the logger of every retry and wait (INFO), e.g. ``logging.basicConfig(level=logging.INFO)`` shows them
 log = logging.getLogger("swarmkit.client")

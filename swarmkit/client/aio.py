@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,6 +26,7 @@ import httpx
 
 from swarmkit.client._common import (
     CLIENT_HEADER,
+    HEARTBEAT_S,
     LIFECYCLE_TIMEOUT_S,
     TRANSIENT_ERRORS,
     EpisodeInfo,
@@ -38,6 +40,7 @@ from swarmkit.client._common import (
     abort_reason,
     already_reported,
     auth_headers,
+    beat_body,
     checked,
     configure_body,
     demonstration_body,
@@ -124,6 +127,7 @@ class AsyncSwarmClient(HoldsClientId):
         retry_for: float = 120.0,
         on_retry: RetryCallback | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        heartbeat_s: float | None = HEARTBEAT_S,
     ):
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
@@ -136,9 +140,44 @@ class AsyncSwarmClient(HoldsClientId):
         self._timeout = float(timeout)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport,
                                        headers={CLIENT_HEADER: self.client_id})
+        self.heartbeat_s = heartbeat_s
+        #: episodes registered here, until they end or are dropped (the heartbeat runs while one is open)
+        self._open: weakref.WeakSet[AsyncEpisode] = weakref.WeakSet()
+        self._beat_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def _pulse(self) -> None:
+        """The heartbeat task: beats while an episode is open, ends when none is (or on close)."""
+        assert self.heartbeat_s is not None
+        while not self._closed:
+            await asyncio.sleep(self.heartbeat_s)
+            if self._closed or not any(not ep.ended for ep in list(self._open)):
+                break
+            try:
+                self._kept_key(await self._call("POST", "/api/v1/clients/heartbeat",
+                                                json_body=beat_body(self.heartbeat_s), key=self._sampling_key(),
+                                                extra_headers=self._key_header(), retry_for=0))
+            except Exception:  # noqa: BLE001 - a missed beat only makes the server wait as it did without one
+                pass
+        self._beat_task = None
+
+    def _opened(self, ep: AsyncEpisode) -> AsyncEpisode:
+        if self.heartbeat_s is not None:
+            self._open.add(ep)
+            if self._beat_task is None and not self._closed:
+                self._beat_task = asyncio.get_running_loop().create_task(self._pulse())
+        return ep
 
     # ------------------------------------------------------------------ plumbing
     async def close(self) -> None:
+        self._closed = True
+        task, self._beat_task = self._beat_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
         await self._http.aclose()
 
     aclose = close
@@ -242,8 +281,9 @@ class AsyncSwarmClient(HoldsClientId):
                        roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> AsyncEpisode:
         """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
         body = register_body(task_id, eval, timeout_s, roles, meta)
-        return AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key(),
-                                                   extra_headers=self._key_header(create=True)))
+        return self._opened(AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body,
+                                                                key=self._sampling_key(),
+                                                                extra_headers=self._key_header(create=True))))
 
     @asynccontextmanager
     async def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

@@ -7,8 +7,10 @@ retry and parse answers with :mod:`swarmkit.client._common`.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +19,7 @@ import httpx
 
 from swarmkit.client._common import (
     CLIENT_HEADER,
+    HEARTBEAT_S,
     LIFECYCLE_TIMEOUT_S,
     TRANSIENT_ERRORS,
     EpisodeInfo,
@@ -30,6 +33,7 @@ from swarmkit.client._common import (
     abort_reason,
     already_reported,
     auth_headers,
+    beat_body,
     checked,
     configure_body,
     demonstration_body,
@@ -121,6 +125,9 @@ class SwarmClient(HoldsClientId):
     :param on_retry: called with a :class:`~swarmkit.client.RetryEvent` before
         each retry's sleep (every retry is also logged at INFO on the
         ``swarmkit.client`` logger); an exception it raises ends the retries.
+    :param heartbeat_s: while this client has an episode open, a background thread tells the
+        server every ``heartbeat_s`` seconds that it is alive; a client that misses three (its
+        process died) does not hold the next training step. None: no heartbeat.
     """
 
     def __init__(
@@ -134,6 +141,7 @@ class SwarmClient(HoldsClientId):
         retry_for: float = 120.0,
         on_retry: RetryCallback | None = None,
         transport: httpx.BaseTransport | None = None,
+        heartbeat_s: float | None = HEARTBEAT_S,
     ):
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
@@ -146,10 +154,40 @@ class SwarmClient(HoldsClientId):
         self._timeout = float(timeout)
         self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
                                   headers={CLIENT_HEADER: self.client_id})
+        self.heartbeat_s = heartbeat_s
+        #: episodes registered here, until they end or are dropped (the heartbeat runs while one is open)
+        self._open: weakref.WeakSet[Episode] = weakref.WeakSet()
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        self._beat_lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
+        self._beat_stop.set()
         self._http.close()
+
+    def _pulse(self) -> None:
+        """The heartbeat thread: beats while an episode is open, ends when none is (or on close)."""
+        assert self.heartbeat_s is not None
+        while not self._beat_stop.wait(self.heartbeat_s):
+            with self._beat_lock:
+                if not any(not ep.ended for ep in list(self._open)):
+                    self._beat_thread = None
+                    return
+            try:
+                self._kept_key(self._call("POST", "/api/v1/clients/heartbeat", json_body=beat_body(self.heartbeat_s),
+                                          key=self._sampling_key(), extra_headers=self._key_header(), retry_for=0))
+            except Exception:  # noqa: BLE001 - a missed beat only makes the server wait as it did without one
+                pass
+
+    def _opened(self, ep: Episode) -> Episode:
+        if self.heartbeat_s is not None:
+            with self._beat_lock:
+                self._open.add(ep)
+                if self._beat_thread is None and not self._beat_stop.is_set():
+                    self._beat_thread = threading.Thread(target=self._pulse, name="swarmkit-heartbeat", daemon=True)
+                    self._beat_thread.start()
+        return ep
 
     def __enter__(self) -> SwarmClient:
         return self
@@ -249,8 +287,9 @@ class SwarmClient(HoldsClientId):
                  roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Episode:
         """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
         body = register_body(task_id, eval, timeout_s, roles, meta)
-        return Episode(self, self._call("POST", "/api/v1/episodes", json_body=body, key=self._sampling_key(),
-                                        extra_headers=self._key_header(create=True)))
+        return self._opened(Episode(self, self._call("POST", "/api/v1/episodes", json_body=body,
+                                                     key=self._sampling_key(),
+                                                     extra_headers=self._key_header(create=True))))
 
     @contextmanager
     def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,

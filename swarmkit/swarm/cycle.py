@@ -78,6 +78,8 @@ class CycleHost(Protocol):
 
     def resume_rolling(self) -> None: ...
 
+    def abandoned(self, ep: Episode, now: float) -> bool: ...
+
 
 StepFn = Callable[[Sequence[EpisodeRecord], int], dict[str, float]]
 TrainerFactory = Callable[[dict[str, Any], Path], Any]
@@ -474,7 +476,7 @@ class TrainingCycle:
         now = time.time()
         oldest: int | None = None
         for ep in srv.episodes.running():
-            if ep.eval or ep.idle_for(now) > srv.drain_idle_s:
+            if ep.eval or srv.abandoned(ep, now):
                 continue
             for tl in ep.timelines:
                 versions = tl.blocks[-1].versions if tl.blocks else None

@@ -10,6 +10,13 @@ import time
 
 from swarmkit.contract import ClientState
 
+#: heartbeats a client may miss before it counts as gone
+SILENT_BEATS = 3
+#: the shortest silence that counts as gone, whatever interval was declared (seconds)
+MIN_SILENCE_S = 2.0
+#: the heartbeat intervals a client may declare (seconds)
+BEAT_RANGE_S = (0.5, 60.0)
+
 
 class ClientTracker:
     """Thread-safe registry of clients, their last contact and ready flag.
@@ -27,6 +34,8 @@ class ClientTracker:
         self._clients: dict[str, ClientState] = {}
         #: client id -> sha256 of the key that holds it (votes and heartbeats must show the key)
         self._keys: dict[str, bytes] = {}
+        #: client id -> the heartbeat interval it declared (seconds): silent for SILENT_BEATS of them, it is gone
+        self._beats: dict[str, float] = {}
 
     def touch(self, client_id: str, now: float | None = None) -> None:
         """Record that ``client_id`` sent something at ``now``."""
@@ -73,6 +82,22 @@ class ClientTracker:
                 return True
             return hmac.compare_digest(held, _digest(key))
 
+    def declare_beat(self, client_id: str, interval_s: float) -> None:
+        """``client_id`` sends a heartbeat every ``interval_s`` while it has episodes open."""
+        with self._lock:
+            self._beats[client_id] = float(interval_s)
+
+    def gone(self, client_id: str, now: float | None = None) -> bool:
+        """Whether a client that declared a heartbeat has missed :data:`SILENT_BEATS` of them (its process
+        died); False for a client that never declared one (nothing tells its silence from a long tool call)."""
+        now = time.time() if now is None else float(now)
+        with self._lock:
+            interval = self._beats.get(client_id)
+            state = self._clients.get(client_id)
+            if interval is None or state is None:
+                return False
+            return now - state.last_seen > max(SILENT_BEATS * interval, MIN_SILENCE_S)
+
     def reset_ready(self) -> None:
         """Clear every ready flag (the server calls this when a batch fires)."""
         with self._lock:
@@ -90,6 +115,8 @@ class ClientTracker:
                 del self._clients[cid]
             for cid in [c for c in self._keys if c not in self._clients]:
                 del self._keys[cid]  # a forgotten id is free again
+            for cid in [c for c in self._beats if c not in self._clients]:
+                del self._beats[cid]
         return len(gone)
 
     def forget(self, client_id: str) -> None:
@@ -97,6 +124,7 @@ class ClientTracker:
         with self._lock:
             self._clients.pop(client_id, None)
             self._keys.pop(client_id, None)
+            self._beats.pop(client_id, None)
 
     def active(self, now: float | None = None) -> dict[str, ClientState]:
         """Copies of the states of clients seen within the window of ``now``."""

@@ -655,7 +655,7 @@ class SwarmServer:
                          len(left), names, more, self.drain_idle_s, deadline - time.time())
             now = time.time()
             for ep in left:  # a client that went quiet (dead, or stuck) does not hold the step
-                if ep.running and ep.idle_for(now) > self.drain_idle_s:
+                if ep.running and self.abandoned(ep, now):
                     self.episodes.abort(ep, "idle at drain")
                     idle_aborted += 1
             await asyncio.sleep(0.05)
@@ -664,6 +664,13 @@ class SwarmServer:
         for ep in left:
             self.episodes.abort(ep, "drain deadline")  # running ones (a resolved one has ended: no-op)
         return idle_aborted + sum(e.status == ABORTED for e in left)
+
+    def abandoned(self, ep: Episode, now: float) -> bool:
+        """Whether a step need not wait for ``ep``: no call in flight, and none for ``server.drain_idle_s``,
+        or its client declared a heartbeat and missed three (the client process died: a SIGKILLed SDK
+        client no longer holds a step for the whole idle window)."""
+        idle = ep.idle_for(now)
+        return idle > self.drain_idle_s or (idle > 0 and bool(ep.client_id) and self.clients.gone(ep.client_id, now))
 
     async def resolve_prepared(self, eps: list[Episode], *, final: bool) -> None:
         """Commit or drop prepared episodes whose client never committed (:mod:`swarmkit.swarm.atomic`).

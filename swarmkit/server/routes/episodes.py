@@ -37,6 +37,7 @@ from swarmkit.server.chat_input import (
 )
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.swarm.episodes import FINISHED, PREPARED, RUNNING, check_reward
+from swarmkit.swarm.presence import BEAT_RANGE_S
 from swarmkit.timelines import Timeline
 from swarmkit.timelines.render import TemplateError
 
@@ -356,7 +357,17 @@ async def client_heartbeat(request: Request) -> Response:
         raise ApiError(422, "missing the 'X-Swarm-Client' header", "missing_field", param="client_id")
     if len(cid) > 128:
         raise ApiError(422, "'X-Swarm-Client' must be at most 128 characters", "invalid_field", param="client_id")
+    body = await read_json(request) if await request.body() else {}
+    interval = body.get("interval_s")
+    if interval is not None:
+        low, high = BEAT_RANGE_S
+        if (isinstance(interval, bool) or not isinstance(interval, int | float) or not math.isfinite(interval)
+                or not low <= interval <= high):
+            raise ApiError(422, f"'interval_s' must be a number of seconds in [{low:g}, {high:g}]", "invalid_field",
+                           param="interval_s")
     issued = _hold_client_id(request, srv, cid)
+    if interval is not None:  # missing three beats, the client counts as gone: a drain does not wait for it
+        srv.clients.declare_beat(cid, float(interval))
     return JSONResponse({"client_id": cid, "state": str(srv.state.state), **issued})
 
 
