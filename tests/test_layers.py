@@ -22,6 +22,7 @@ SOURCES = {"swarmkit": ROOT / "swarmkit", "swarmkit_plugins": ROOT / "plugins"}
 RANKS: dict[str, int] = {
     "swarmkit.errors": 0,
     "swarmkit.chat_templates": 0,
+    "swarmkit.runfiles": 0,
     "swarmkit.models": 1,
     "swarmkit.contract": 1,
     "swarmkit.hookspecs": 1,
@@ -42,7 +43,7 @@ RANKS: dict[str, int] = {
 #: re-export shims of old import paths (kept for one release); nothing in the tree may import them
 SHIMS = {"swarmkit.interfaces", "swarmkit.trainer"}
 #: all the light client SDK may import from the core (pure Python: a laptop with httpx runs it)
-CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines")
+CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines", "swarmkit.runfiles")
 #: what a built-in plugin may import from the core
 PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.chat_templates", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
                      "swarmkit.training", "swarmkit.timelines")

@@ -53,7 +53,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
 
-from swarmkit.research.procs import die_with_parent, write_json_atomic
+from swarmkit.research.procs import die_with_parent
+from swarmkit.runfiles import write_json
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class JobRunner:
 
     def _save(self) -> None:
         if self.state_path is not None:
-            write_json_atomic(self.state_path, {"updated": time.time(), "jobs": self.records})
+            write_json(self.state_path, {"updated": time.time(), "jobs": self.records}, default=str, allow_nan=False)
 
     def _record(self, job: JobSpec, idx: int) -> dict[str, Any]:
         rec = self.records.get(job.name)

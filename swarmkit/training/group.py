@@ -48,6 +48,7 @@ from typing import Any
 
 from swarmkit.contract import OptimEngine, TrainSample
 from swarmkit.errors import ConfigError
+from swarmkit.runfiles import write_json
 
 log = logging.getLogger("swarmkit.training.group")
 
@@ -103,13 +104,7 @@ def group_env(authkey_hex: str) -> dict[str, str]:
 
 def write_join_spec(spec: Mapping[str, Any], path: str | Path) -> None:
     """Write ``spec`` to ``path`` as JSON, mode 0600 from its creation (it holds the authkey), atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"version": JOIN_SPEC_VERSION, **spec}, f, indent=1)
-    os.replace(tmp, path)
+    write_json(path, {"version": JOIN_SPEC_VERSION, **spec}, mode=0o600)
 
 
 def read_join_spec(path: str | Path) -> dict[str, Any]:
