@@ -23,6 +23,7 @@ RANKS: dict[str, int] = {
     "swarmkit.errors": 0,
     "swarmkit.chat_templates": 0,
     "swarmkit.runfiles": 0,
+    "swarmkit.procs": 0,
     "swarmkit.models": 1,
     "swarmkit.contract": 1,
     "swarmkit.hookspecs": 1,
@@ -46,7 +47,7 @@ SHIMS = {"swarmkit.interfaces", "swarmkit.trainer"}
 CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines", "swarmkit.runfiles")
 #: what a built-in plugin may import from the core
 PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.chat_templates", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
-                     "swarmkit.training", "swarmkit.timelines")
+                     "swarmkit.training", "swarmkit.timelines", "swarmkit.procs")
 
 
 def module_name(path: Path) -> str:

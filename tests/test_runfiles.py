@@ -1,4 +1,4 @@
-"""The one atomic write (swarmkit.runfiles).
+"""The one atomic write (swarmkit.runfiles) and the process helpers (swarmkit.procs).
 
 A reader sees the old file or the new one, never half of one; a failure mid-write
 leaves the old file and no temporary file behind.
@@ -7,10 +7,14 @@ leaves the old file and no temporary file behind.
 from __future__ import annotations
 
 import json
+import socket
 import stat
+import subprocess
+import sys
 
 import pytest
 
+from swarmkit.procs import die_with_parent, free_port, is_loopback, port_free
 from swarmkit.runfiles import replacing, staged_dir, write_bytes, write_json, write_text
 
 
@@ -90,3 +94,20 @@ def test_staged_dir_replace_clears_a_stale_stage_and_replaces_the_target(tmp_pat
         assert (target / "old").exists()
     assert sorted(p.name for p in target.iterdir()) == ["new"]
     assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
+
+
+def test_process_helpers():
+    assert is_loopback("localhost") and is_loopback("127.0.0.1") and is_loopback("::1")
+    assert not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    port = free_port()
+    assert port_free("127.0.0.1", port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert not port_free("127.0.0.1", port)
+
+
+def test_die_with_parent_runs_in_a_child():
+    r = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True,
+                       preexec_fn=die_with_parent, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok"

@@ -53,7 +53,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
 
-from swarmkit.research.procs import die_with_parent
+from swarmkit.procs import die_with_parent
 from swarmkit.runfiles import write_json
 
 log = logging.getLogger(__name__)
