@@ -24,6 +24,7 @@ RANKS: dict[str, int] = {
     "swarmkit.chat_templates": 0,
     "swarmkit.runfiles": 0,
     "swarmkit.procs": 0,
+    "swarmkit.weights": 1,
     "swarmkit.models": 1,
     "swarmkit.contract": 1,
     "swarmkit.hookspecs": 1,
@@ -47,7 +48,7 @@ SHIMS = {"swarmkit.interfaces", "swarmkit.trainer"}
 CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines", "swarmkit.runfiles")
 #: what a built-in plugin may import from the core
 PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.chat_templates", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
-                     "swarmkit.training", "swarmkit.timelines", "swarmkit.procs")
+                     "swarmkit.training", "swarmkit.timelines", "swarmkit.weights", "swarmkit.procs")
 
 
 def module_name(path: Path) -> str:
