@@ -15,11 +15,10 @@ Nothing here downloads from a hub. Folders are cached under
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from swarmkit.chat_templates import TINY_CHAT_TEMPLATE
+from swarmkit.runfiles import staged_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -38,20 +37,12 @@ def cache_root() -> Path:
 
 
 def _atomic_build(target: Path, build) -> Path:
-    """Build into a temp folder and rename, so concurrent builders never see half a model."""
+    """Build into a temp folder and rename, so concurrent builders never see half a model (the
+    first one to finish wins)."""
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
-    try:
+    with staged_dir(target) as tmp:
         build(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

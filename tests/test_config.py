@@ -141,6 +141,33 @@ def test_multirun_runs_each_job_in_a_fresh_process(tmp_path):
     assert (tmp_path / "0").is_dir() and (tmp_path / "1").is_dir()
 
 
+LAUNCHER = "hydra_plugins.swarmkit_launcher.subprocess_launcher"
+
+
+def test_composing_leaves_the_launcher_to_hydras_plugin_scan():
+    """The config layer stores the launcher's settings without importing it; Hydra's scan loads it."""
+    code = ("import sys; from swarmkit.config.compose import compose; "
+            f"assert {LAUNCHER!r} not in sys.modules; compose(['model=tiny']); print({LAUNCHER!r} in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "True"
+
+
+def test_multirun_where_hydras_plugin_scan_cannot_see_the_launcher(tmp_path):
+    """An editable install hides ``hydra_plugins`` from Hydra's scan: the command line registers the launcher."""
+    code = ("import pkgutil, sys\n"
+            "walk = pkgutil.walk_packages\n"
+            "pkgutil.walk_packages = lambda path=None, prefix='', onerror=None: "
+            "iter(()) if prefix == 'hydra_plugins.' else walk(path, prefix, onerror)\n"
+            "from swarmkit.apps.cli import main\n"
+            f"main(['--multirun', 'mode=plan', 'optim.lr=1e-6,1e-5', 'hydra.sweep.dir={tmp_path}'])\n"
+            "from hydra.core.plugins import Plugins\n"
+            f"assert {LAUNCHER!r} + '.SubprocessLauncher' in Plugins.instance().class_name_to_class\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert '"lr": 1e-06' in out.stdout and '"lr": 1e-05' in out.stdout
+
+
 def test_default_choices_exist_and_yaml_repeats_no_schema_default():
     """Every default choice is an option; a packaged YAML option sets only keys that differ from its schema."""
     import yaml

@@ -5,7 +5,13 @@ Read from the source (AST), never by importing it: every ``import`` and
 ``TYPE_CHECKING`` blocks too), is an edge. The test fails on an edge that runs
 against the layer order, on any core module that imports a built-in plugin,
 on a plugin that imports another plugin or the core's upper layers, and on
-any import cycle between modules.
+any import cycle, between modules or between packages.
+
+The multirun launcher (``hydra_plugins/swarmkit_launcher``: Hydra only finds
+launchers under ``hydra_plugins``) is scanned with the core and ranked like
+one of its packages, just below ``swarmkit.apps``: the command line registers
+it, and it uses only the bottom layer (processes, run files), so nothing under
+``apps`` may import it and a loop through it is an upward edge.
 """
 
 from __future__ import annotations
@@ -16,12 +22,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"swarmkit": ROOT / "swarmkit", "swarmkit_plugins": ROOT / "plugins"}
+SOURCES = {"swarmkit": ROOT / "swarmkit", "swarmkit_plugins": ROOT / "plugins", "hydra_plugins": ROOT / "hydra_plugins"}
+#: the top-level names of the core: the swarmkit package and its Hydra launcher
+CORE_TOPS = ("swarmkit", "hydra_plugins")
 
 #: the core's packages, bottom first: a module may import its own package and any lower rank
 RANKS: dict[str, int] = {
     "swarmkit.errors": 0,
     "swarmkit.chat_templates": 0,
+    "swarmkit.runfiles": 0,
+    "swarmkit.procs": 0,
+    "swarmkit.weights": 1,
     "swarmkit.models": 1,
     "swarmkit.contract": 1,
     "swarmkit.hookspecs": 1,
@@ -36,16 +47,17 @@ RANKS: dict[str, int] = {
     "swarmkit.skills": 0,
     "swarmkit.client": 4,
     "swarmkit.tasks": 4,
+    "hydra_plugins.swarmkit_launcher": 7,
     "swarmkit.apps": 8,
     "swarmkit.testing": 9,
 }
 #: re-export shims of old import paths (kept for one release); nothing in the tree may import them
 SHIMS = {"swarmkit.interfaces", "swarmkit.trainer"}
 #: all the light client SDK may import from the core (pure Python: a laptop with httpx runs it)
-CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines")
+CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines", "swarmkit.runfiles")
 #: what a built-in plugin may import from the core
 PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.chat_templates", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
-                     "swarmkit.training", "swarmkit.timelines")
+                     "swarmkit.training", "swarmkit.timelines", "swarmkit.weights", "swarmkit.procs")
 
 
 def module_name(path: Path) -> str:
@@ -103,18 +115,19 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_every_core_module_has_a_layer(graph):
-    loose = [m for m in graph if m.startswith("swarmkit.") and package_of(m) is None
+    loose = [m for m in graph if m.split(".")[0] in CORE_TOPS and "." in m and package_of(m) is None
              and m not in SHIMS and m != "swarmkit.__main__"]
     assert not loose, f"core modules outside every layer (add them to a package of RANKS): {loose}"
 
 
 def test_core_never_imports_a_plugin(graph):
-    bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.split(".")[0] == "swarmkit"
+    bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.split(".")[0] in CORE_TOPS
                  for d in deps if d.startswith("swarmkit_plugins"))
     assert not bad, "the core imports built-in plugins:\n" + "\n".join(bad)
 
 
-def test_core_imports_run_down_the_layers(graph):
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The edges of ``graph`` that import an old-path shim, or a package of the same or a higher rank."""
     bad = []
     for m, deps in graph.items():
         src = package_of(m)
@@ -129,7 +142,12 @@ def test_core_imports_run_down_the_layers(graph):
                 continue
             if RANKS[dst] >= RANKS[src]:
                 bad.append(f"{m} ({src}, rank {RANKS[src]}) -> {d} ({dst}, rank {RANKS[dst]})")
-    assert not bad, "imports against the layer order:\n" + "\n".join(sorted(bad))
+    return sorted(bad)
+
+
+def test_core_imports_run_down_the_layers(graph):
+    bad = layer_violations(graph)
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
 
 
 def test_plugins_import_only_the_plugin_facing_core_and_no_other_plugin(graph):
@@ -191,12 +209,43 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with every module replaced by its ranked package (a module of none stays itself)."""
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        src = package_of(m) or m
+        out.setdefault(src, set()).update(package_of(d) or d for d in deps)
+        out[src].discard(src)
+    return out
+
+
 def test_no_import_cycles(graph):
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-def test_the_checker_sees_a_cycle_and_an_upward_edge():
+def test_no_import_cycles_between_packages(graph):
+    """Importing ``a.b.x`` runs ``a.b``'s ``__init__`` too, so a loop of packages is one even when no module
+    loop closes (config -> hydra_plugins -> research -> swarm -> config was one)."""
+    cycles = find_cycles(package_graph(graph))
+    assert not cycles, "import cycles between packages:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_launcher_plugin_is_in_the_graph(graph):
+    launcher = "hydra_plugins.swarmkit_launcher.subprocess_launcher"
+    assert package_of(launcher) == "hydra_plugins.swarmkit_launcher"
+    assert {"swarmkit.procs", "swarmkit.runfiles"} <= graph[launcher]
+    assert launcher in graph["swarmkit.apps.cli"]  # the command line registers it
+
+
+def test_the_checker_sees_a_cycle_and_an_upward_edge(graph):
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert package_of("swarmkit.server.routes.chat") == "swarmkit.server"
     assert RANKS["swarmkit.server"] > RANKS["swarmkit.swarm"] > RANKS["swarmkit.training"]
+    # the loop of issue 33: config -> the launcher -> research (its old home of the process helpers)
+    old = {m: set(deps) for m, deps in graph.items()}
+    old["swarmkit.config.compose"].add("hydra_plugins.swarmkit_launcher.subprocess_launcher")
+    old["hydra_plugins.swarmkit_launcher.subprocess_launcher"].add("swarmkit.research.executor")
+    assert any("swarmkit.config.compose (swarmkit.config, rank 3) -> hydra_plugins" in e for e in layer_violations(old))
+    assert any({"swarmkit.config", "hydra_plugins.swarmkit_launcher", "swarmkit.research"} <= set(c)
+               for c in find_cycles(package_graph(old)))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from swarmkit.apps.new_task import FILES, main, write_task
-from swarmkit.apps.processes import free_port
+from swarmkit.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "new-task-admin-token-" + "x" * 16

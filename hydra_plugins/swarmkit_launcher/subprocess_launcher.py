@@ -6,7 +6,8 @@ between jobs. This one starts ``python -m swarmkit <overrides>`` per job.
 It is the default: ``hydra/launcher=swarmkit_subprocess``.
 
 By default jobs run one after another with their output on the console, as
-before. The settings under ``hydra.launcher`` add what a research campaign
+before. The settings under ``hydra.launcher``
+(:class:`swarmkit.config.schema.SubprocessLauncherConfig`) add what a research campaign
 needs (:mod:`swarmkit.research.executor` drives them):
 
 - ``max_parallel``: jobs at once; ``gpus=0,1`` hands each running job
@@ -33,8 +34,8 @@ Children die with the launcher (``PR_SET_PDEATHSIG`` on Linux), so killing a
 campaign does not leave orphaned training runs behind.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: Hydra's plugin scan runs this module before it is in
+# sys.modules, and a dataclass with string annotations looks its module up there (AttributeError).
 import json
 import logging
 import os
@@ -48,45 +49,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
 
-from swarmkit.research.procs import die_with_parent, write_json_atomic
+from swarmkit.procs import die_with_parent
+from swarmkit.runfiles import write_json
 
 log = logging.getLogger(__name__)
 
 #: a job's final statuses (``retried``: succeeded after a failed attempt)
 FINAL = ("ok", "retried", "failed")
-
-
-@dataclass
-class SubprocessLauncherConf:
-    _target_: str = "hydra_plugins.swarmkit_launcher.subprocess_launcher.SubprocessLauncher"
-    #: stop the sweep at the first failed job
-    fail_fast: bool = False
-    #: jobs running at once
-    max_parallel: int = 1
-    #: seconds a job may run before the watchdog kills it (0: no limit); a job's own timeout_s wins
-    timeout_s: float = 0.0
-    #: runs of a crashed or killed job after its first
-    retries: int = 0
-    #: the JSON record of every job, rewritten after each change; a launch that finds it resumes
-    state: str = ""
-    #: a YAML/JSON list of jobs (name, overrides, dir[, timeout_s, command]) to run instead of the sweep
-    jobs_file: str = ""
-    #: each attempt's output in <log_dir>/<name>.attempt<N>.log (empty: the console)
-    log_dir: str = ""
-    #: GPU indices to hand out (CUDA_VISIBLE_DEVICES), e.g. "0,1,2,3"; empty: none
-    gpus: str = ""
-    gpus_per_job: int = 1
-    #: torch threads per job (SWARMKIT_TORCH_THREADS, OMP_NUM_THREADS); 0: leave as is
-    threads_per_job: int = 0
-    #: KEY@STEP: SIGKILL job KEY's first attempt after STEP training steps (a test hook)
-    inject_crash: str = ""
-    #: seconds between two looks at the running jobs
-    poll_s: float = 0.5
 
 
 class JobFailed(RuntimeError):
@@ -183,7 +156,7 @@ class JobRunner:
 
     def _save(self) -> None:
         if self.state_path is not None:
-            write_json_atomic(self.state_path, {"updated": time.time(), "jobs": self.records})
+            write_json(self.state_path, {"updated": time.time(), "jobs": self.records}, default=str, allow_nan=False)
 
     def _record(self, job: JobSpec, idx: int) -> dict[str, Any]:
         rec = self.records.get(job.name)
@@ -404,11 +377,12 @@ class SubprocessLauncher(Launcher):
         return results
 
 
-def register_launcher_config() -> None:
-    """Register the launcher class and its config (editable installs hide it from Hydra's scan)."""
+def register_launcher() -> None:
+    """Make the launcher class known to Hydra. Hydra's own plugin scan finds it in an installed
+    package; an editable install hides ``hydra_plugins`` from that scan, so the command line
+    (:mod:`swarmkit.apps.cli`) registers it before a run. Its config
+    (``hydra/launcher=swarmkit_subprocess``) is stored by :mod:`swarmkit.config.compose`, from
+    :class:`swarmkit.config.schema.SubprocessLauncherConfig`."""
     from hydra.core.plugins import Plugins
 
     Plugins.instance().register(SubprocessLauncher)
-    ConfigStore.instance().store(
-        group="hydra/launcher", name="swarmkit_subprocess", node=SubprocessLauncherConf, provider="swarmkit"
-    )

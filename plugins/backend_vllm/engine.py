@@ -93,6 +93,7 @@ from swarmkit.contract import (
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
+from swarmkit.weights import load_weights, save_weights
 from swarmkit_plugins.backend_vllm.schema import VLLMBackendConfig
 
 log = logging.getLogger(__name__)
@@ -591,8 +592,6 @@ class VLLMBackend(InferenceBackend):
         await self.call_in_engine(run)
 
     def _write_shm(self, named: list[tuple[str, Any]]) -> str:
-        from swarmkit.training.group import save_weights
-
         if self._shm_dir is None:
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._shm_dir = Path(tempfile.mkdtemp(prefix="swarmkit-vllm-weights-", dir=base))
@@ -606,15 +605,7 @@ class VLLMBackend(InferenceBackend):
         """The full HF-named weights served last (pushed tensors, or loaded from their folder)."""
         if self._base_named:
             return self._base_named
-        from safetensors.torch import load_file
-
-        folder = Path(self._weights_folder or self.model_dir)
-        state: dict[str, Any] = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        if not state:
-            raise FileNotFoundError(f"no safetensors weights in {folder}")
-        return state
+        return load_weights(Path(self._weights_folder or self.model_dir))
 
     def _complete(self, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """vLLM's in-place reload re-initialises every parameter, so a partial update is

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,17 +29,12 @@ import torch
 from torch import nn
 
 from swarmkit.contract import Algorithm
+from swarmkit.procs import free_port
 from swarmkit.training.engine import TrainingEngine
 from swarmkit.training.packing import MicroBatch
 from swarmkit_plugins.optim_deepspeed.schema import DeepSpeedConfig
 
 DS_TAG = "state"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ensure_process_group() -> None:
@@ -52,7 +46,7 @@ def ensure_process_group() -> None:
         return
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)

@@ -112,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m swarmkit`` and the ``swarmkit`` script."""
     import hydra
 
+    from hydra_plugins.swarmkit_launcher.subprocess_launcher import register_launcher
+
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:  # the commands that are not a Hydra job
         try:
@@ -127,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SwarmkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    register_launcher()  # --multirun's launcher, also where Hydra's plugin scan misses it (editable installs)
     sys.argv = [sys.argv[0] if sys.argv else "swarmkit", *hargs]
     entry = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(_hydra_entry)
     entry()

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from swarmkit.config.validate import is_loopback
+from swarmkit.procs import is_loopback
 from swarmkit.training.group import GroupError, group_command, group_env, read_join_spec
 
 #: exit status of a join that failed before or while the node ran

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,27 +21,13 @@ from typing import Any, TextIO
 
 from swarmkit.apps.task_client import EpisodeLoop
 from swarmkit.client import SwarmClient
+
+# port_free is re-exported: the multi-server scripts this module serves, apps.local and apps.ray_launcher import it here
+from swarmkit.procs import free_port, port_free  # noqa: F401
 from swarmkit.swarm.metrics import read_metrics
 
 #: the admin token of servers started without one
 DEFAULT_TOKEN = "swarmkit-local-token"
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether ``port`` can be bound on ``host`` (IPv4 or IPv6) now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

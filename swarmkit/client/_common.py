@@ -1,6 +1,6 @@
 """What the sync and the async client share: errors, request bodies, retries, episode info.
 
-Everything here is pure (no I/O but reading a config file): the two clients
+Everything here is pure (no I/O but reading a config file and keeping a client key): the two clients
 (:mod:`swarmkit.client.sync`, :mod:`swarmkit.client.aio`) only add the HTTP
 call and the sleep, so both retry, log and fail the same way.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from swarmkit.runfiles import write_text
 
 __all__ = ["CLIENT_HEADER", "RetryEvent", "ServerUnavailable", "SwarmAPIError", "SwarmError", "TransportError"]
 
@@ -172,11 +174,7 @@ def save_client_key(url: str, client_id: str, key: str) -> None:
     path = client_key_file(url, client_id)
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key)
-        os.replace(tmp, path)
+        write_text(path, key, mode=0o600)
     except OSError as exc:
         log.warning("could not keep the client key in %s (%s); a restarted client cannot vote as %r until "
                     "the server forgets it", path, exc, client_id)

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from swarmkit.config.schema import ModelConfig, SwarmkitConfig, TaskConfig
+from swarmkit.config.schema import ModelConfig, SubprocessLauncherConfig, SwarmkitConfig, TaskConfig
 from swarmkit.config.validate import validate_config
 from swarmkit.errors import ConfigError
 from swarmkit.plugins import get_hooks, get_registry
@@ -104,14 +104,16 @@ def store_schema_options(search_paths: Sequence[str]) -> None:
       extends (``defaults: [fsdp_defaults, _self_]``), so it sets only what differs.
     - ``<kind>/<name>``: a registered component without a YAML option gets one
       made of its schema defaults.
+    - ``hydra/launcher/swarmkit_subprocess``: the multirun launcher's settings
+      (:class:`~swarmkit.config.schema.SubprocessLauncherConfig`), which
+      ``conf/config.yaml`` selects; the launcher class itself is registered by
+      the command line (:mod:`swarmkit.apps.cli`), which runs it.
     """
     from hydra.core.config_store import ConfigStore
 
-    from hydra_plugins.swarmkit_launcher.subprocess_launcher import register_launcher_config
-
-    register_launcher_config()
     modules = [CONFIG_MODULE] + [p[len("pkg://") :].replace("/", ".") for p in search_paths if p.startswith("pkg://")]
     cs = ConfigStore.instance()
+    cs.store(group="hydra/launcher", name="swarmkit_subprocess", node=SubprocessLauncherConfig, provider="swarmkit")
     base = _defaults_node(SwarmkitConfig)
     cs.store(name="swarmkit_base", node={k: base[k] for k in ("mode", "launcher", "seed", "server", "trainer", "ray")})
     for group, schema in CORE_GROUPS.items():

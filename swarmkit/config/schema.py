@@ -186,6 +186,42 @@ class RayConfig:
     max_client_restarts: int = -1
 
 
+#: the class of ``hydra/launcher=swarmkit_subprocess`` (Hydra instantiates it by this name; nothing imports it)
+SUBPROCESS_LAUNCHER = "hydra_plugins.swarmkit_launcher.subprocess_launcher.SubprocessLauncher"
+
+
+@dataclass
+class SubprocessLauncherConfig:
+    """``hydra.launcher`` of ``hydra/launcher=swarmkit_subprocess``: the multirun launcher that runs
+    every job in a fresh process (``hydra_plugins/swarmkit_launcher``). Its schema lives here with
+    the others, so composing a config never imports the launcher."""
+
+    _target_: str = SUBPROCESS_LAUNCHER
+    #: stop the sweep at the first failed job
+    fail_fast: bool = False
+    #: jobs running at once
+    max_parallel: int = 1
+    #: seconds a job may run before the watchdog kills it (0: no limit); a job's own timeout_s wins
+    timeout_s: float = 0.0
+    #: runs of a crashed or killed job after its first
+    retries: int = 0
+    #: the JSON record of every job, rewritten after each change; a launch that finds it resumes
+    state: str = ""
+    #: a YAML/JSON list of jobs (name, overrides, dir[, timeout_s, command]) to run instead of the sweep
+    jobs_file: str = ""
+    #: each attempt's output in <log_dir>/<name>.attempt<N>.log (empty: the console)
+    log_dir: str = ""
+    #: GPU indices to hand out (CUDA_VISIBLE_DEVICES), e.g. "0,1,2,3"; empty: none
+    gpus: str = ""
+    gpus_per_job: int = 1
+    #: torch threads per job (SWARMKIT_TORCH_THREADS, OMP_NUM_THREADS); 0: leave as is
+    threads_per_job: int = 0
+    #: KEY@STEP: SIGKILL job KEY's first attempt after STEP training steps (a test hook)
+    inject_crash: str = ""
+    #: seconds between two looks at the running jobs
+    poll_s: float = 0.5
+
+
 @dataclass
 class SwarmkitConfig:
     #: "local" (server + task client), "server" (bare server), "client", "plan" (print and exit)

@@ -8,7 +8,6 @@ unknown component names with the installed choices), in one
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +27,7 @@ from swarmkit.config.schema import (
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins.loader import get_hooks
 from swarmkit.plugins.registry import KINDS, Registry
+from swarmkit.procs import is_loopback
 
 
 def _check_node(schema: type, node: Any, where: str, problems: list[str]) -> DictConfig | None:
@@ -109,16 +109,6 @@ def _check_ray(ray: DictConfig, problems: list[str]) -> None:
     if ray.placement_strategy not in PLACEMENT_STRATEGIES:
         problems.append(f"ray.placement_strategy: '{ray.placement_strategy}' is not one of "
                         f"{', '.join(PLACEMENT_STRATEGIES)}")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address or ``localhost``) names this machine's loopback interface."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_group_launch(optim: Mapping[str, Any]) -> list[str]:

@@ -27,7 +27,7 @@ from swarmkit.research.analysis import read_run, summarize
 from swarmkit.research.blueprint import DEFAULT_COMMAND, Blueprint, BlueprintError, parse_blueprints
 from swarmkit.research.executor import Budget, job_name, run_dir, run_stage
 from swarmkit.research.planner import StagePlan, StudySpec, conclude, parse_spec
-from swarmkit.research.procs import write_json_atomic
+from swarmkit.runfiles import write_json
 
 
 class Leader(Protocol):
@@ -102,7 +102,7 @@ class Campaign:
 
     def save(self) -> None:
         self.state["settings"] = asdict(self.settings)
-        write_json_atomic(self.path, _finite(self.state))
+        write_json(self.path, _finite(self.state), default=str, allow_nan=False)
 
     def trace(self, stage: int | None, actor: str, kind: str, text: str) -> None:
         """One row of the campaign's trace (the report's Table-4-like record)."""

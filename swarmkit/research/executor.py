@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.errors import SwarmkitError
+from swarmkit.procs import die_with_parent
 from swarmkit.research.blueprint import Blueprint
-from swarmkit.research.procs import die_with_parent
 
 #: the job statuses that end a job (``retried``: it succeeded after a failed attempt)
 FINAL = ("ok", "retried", "failed")

@@ -48,6 +48,8 @@ from typing import Any
 
 from swarmkit.contract import OptimEngine, TrainSample
 from swarmkit.errors import ConfigError
+from swarmkit.runfiles import write_json
+from swarmkit.weights import load_weights, save_weights, weights_from_bytes, weights_to_bytes
 
 log = logging.getLogger("swarmkit.training.group")
 
@@ -103,13 +105,7 @@ def group_env(authkey_hex: str) -> dict[str, str]:
 
 def write_join_spec(spec: Mapping[str, Any], path: str | Path) -> None:
     """Write ``spec`` to ``path`` as JSON, mode 0600 from its creation (it holds the authkey), atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"version": JOIN_SPEC_VERSION, **spec}, f, indent=1)
-    os.replace(tmp, path)
+    write_json(path, {"version": JOIN_SPEC_VERSION, **spec}, mode=0o600)
 
 
 def read_join_spec(path: str | Path) -> dict[str, Any]:
@@ -240,14 +236,12 @@ class ProcessGroupEngine(OptimEngine):
 
     def export_weights(self) -> Iterable[tuple[str, Any]]:
         """Full HF-named weights (LoRA merged), read from the file rank 0 wrote; CPU tensors."""
-        from safetensors.torch import load, load_file
-
         if not self._shared_shm:  # rank 0 on another host: the file comes over the connection
-            return list(load(self._call("export_weights", None)).items())
+            return list(weights_from_bytes(self._call("export_weights", None)).items())
         path = self._shm / "weights.safetensors"
         self._call("export_weights", str(path))
         try:
-            return list(load_file(str(path)).items())
+            return list(load_weights(path).items())
         finally:
             path.unlink(missing_ok=True)
 
@@ -379,37 +373,15 @@ def _state(engine: Any) -> dict[str, int]:
     return {"optimizer_steps": int(engine.optimizer_steps), "train_steps": int(engine.train_steps)}
 
 
-def _cpu_tensors(weights: dict[str, Any]) -> dict[str, Any]:
-    """CPU, contiguous copies; tied tensors get their own storage, which safetensors requires."""
-    out, seen = {}, set()
-    for k, v in weights.items():
-        v = v.detach().to("cpu").contiguous()
-        ptr = v.untyped_storage().data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.add(ptr)
-    return out
-
-
-def save_weights(weights: dict[str, Any], path: str | Path) -> None:
-    """Write named tensors to a safetensors file; written beside and renamed, so readers never see half."""
-    from safetensors.torch import save_file
-
-    tmp = f"{path}.tmp"
-    save_file(_cpu_tensors(weights), tmp)
-    os.replace(tmp, path)
-
-
 def _run(engine: OptimEngine, name: str, arg: Any, rank: int) -> Any:
     if name == "train_step":
         metrics = engine.train_step([TrainSample.from_dict(s) for s in arg])
         return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
     if name == "export_weights":  # arg: a file on the server's host, or None: the safetensors bytes
-        from safetensors.torch import save
-
         weights = dict(engine.export_weights())
         if rank == 0:
             if arg is None:
-                return save(_cpu_tensors(weights))
+                return weights_to_bytes(weights)
             save_weights(weights, arg)
         return None
     if name == "save_checkpoint":

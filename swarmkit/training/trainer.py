@@ -27,6 +27,7 @@ from swarmkit.contract import Algorithm, OptimEngine, check_algorithm, scalar_re
 from swarmkit.models import resolve_model_path
 from swarmkit.plugins import get_registry, load_component
 from swarmkit.pool.records import EpisodeRecord
+from swarmkit.runfiles import staged_dir, write_text
 from swarmkit.training.config import EngineConfig
 from swarmkit.training.samples import bound_staleness, build_samples
 
@@ -203,21 +204,13 @@ class Trainer:
         crash mid-save leaves the previous checkpoint current.
         """
         final = Path(path) if path is not None else checkpoint_path(self._require_run_dir(), self.global_step)
-        tmp = final.with_name(final.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        self.engine.save_checkpoint(str(tmp))
-        state = {"global_step": self.global_step, "train_steps": self.train_steps,
-                 "extra": dict(extra or {}), "saved_at": time.time(),
-                 "model_path": str(self.model_path), "optim": self.optim_cfg["name"]}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        root = final.parent
-        (root / (LATEST + ".tmp")).write_text(final.name)
-        os.replace(root / (LATEST + ".tmp"), root / LATEST)
+        with staged_dir(final, replace=True) as tmp:
+            self.engine.save_checkpoint(str(tmp))
+            state = {"global_step": self.global_step, "train_steps": self.train_steps,
+                     "extra": dict(extra or {}), "saved_at": time.time(),
+                     "model_path": str(self.model_path), "optim": self.optim_cfg["name"]}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+        write_text(final.parent / LATEST, final.name)
         return final
 
     def prune_checkpoints(self, keep: int) -> list[Path]:

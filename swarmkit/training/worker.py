@@ -37,8 +37,9 @@ from typing import Any
 from swarmkit.contract import TrainSample
 from swarmkit.models import resolve_model_path
 from swarmkit.plugins import load_component
-from swarmkit.training.group import save_weights, serve
+from swarmkit.training.group import serve
 from swarmkit.training.trainer import build_algo
+from swarmkit.weights import save_weights
 
 
 def launch(nproc: int, samples: str | Path, out: str | Path, engine: str = "fsdp",

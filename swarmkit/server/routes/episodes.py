@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkit.errors import ApiError
+from swarmkit.procs import is_loopback
 from swarmkit.server.chat_input import (
     check_tools_rendered,
     normalize_messages,
@@ -203,8 +204,6 @@ def _origin(url: str) -> tuple[str, str] | None:
 
 def _peer_allowed(url: str, peers: list[str]) -> bool:
     """Whether ``url`` is on one of the operator's ``server.peers``."""
-    from swarmkit.config.validate import is_loopback
-
     got = _origin(url)
     if got is None:
         return False
