@@ -418,6 +418,11 @@ def test_text_completions_from_text_and_token_ids(make, tokenizer):
     assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == "xyz"
     tls = h.srv.episodes.get(ep["episode_id"]).timelines
     assert len(tls) == 3 and tls[1].blocks[0].token_ids == ids and tls[1].blocks[0].author == "user"
+    events = sse_events(h.tc.post("/v1/completions", json={"prompt": ids, "stream": True, "stream_options": {
+        "include_usage": True}}, headers=key).text)
+    generated = len(h.srv.episodes.get(ep["episode_id"]).timelines[-1].blocks[-1].token_ids)
+    assert events[-2] == {**events[-2], "choices": [], "usage": {
+        "prompt_tokens": len(ids), "completion_tokens": generated, "total_tokens": len(ids) + generated}}
 
 
 def test_text_completions_come_back_as_generated_and_are_not_kept_for_replay(make):

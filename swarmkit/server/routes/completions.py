@@ -79,7 +79,10 @@ async def completions(request: Request) -> Response:
     if body.get("stream"):
         if len(turns) != 1:
             raise ApiError(400, "streaming supports one prompt per request", "unsupported_value", param="stream")
-        return StreamingResponse(_completion_stream(srv, ep, role, turns[0], params, tt, cid, created, model),
+        opts = body.get("stream_options") or {}
+        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        return StreamingResponse(_completion_stream(srv, ep, role, turns[0], params, tt, cid, created, model,
+                                                    include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     choices = []
     usage_prompt = usage_gen = 0
@@ -115,10 +118,12 @@ async def completions(request: Request) -> Response:
 
 async def _completion_stream(
     srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, params: SamplingParams,
-    tt: TokenText | None, cid: str, created: int, model: str,
+    tt: TokenText | None, cid: str, created: int, model: str, include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """SSE of a completion (the turn records the call, even on disconnect)."""
+    """SSE of a completion (the turn records the call, even on disconnect); with ``include_usage`` a last
+    chunk (no choices) carries the usage."""
     base = {"id": cid, "object": "text_completion", "created": created, "model": model}
+    generated = 0
     async for ev in stream_turn(srv, ep, role, turn, params):
         if isinstance(ev, Piece):
             ch = ev.chunk
@@ -126,7 +131,12 @@ async def _completion_stream(
                 if tt is not None else None
             yield sse({**base, "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": None}]})
         elif isinstance(ev, Finished):
+            generated += ev.completion_tokens
             yield sse({**base, "choices": [{"index": ev.index, "text": "", "logprobs": None,
                                              "finish_reason": ev.finish_reason}]})
     # the turn has recorded the call: a client that saw the end finds it recorded
+    if include_usage:
+        prompt = len(turn.prompt_ids)
+        yield sse({**base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": generated,
+                                                      "total_tokens": prompt + generated}})
     yield b"data: [DONE]\n\n"
