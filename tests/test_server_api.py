@@ -420,6 +420,29 @@ def test_text_completions_from_text_and_token_ids(make, tokenizer):
     assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == "xyz"
     tls = h.srv.episodes.get(ep["episode_id"]).timelines
     assert len(tls) == 3 and tls[1].blocks[0].token_ids == ids and tls[1].blocks[0].author == "user"
+    events = sse_events(h.tc.post("/v1/completions", json={"prompt": ids, "stream": True, "stream_options": {
+        "include_usage": True}}, headers=key).text)
+    generated = len(h.srv.episodes.get(ep["episode_id"]).timelines[-1].blocks[-1].token_ids)
+    assert events[-2] == {**events[-2], "choices": [], "usage": {
+        "prompt_tokens": len(ids), "completion_tokens": generated, "total_tokens": len(ids) + generated}}
+
+
+def test_text_completions_come_back_as_generated_and_are_not_kept_for_replay(make):
+    """A raw prompt takes the shared turn path minus what only a chat turn has: no reasoning split, no
+    tool call lifted out, nothing remembered for replay."""
+    reply = 'hm <think>x</think> ok <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    h = make(replies=[reply])
+    ep = h.register()
+    key = {"Authorization": f"Bearer {ep['api_key']}"}
+    r = h.tc.post("/v1/completions", json={"prompt": "<think>", "max_tokens": 200}, headers=key).json()
+    assert r["choices"][0]["text"] == reply and r["choices"][0]["finish_reason"] == "stop"
+    events = sse_events(h.tc.post("/v1/completions", json={"prompt": "<think>", "max_tokens": 200, "stream": True},
+                                  headers=key).text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == reply
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    episode = h.srv.episodes.get(ep["episode_id"])
+    assert [t.meta["endpoint"] for t in episode.timelines] == ["completions", "completions"]
+    assert episode.turns.turns == []
 
 
 def test_models_lists_the_served_model_for_a_valid_key(make):

@@ -55,7 +55,7 @@ COMPLETIONS = FieldTable.of(
     "/v1/completions",
     known=("prompt", "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream",
            "stream_options", "echo", "best_of", "suffix", "logit_bias", "frequency_penalty", "presence_penalty",
-           "top_k", "min_p", "repetition_penalty", "skip_special_tokens"),
+           "top_k", "min_p", "repetition_penalty", "skip_special_tokens", "response_format"),
     ignored=("user",),
 )
 MESSAGES = FieldTable.of(

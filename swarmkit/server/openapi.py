@@ -318,6 +318,7 @@ def _completions_body() -> Schema:
         **_sampling(),
         "max_tokens": integer(1, MAX_TOKENS, "default 16"),
         "logprobs": nullable(integer(0, 5)),
+        "response_format": nullable(ref("ResponseFormat")),
         "echo": {"anyOf": [{"const": False}, {"type": "null"}], "description": "echo is refused (400)"},
         "best_of": nullable(integer(1, 1)),
     }, ("prompt",))

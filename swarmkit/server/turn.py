@@ -1,4 +1,4 @@
-"""One generated assistant turn: the capture path every chat-shaped protocol shares.
+"""One generated turn: the capture path every inference protocol shares.
 
 Chat Completions, Anthropic Messages and OpenAI Responses translate their
 request into OpenAI-chat messages, function tools and a :class:`ToolChoice`
@@ -10,6 +10,13 @@ timeline → parse tool calls → remember the turn for its replay.
 
 So one conversation gives the same token ids and loss masks whichever protocol
 carried it, and prefix merging works across turns of any protocol.
+
+``/v1/completions`` sends a raw prompt (text or token ids, no chat template):
+:func:`prepare_raw_turn_async` makes it a :class:`Turn` of one prompt block, and
+from there it takes the same path (generate, record with the same meta,
+``structured`` included), minus what only a chat turn has: its text comes back
+as generated (no reasoning split, no tool calls) and it is not remembered for
+replay.
 """
 
 from __future__ import annotations
@@ -39,18 +46,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
     from swarmkit.timelines.block import Block
 
-__all__ = ["CallDelta", "Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_turn", "prepare_turn_async",
-           "stream_turn", "with_internal_stop"]
+__all__ = ["CallDelta", "Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_raw_turn_async",
+           "prepare_turn", "prepare_turn_async", "stream_turn", "with_internal_stop"]
 
 
 @dataclass
 class Turn:
     """A checked request, ready to generate.
 
-    :ivar endpoint: the protocol's name in the recorded timelines (``chat``, ``messages``, ``responses``).
+    :ivar endpoint: the protocol's name in the recorded timelines (``chat``, ``messages``, ``responses``,
+        ``completions``).
     :ivar forced_text: a tool-call opening the server prefills (``tool_choice`` required or named).
     :ivar internal_stop: generation stops at the first ``</tool_call>`` (no parallel calls).
     :ivar think_started: the generation prompt opened ``<think>``: the reply starts as reasoning.
+    :ivar raw: a raw prompt (``/v1/completions``): the text comes back as generated (no reasoning split,
+        no tool calls) and the turn is not remembered for replay.
     """
 
     endpoint: str
@@ -62,6 +72,7 @@ class Turn:
     internal_stop: bool
     stops: list[str] = field(default_factory=list)  # the client's stop strings
     think_started: bool = False
+    raw: bool = False
 
 
 def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
@@ -194,6 +205,35 @@ async def encode_async(srv: SwarmServer, text: str, encode: Callable[[str], list
     return await in_render_pool(srv, lambda: encode(text))
 
 
+#: token-id prompts longer than this are decoded off the event loop
+INLINE_IDS = 4096
+
+
+async def prepare_raw_turn_async(srv: SwarmServer, prompt: str | list[int], *, endpoint: str,
+                                 param: str = "prompt") -> Turn:
+    """The turn of a raw prompt (no chat template): its one block is the prompt (author ``user``, loss
+    mask 0). Text is tokenized as it is (refused before tokenizing when it cannot fit the context, long text
+    tokenized off the event loop); token ids are checked against the context and the vocabulary (400
+    naming ``param``) and decoded for the block's text."""
+    tok = srv.tokenizer
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, f"'{param}' must not be empty", "invalid_value", param=param)
+        ids = await encode_async(srv, prompt, lambda t: list(tok.encode(t, add_special_tokens=False)), param)
+        text = prompt
+    else:
+        if srv.max_context and len(prompt) > int(srv.max_context):
+            raise ApiError(400, f"a prompt of {len(prompt)} token ids is longer than the model's context "
+                           f"({srv.max_context} tokens)", "context_length_exceeded", param=param)
+        vocab = len(tok)
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise ApiError(400, f"token-id prompts must be non-empty lists of ids in [0, {vocab})",
+                           "invalid_value", param=param)
+        ids = list(prompt)
+        text = await in_render_pool(srv, lambda: tok.decode(ids)) if len(ids) > INLINE_IDS else tok.decode(ids)
+    return Turn(endpoint, [srv.tracker.prompt_block(text, ids)], ids, ToolChoice(), "", [], False, raw=True)
+
+
 def with_internal_stop(turn: Turn, params: SamplingParams) -> SamplingParams:
     """``params`` with the turn's internal ``</tool_call>`` stop added (kept on ``turn``)."""
     turn.stops = list(params.stop)
@@ -309,20 +349,23 @@ class Reply:
 
 async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
                         params: SamplingParams) -> list[Reply]:
-    """Generate every choice, record the call, parse and remember each turn."""
+    """Generate every choice, record the call, parse and remember each turn (a raw turn: its text as generated)."""
     outputs = await srv.generate(ep, turn.prompt_ids, params)
     recorded = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
                                   meta=_structured(params))
     replies = []
     for i, out in enumerate(outputs):
+        stop = matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason)
+        if turn.raw:
+            replies.append(Reply(i, out.text, [], out.finish_reason, out, stop))
+            continue
         reasoning, answer = split_reasoning(out.text, started=turn.think_started)
         if turn.choice.parse:  # tool calls are read from the answer, never from the reasoning
             content, calls = parse_tool_calls(_reply_text(turn, answer, out.finish_reason))
         else:
             content, calls = answer, []
         _remember(srv, ep, recorded[i].blocks[-1], content, calls)
-        replies.append(Reply(i, content, calls, "tool_calls" if calls else out.finish_reason, out,
-                             matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason), reasoning))
+        replies.append(Reply(i, content, calls, "tool_calls" if calls else out.finish_reason, out, stop, reasoning))
     return replies
 
 
@@ -377,7 +420,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
 
     The call is recorded after the last :class:`Finished` (before the caller sends its closing
     event: a client that saw the end finds the call recorded), and also when the stream is cut
-    (the tokens generated so far).
+    (the tokens generated so far). A raw turn's pieces are the text as generated.
     """
     n = params.n
     ids: list[list[int]] = [[] for _ in range(n)]
@@ -387,7 +430,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
     texts: list[list[str]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     parsers = [ToolCallStreamParser() if turn.choice.parse else None for _ in range(n)]
-    thinkers = [ReasoningStreamSplitter(started=turn.think_started) for _ in range(n)]
+    thinkers = [None if turn.raw else ReasoningStreamSplitter(started=turn.think_started) for _ in range(n)]
     reasonings: list[list[str]] = [[] for _ in range(n)]
     contents: list[list[str]] = [[] for _ in range(n)]
     calls_of: list[list[dict[str, Any]]] = [[] for _ in range(n)]
@@ -410,7 +453,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
             made = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint,
                                       forced=turn.forced_ids,
                                       meta={"stream": True, "complete": completed, **(_structured(params) or {})})
-            if completed:
+            if completed and not turn.raw:
                 for i in range(n):
                     _remember(srv, ep, made[i].blocks[-1], "".join(contents[i]) or None, calls_of[i])
 
@@ -429,7 +472,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
             texts[i].append(ch.text)
             if ch.top_logprobs:
                 tops[i].extend(ch.top_logprobs)
-            thought, text = thinkers[i].feed(ch.text)
+            thinker = thinkers[i]
+            thought, text = thinker.feed(ch.text) if thinker is not None else ("", ch.text)
             if thought:
                 reasonings[i].append(thought)
             parser = parsers[i]
@@ -445,7 +489,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
                     yield ev
         for i in range(n):
             reason = finish[i] or "stop"
-            thought, rest = thinkers[i].finish()
+            thinker = thinkers[i]
+            thought, rest = thinker.finish() if thinker is not None else ("", "")
             if thought:
                 reasonings[i].append(thought)
             parser = parsers[i]
@@ -463,7 +508,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
             if rest:
                 contents[i].append(rest)
             stop = matched_stop(srv, turn, ids[i], "".join(texts[i]), reason)
-            reasoning = "".join(reasonings[i]) if thinkers[i].reasoned else None
+            reasoning = "".join(reasonings[i]) if thinker is not None and thinker.reasoned else None
             yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]), reasoning,
                            frozenset(parser.streamed) if parser is not None else frozenset())
         completed = True

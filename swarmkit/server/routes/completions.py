@@ -1,4 +1,5 @@
-"""``POST /v1/completions``: raw prompts (text or token ids), generate, record, answer (or stream)."""
+"""``POST /v1/completions``: the shared turn (:mod:`swarmkit.server.turn`) over raw prompts (text or token
+ids, no chat template), in OpenAI's Completions shape (or streamed)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,25 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from swarmkit.contract import GenerationOutput, SamplingParams
+from swarmkit.contract import SamplingParams
 from swarmkit.errors import ApiError
 from swarmkit.server import fields
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
     completion_logprobs,
-    sampling_params,
     served_model,
     server_of,
     sse,
+    turn_sampling,
 )
-from swarmkit.server.turn import choice_streams, encode_async, in_render_pool
+from swarmkit.server.turn import (
+    Finished,
+    Piece,
+    Turn,
+    generate_turn,
+    prepare_raw_turn_async,
+    stream_turn,
+)
 from swarmkit.timelines.render import TokenText
 
 #: the most prompts one /v1/completions request may batch
@@ -32,13 +40,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
 
 
-async def _completion_prompts(srv: SwarmServer, body: dict[str, Any]) -> list[tuple[str, list[int]]]:
-    """Each prompt as (text, token ids); text too long for the context is refused before it is tokenized,
-    long text is tokenized off the event loop."""
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The request's prompts, each a text or a list of token ids (checked by :func:`prepare_raw_turn_async`)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "missing required field 'prompt'", "missing_field", param="prompt")
-    tok = srv.tokenizer
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -51,24 +57,7 @@ async def _completion_prompts(srv: SwarmServer, body: dict[str, Any]) -> list[tu
     if len(items) > MAX_PROMPTS:
         raise ApiError(400, f"{len(items)} prompts in one request (at most {MAX_PROMPTS})", "invalid_value",
                        param="prompt")
-    out = []
-    vocab = len(tok)
-    for p in items:
-        if isinstance(p, str):
-            if not p:
-                raise ApiError(400, "'prompt' must not be empty", "invalid_value", param="prompt")
-            ids = await encode_async(srv, p, lambda t: list(tok.encode(t, add_special_tokens=False)), "prompt")
-            out.append((p, ids))
-        else:
-            if srv.max_context and len(p) > int(srv.max_context):
-                raise ApiError(400, f"a prompt of {len(p)} token ids is longer than the model's context "
-                               f"({srv.max_context} tokens)", "context_length_exceeded", param="prompt")
-            if not p or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in p):
-                raise ApiError(400, f"token-id prompts must be non-empty lists of ids in [0, {vocab})",
-                               "invalid_value", param="prompt")
-            text = await in_render_pool(srv, lambda p=p: tok.decode(p)) if len(p) > 4096 else tok.decode(p)
-            out.append((text, list(p)))
-    return out
+    return items
 
 
 async def completions(request: Request) -> Response:
@@ -81,38 +70,36 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "'echo' is not supported by this server", "unsupported_value", param="echo")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ApiError(400, "'best_of' is not supported by this server", "unsupported_value", param="best_of")
-    prompts = await _completion_prompts(srv, body)
-    longest = max(len(ids) for _, ids in prompts)
-    params, want_lp = sampling_params(body, chat=False, max_new=srv.room_for(longest), backend=srv.backend)
-    srv.check_tokens(len(prompts) * params.n * params.max_tokens)
+    turns = [await prepare_raw_turn_async(srv, p, endpoint="completions") for p in _prompts(body)]
+    params, want_lp = turn_sampling(srv, turns, body, chat=False)
     created = int(time.time())
     cid = "cmpl-" + secrets.token_hex(12)
     model = served_model(srv)
     tt = srv.token_text if want_lp else None
     if body.get("stream"):
-        if len(prompts) != 1:
+        if len(turns) != 1:
             raise ApiError(400, "streaming supports one prompt per request", "unsupported_value", param="stream")
-        text, ids = prompts[0]
-        block = srv.tracker.prompt_block(text, ids)
-        return StreamingResponse(_completion_stream(srv, ep, role, block, ids, params, tt, cid, created, model),
+        opts = body.get("stream_options") or {}
+        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        return StreamingResponse(_completion_stream(srv, ep, role, turns[0], params, tt, cid, created, model,
+                                                    include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     choices = []
     usage_prompt = usage_gen = 0
-    for p_index, (text, ids) in enumerate(prompts):
-        outputs = await srv.generate(ep, ids, params)
-        block = srv.tracker.prompt_block(text, ids)
-        srv.tracker.record(ep, role, [block], outputs, endpoint="completions")
-        usage_prompt += len(ids)
-        for i, out in enumerate(outputs):
+    for p_index, turn in enumerate(turns):
+        replies = await generate_turn(srv, ep, role, turn, params)
+        usage_prompt += len(turn.prompt_ids)
+        for r in replies:
+            out = r.output
             usage_gen += len(out.token_ids)
             choices.append(
                 {
-                    "index": p_index * params.n + i,
+                    "index": p_index * params.n + r.index,
                     "text": out.text,
                     "logprobs": completion_logprobs(tt, out.token_ids, out.logprobs,
                                                     out.top_logprobs if params.top_logprobs else None)
                     if tt is not None else None,
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": r.finish_reason,
                 }
             )
     return JSONResponse(
@@ -130,45 +117,26 @@ async def completions(request: Request) -> Response:
 
 
 async def _completion_stream(
-    srv: SwarmServer, ep: Episode, role: str | None, block: Any, prompt_ids: list[int], params: SamplingParams,
-    tt: TokenText | None, cid: str, created: int, model: str,
+    srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, params: SamplingParams,
+    tt: TokenText | None, cid: str, created: int, model: str, include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    n = params.n
-    ids: list[list[int]] = [[] for _ in range(n)]
-    lps: list[list[float]] = [[] for _ in range(n)]
-    vers: list[list[int]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
-    version = srv.policy_version
+    """SSE of a completion (the turn records the call, even on disconnect); with ``include_usage`` a last
+    chunk (no choices) carries the usage."""
     base = {"id": cid, "object": "text_completion", "created": created, "model": model}
-    recorded = False
-
-    def record() -> None:
-        nonlocal recorded
-        if recorded:
-            return
-        recorded = True
-        srv.end_call(ep)
-        outputs = [GenerationOutput(token_ids=ids[i], logprobs=lps[i], text="", finish_reason=finish[i] or "abort",
-                                    policy_version=version, token_versions=vers[i]) for i in range(n)]
-        if ep.running and any(ids):
-            srv.tracker.record(ep, role, [block], outputs, endpoint="completions", meta={"stream": True})
-
-    srv.begin_call(ep)
-    try:
-        await srv.wait_serving(ep)
-        async for i, ch in choice_streams(srv, prompt_ids, params):
-            ids[i].extend(ch.token_ids)
-            lps[i].extend(ch.logprobs)
-            vers[i].extend(ch.versions(version))
-            if ch.finish_reason:
-                finish[i] = ch.finish_reason
+    generated = 0
+    async for ev in stream_turn(srv, ep, role, turn, params):
+        if isinstance(ev, Piece):
+            ch = ev.chunk
             lp = completion_logprobs(tt, ch.token_ids, ch.logprobs, ch.top_logprobs if params.top_logprobs else None) \
                 if tt is not None else None
-            yield sse({**base, "choices": [{"index": i, "text": ch.text, "logprobs": lp, "finish_reason": None}]})
-        for i in range(n):
-            yield sse({**base, "choices": [{"index": i, "text": "", "logprobs": None,
-                                             "finish_reason": finish[i] or "stop"}]})
-        record()
-        yield b"data: [DONE]\n\n"
-    finally:
-        record()
+            yield sse({**base, "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": None}]})
+        elif isinstance(ev, Finished):
+            generated += ev.completion_tokens
+            yield sse({**base, "choices": [{"index": ev.index, "text": "", "logprobs": None,
+                                             "finish_reason": ev.finish_reason}]})
+    # the turn has recorded the call: a client that saw the end finds it recorded
+    if include_usage:
+        prompt = len(turn.prompt_ids)
+        yield sse({**base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": generated,
+                                                      "total_tokens": prompt + generated}})
+    yield b"data: [DONE]\n\n"

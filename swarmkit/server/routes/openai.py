@@ -217,14 +217,20 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_new: int, backend: 
     return params, want_logprobs
 
 
-def turn_sampling(srv: SwarmServer, turn: Turn, body: dict[str, Any],
-                  aliases: dict[str, str] | None = None) -> tuple[SamplingParams, bool]:
-    """The sampling of a chat-shaped turn (any protocol): :func:`sampling_params` within the context
-    the prompt leaves, the turn's internal stop added, and the tokens-per-request quota checked."""
-    params, want_lp = sampling_params(body, chat=True, max_new=srv.room_for(len(turn.prompt_ids)),
-                                      backend=srv.backend, aliases=aliases)
-    params = with_internal_stop(turn, params)
-    srv.check_tokens(params.n * params.max_tokens)
+def turn_sampling(srv: SwarmServer, turn: Turn | Sequence[Turn], body: dict[str, Any],
+                  aliases: dict[str, str] | None = None, *, chat: bool = True) -> tuple[SamplingParams, bool]:
+    """The sampling of a request's turns (any protocol; several: the raw prompts of one
+    ``/v1/completions`` request): :func:`sampling_params` within the context the longest prompt leaves,
+    each turn's internal stop added, and the tokens-per-request quota checked over all of them.
+
+    ``chat``: the Chat fields' meaning (false: Completions', see :func:`sampling_params`)."""
+    turns = [turn] if isinstance(turn, Turn) else list(turn)
+    longest = max(len(t.prompt_ids) for t in turns)
+    params, want_lp = sampling_params(body, chat=chat, max_new=srv.room_for(longest), backend=srv.backend,
+                                      aliases=aliases)
+    for t in turns:
+        params = with_internal_stop(t, params)
+    srv.check_tokens(len(turns) * params.n * params.max_tokens)
     return params, want_lp
 
 
