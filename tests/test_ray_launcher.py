@@ -108,7 +108,7 @@ def test_two_servers_two_clients_on_two_nodes_train_and_survive_a_killed_client(
     cmd = [sys.executable, "-m", "swarmkit", "launcher=ray", f"ray.address={cluster.address}",
            f"ray.namespace={NAMESPACE}", "ray.servers=2", "ray.clients=1",
            "model=tiny", "task=token_rule", "task.max_tokens=8", "batching.batch_size=4",
-           "batching.rollouts_per_task=8", "optim.lr=1e-2", f"trainer.total_steps={STEPS}",
+           "batching.rollouts_per_task=8", "optim.lr=1e-2", f"trainer.total_steps={STEPS}", "trainer.eval_every=10",
            # a killed client's open episodes hold a step only this long (as any crashed client's)
            "server.drain_idle_s=2", "server.episode_timeout_s=30", f"hydra.run.dir={run_dir}"]
     t0 = time.monotonic()
@@ -140,6 +140,9 @@ def test_two_servers_two_clients_on_two_nodes_train_and_survive_a_killed_client(
         assert s["global_step"] >= STEPS, s
         assert s["eval_after"]["mean"] > s["eval_before"]["mean"] + 0.2, s
         assert s["train_episodes"] > 0
+        # trainer.eval_every=10: the clients paused for two evaluations mid-run (ignored under Ray before)
+        midway = [int(step) for step in s["eval_midway"]]
+        assert len(midway) == 2 and 10 <= midway[0] and midway[0] + 10 <= midway[1] < STEPS, s["eval_midway"]
         # its client ran on its node (loopback binding: STRICT_PACK)
         for c in s["clients"]:
             assert c["nodes"] and set(c["nodes"]) == {s["node_id"]}, (k, c)

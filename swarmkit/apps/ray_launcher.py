@@ -10,16 +10,18 @@
   its torchrun ranks, which stay child processes of the actor and whose
   ``ray.rank_cpus/rank_gpus`` are added to that bundle so they see the actor's
   GPUs); bundles 1..``ray.clients`` are its client actors
-  (:class:`ClientWorker`: the built-in :class:`~swarmkit.apps.task_client.TrainingClient`).
+  (:class:`ClientWorker`: the built-in task client, a :class:`~swarmkit.apps.main_job.Sampler`).
   While ``server.host`` is a loopback address the group is ``STRICT_PACK``
   (the clients must share the server's node); with ``server.host=0.0.0.0``
   the actor advertises its node's IP and the group may span nodes.
-- **the driver** (this process) only talks to actors: it boots the servers,
-  evaluates before and after training (the server actor runs the held-out
-  episodes against itself), prints one line per training step of each
-  server, replaces a client actor that died (``ray.max_client_restarts``),
-  writes ``server_<k>/summary.json`` per server and ``summary.json`` for the
-  run, and tears everything down.
+- **the driver** (this process, :class:`RayDriver`) only talks to actors. It
+  runs the main job of :mod:`swarmkit.apps.main_job`, the flow ``mode=local``
+  runs (boot, evaluate, warm start, train with an evaluation every
+  ``trainer.eval_every`` steps, checkpoint, evaluate, ``summary.json``): the
+  server actor runs the held-out episodes against itself, the client actors
+  pause while their server is evaluated. Besides, it replaces a client actor
+  that died (``ray.max_client_restarts``), writes ``server_<k>/summary.json``
+  per server next to the run's ``summary.json``, and tears everything down.
 
 Ray is imported lazily: without it the launcher fails with the extra to
 install (``swarmkit[ray]``).
@@ -33,29 +35,19 @@ import os
 import shlex
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from swarmkit.apps.processes import port_free
-from swarmkit.apps.serve import start_server_thread
-from swarmkit.apps.task_client import (
-    EpisodeResult,
-    EvalResult,
-    TrainingClient,
-    evaluate,
-    send_demonstrations,
-)
+from swarmkit.apps.main_job import JobError, Sampler, ServerInfo, ServerSession, run_main_job, say
+from swarmkit.apps.task_client import EpisodeResult, EvalResult
 from swarmkit.client import SwarmClient, SwarmError
 from swarmkit.config.compose import DEFAULT_CHOICES, validated
 from swarmkit.config.schema import RayConfig
 from swarmkit.config.validate import is_loopback, to_dict
 from swarmkit.errors import ConfigError
-from swarmkit.swarm.metrics import read_metrics, step_line
-from swarmkit.tasks import make_tasks
 
 log = logging.getLogger("swarmkit.ray")
 
@@ -71,7 +63,7 @@ class RayMissing(RuntimeError):
     """Ray is not installed."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(JobError):
     """The swarm cannot be placed or run on the cluster (the message says why)."""
 
 
@@ -96,30 +88,16 @@ def _quiet() -> None:
         pass
 
 
-def _eval_dict(r: EvalResult) -> dict[str, Any]:
-    return {"mean": r.mean, "ci95": r.ci95, "n": r.n, "failures": r.failures,
-            **{k: {"mean": m, "ci95": c} for k, (m, c) in r.metrics.items()}}
-
-
-# --------------------------------------------------------------------------- actors (plain classes; the
-# driver wraps them with ray.remote, so importing this module needs no Ray)
-class ServerWorker:
-    """A swarm server in a Ray actor: built and served in a thread of the actor's process (OFFLINE until
-    :meth:`boot`); the driver's only way in (controller calls go over loopback HTTP from here)."""
+# --------------------------------------------------------------------------- actors (the main job's server
+# session and sampler; the driver wraps them with ray.remote, so importing this module needs no Ray)
+class ServerWorker(ServerSession):
+    """A swarm server in a Ray actor: a :class:`~swarmkit.apps.main_job.ServerSession` (built and served in a
+    thread of the actor's process, OFFLINE until :meth:`boot`); the driver's only way in (controller calls go
+    over loopback HTTP from here)."""
 
     def __init__(self, cfg: dict[str, Any], index: int):
         _quiet()
-        self.index = index
-        self.cfg = OmegaConf.create(cfg)
-        host, port = str(self.cfg.server.host), int(self.cfg.server.port)
-        if port and not port_free(host, port):
-            self.cfg.server.port = 0
-        self.handle = start_server_thread(self.cfg)
-        self.ctl = SwarmClient(self.handle.url, token=self.handle.admin_token, retry_for=3600,
-                               client_id=f"controller-ray-{index}")
-        task = self.cfg.task
-        self.eval_tasks = make_tasks(task.name, task.eval_size, seed=task.seed, split="eval",
-                                     options=dict(task.options))
+        super().__init__(OmegaConf.create(cfg), index, client_id=f"controller-ray-{index}")
 
     def info(self) -> dict[str, Any]:
         """Where the server runs: the URL clients use (the node's IP when bound to every address)."""
@@ -135,52 +113,14 @@ class ServerWorker:
                 "pid": os.getpid(), "run_dir": str(self.cfg.server.run_dir)}
 
     def boot(self, timeout: float = 3600.0) -> dict[str, Any]:
-        """Configure (the config this actor was built with) and start; returns once ROLLING."""
         try:
-            self.ctl.configure(to_dict(self.cfg))
-            self.ctl.start()
-            return self.ctl.wait_for_state("ROLLING", timeout=timeout)
+            return super().boot(timeout)
         except SwarmError as exc:  # the SDK's errors do not cross Ray's (de)serialization: their message does
             raise RuntimeError(f"server {self.index} did not boot: {exc}") from None
 
-    def warm_start(self) -> int:
-        """Send ``task.demonstrations`` demonstration episodes (the supervised warm start); how many."""
-        task = self.cfg.task
-        if int(task.demonstrations) <= 0:
-            return 0
-        demos = make_tasks(task.name, int(task.demonstrations), seed=task.seed + 1, split="demo",
-                           options=dict(task.options))
-        return send_demonstrations(self.ctl, demos, group_size=int(self.cfg.batching.rollouts_per_task),
-                                   concurrency=int(task.concurrency))
-
-    def evaluate(self) -> EvalResult:
-        """Greedy reward on the held-out tasks (eval episodes: never trained on)."""
-        task = self.cfg.task
-        return evaluate(self.ctl, self.eval_tasks, max_tokens=int(task.max_tokens),
-                        concurrency=int(task.concurrency))
-
-    def status(self) -> dict[str, Any]:
-        return self.ctl.status()
-
-    def metrics(self, after_step: int) -> list[dict[str, Any]]:
-        """The training steps' metrics rows after ``after_step`` (from this node's ``metrics.jsonl``)."""
-        return [r for r in read_metrics(self.cfg.server.run_dir)
-                if r.get("kind", "train") == "train" and int(r.get("step") or 0) > after_step]
-
-    def checkpoint(self) -> dict[str, Any]:
-        return self.ctl.checkpoint()
-
-    def shutdown(self) -> None:
-        """Stop the server (it frees its engine and trainer) and its HTTP thread."""
-        try:
-            self.ctl.stop()
-        except Exception as exc:  # noqa: BLE001 - shutting down whatever state it is in
-            log.warning("server %d: stop failed: %s", self.index, exc)
-        self.handle.stop()
-
-
 class ClientWorker:
-    """The built-in task client in a Ray actor: samples training episodes against one server until stopped.
+    """The built-in task client in a Ray actor: a :class:`~swarmkit.apps.main_job.Sampler` against one
+    server, sampling from construction, paused and resumed (with a new seed) around the main job's evals.
 
     Every accepted episode is appended to ``episode_log`` (JSON lines, written only after the server
     acknowledged the report), so what a client was told is in the journal can be checked after a crash.
@@ -190,25 +130,16 @@ class ClientWorker:
                  client_token: str | None = None):
         _quiet()
         self.name = name
-        task, batching = cfg["task"], cfg["batching"]
-        self.client = SwarmClient(url, client_token=client_token, retry_for=3600, client_id=name)
         self._lock = threading.Lock()
         self._log = None
         if episode_log:
             Path(episode_log).parent.mkdir(parents=True, exist_ok=True)
             self._log = open(episode_log, "a", buffering=1)  # noqa: SIM115 - lives as long as the actor
-        self.rewards: list[float] = []
-        self.loop = TrainingClient(
-            self.client, make_tasks(task["name"], int(task["train_size"]), seed=int(task["seed"]), split="train",
-                                    options=dict(task["options"])),
-            rollouts_per_task=int(batching["rollouts_per_task"]), max_tokens=int(task["max_tokens"]),
-            temperature=float(task["temperature"]), concurrency=int(task["concurrency"]), seed=seed,
-            on_result=self._on_result,
-        ).start()
+        client = SwarmClient(url, client_token=client_token, retry_for=3600, client_id=name)
+        self.sampler = Sampler(client, cfg, on_result=self._on_result).start(seed)
 
     def _on_result(self, r: EpisodeResult) -> None:
         with self._lock:
-            self.rewards.append(r.reward)
             if self._log is not None and r.accepted:
                 self._log.write(json.dumps({"episode_id": r.episode_id, "task_id": r.task_id, "reward": r.reward,
                                             "client": self.name}) + "\n")
@@ -217,12 +148,20 @@ class ClientWorker:
         import ray
 
         with self._lock:
-            return {"name": self.name, "finished": self.loop.finished, "failures": self.loop.failures,
-                    "last_error": self.loop.last_error, "sampling": not self.loop.stop_event.is_set(),
+            return {"name": self.name, "finished": self.sampler.finished, "failures": self.sampler.failures,
+                    "last_error": self.sampler.last_error, "sampling": self.sampler.sampling,
                     "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
+    def pause(self) -> dict[str, Any]:
+        self.sampler.stop()
+        return self.stats()
+
+    def resume(self, seed: int) -> dict[str, Any]:
+        self.sampler.start(seed)
+        return self.stats()
+
     def stop(self) -> dict[str, Any]:
-        self.loop.stop()
+        self.sampler.stop()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -240,6 +179,8 @@ class _ClientSlot:
     actor: Any = None
     name: str = ""
     generation: int = 0
+    #: the seed the main job last started the server's clients with
+    seed: int = 0
     #: episodes finished by the slot's earlier (dead) actors, plus the live one's last count
     finished_before: int = 0
     last: dict[str, Any] = field(default_factory=dict)
@@ -258,12 +199,6 @@ class _Server:
     actor: Any
     info: dict[str, Any] = field(default_factory=dict)
     clients: list[_ClientSlot] = field(default_factory=list)
-    seen: int = 0
-    step: int = 0
-    state: str = "OFFLINE"
-    before: EvalResult | None = None
-    after: EvalResult | None = None
-    demos: int = 0
 
 
 def server_configs(cfg: DictConfig, run_dir: Path) -> list[DictConfig]:
@@ -310,21 +245,20 @@ def _env_vars() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("SWARMKIT_")}
 
 
-class RayLauncher:
-    """Places and runs the swarm of one validated config on a Ray cluster (see the module docstring)."""
+class RayDriver:
+    """The main job's driver on a Ray cluster: places the swarm of one validated config, calls its server
+    actors, starts, pauses and replaces its client actors (see the module docstring)."""
 
-    def __init__(self, cfg: DictConfig, out: Any = None):
+    launcher = "ray"
+
+    def __init__(self, cfg: DictConfig):
         self.ray = import_ray()
         self.cfg = cfg
         self.rcfg = RayConfig(**to_dict(cfg.ray))
         self.run_dir = Path(str(cfg.server.run_dir)).resolve()
-        self.namespace = self.rcfg.namespace or f"swarmkit-{self.run_dir.name}"
-        self.out = out or sys.stdout
+        self.namespace: str | None = self.rcfg.namespace or f"swarmkit-{self.run_dir.name}"
         self.servers: list[_Server] = []
         self._connected = False
-
-    def say(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
 
     # ------------------------------------------------------------------ cluster and placement
     def connect(self) -> None:
@@ -337,8 +271,8 @@ class RayLauncher:
             raise LaunchError(f"no Ray cluster at ray.address={address!r} ({exc}); start one with "
                                "`ray start --head`, or set ray.address=null to start a private Ray here") from exc
         self._connected = True
-        self.say(f"ray: connected to {ray.get_runtime_context().gcs_address} (namespace {self.namespace}); "
-                 f"cluster resources {ray.cluster_resources()}")
+        say(f"ray: connected to {ray.get_runtime_context().gcs_address} (namespace {self.namespace}); "
+            f"cluster resources {ray.cluster_resources()}")
 
     def strategy(self, cfg: DictConfig) -> str:
         if self.rcfg.placement_strategy != "auto":
@@ -384,11 +318,11 @@ class RayLauncher:
             s.clients = [_ClientSlot(s.index, j, 1 + j) for j in range(self.rcfg.clients)]
         for s, info in zip(self.servers, ray.get([s.actor.info.remote() for s in self.servers]), strict=True):
             s.info = info
-            self.say(f"[server {s.index}] {info['url']} on node {info['node_ip']} ({info['node_id'][:12]}), "
-                     f"run dir {info['run_dir']}")
+            say(f"[server {s.index}] {info['url']} on node {info['node_ip']} ({info['node_id'][:12]}), "
+                f"run dir {info['run_dir']}")
 
     def start_client(self, s: _Server, slot: _ClientSlot) -> None:
-        """A (new) client actor in the slot's bundle of its server's placement group."""
+        """A (new) client actor in the slot's bundle of its server's placement group, sampling at once."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         suffix = f".{slot.generation}" if slot.generation else ""
@@ -397,16 +331,93 @@ class RayLauncher:
         slot.actor = self.ray.remote(ClientWorker).options(
             name=slot.name, num_cpus=self.rcfg.client_cpus, max_restarts=0, max_concurrency=4,
             scheduling_strategy=PlacementGroupSchedulingStrategy(s.pg, placement_group_bundle_index=slot.bundle),
-        ).remote(s.info["url"], cfg, name=slot.name,
-                 seed=int(s.cfg.seed) + 1000 * s.index + 100 * slot.index + slot.generation,
+        ).remote(s.info["url"], cfg, name=slot.name, seed=self._seed(s, slot),
                  episode_log=str(Path(str(s.cfg.server.run_dir)) / "clients" / f"{slot.name}.jsonl"),
                  client_token=s.cfg.server.client_token)
         slot.last = {}
 
-    # ------------------------------------------------------------------ supervision
-    def check_clients(self, s: _Server) -> None:
-        """Poll each client actor; replace one that died (an actor crash, a lost node, ``ray.kill``)."""
+    @staticmethod
+    def _seed(s: _Server, slot: _ClientSlot) -> int:
+        """A different seed per server, slot and replacement, from the main job's."""
+        return slot.seed + 1000 * s.index + 100 * slot.index + slot.generation
+
+    def _replace(self, s: _Server, slot: _ClientSlot, exc: Exception) -> None:
+        """A dead client actor (an actor crash, a lost node, ``ray.kill``): a new one in its slot."""
+        slot.finished_before += int(slot.last.get("finished", 0))
+        slot.last = {}
+        limit = self.rcfg.max_client_restarts
+        if 0 <= limit <= slot.generation:
+            raise LaunchError(f"client {slot.name} died and was replaced {slot.generation} times "
+                              f"(ray.max_client_restarts={limit})") from exc
+        say(f"[server {s.index}] client actor {slot.name} died ({type(exc).__name__}); starting a new one")
+        slot.generation += 1
+        self.start_client(s, slot)
+
+    def _call(self, k: int, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Server ``k``'s actor's ``method(*args)``; its death or its error is a :class:`LaunchError`."""
         ray = self.ray
+        try:
+            return ray.get(getattr(self.servers[k].actor, method).remote(*args), timeout=timeout)
+        except ray.exceptions.RayActorError as exc:
+            raise LaunchError(f"server {k}'s actor died: {exc}") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise LaunchError(str(exc.cause)) from None
+
+    # ------------------------------------------------------------------ the main job's driver protocol
+    def start(self) -> list[ServerInfo]:
+        cfgs = server_configs(self.cfg, self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.connect()
+        self.place(cfgs)
+        return [ServerInfo(s.index, s.cfg, str(s.info["url"]), str(s.info["node_id"])) for s in self.servers]
+
+    def boot(self, k: int) -> None:
+        self._call(k, "boot")
+
+    def warm_start(self, k: int) -> int:
+        return int(self._call(k, "warm_start"))
+
+    def evaluate(self, k: int) -> EvalResult:
+        result: EvalResult = self._call(k, "evaluate")
+        return result
+
+    def status(self, k: int) -> dict[str, Any]:
+        status: dict[str, Any] = self._call(k, "status", timeout=120)
+        return status
+
+    def metrics(self, k: int, after_step: int) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self._call(k, "metrics", after_step, timeout=120)
+        return rows
+
+    def checkpoint(self, k: int) -> dict[str, Any]:
+        answer: dict[str, Any] = self._call(k, "checkpoint")
+        return answer
+
+    def start_clients(self, k: int, seed: int) -> None:
+        """New client actors the first time; later the live ones resume and a dead one is replaced."""
+        ray, s = self.ray, self.servers[k]
+        for slot in s.clients:
+            slot.seed = seed
+            if slot.actor is None:
+                self.start_client(s, slot)
+                continue
+            try:
+                slot.last = ray.get(slot.actor.resume.remote(self._seed(s, slot)), timeout=120)
+            except ray.exceptions.RayActorError as exc:  # died while paused
+                self._replace(s, slot, exc)
+
+    def stop_clients(self, k: int) -> None:
+        ray = self.ray
+        for slot in self.servers[k].clients:
+            if slot.actor is not None:
+                try:
+                    slot.last = ray.get(slot.actor.pause.remote(), timeout=120)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # a dead one is replaced when the clients start again
+
+    def check_clients(self, k: int) -> None:
+        """Poll each client actor; replace one that died (an actor crash, a lost node, ``ray.kill``)."""
+        ray, s = self.ray, self.servers[k]
         for slot in s.clients:
             if slot.actor is None:
                 continue
@@ -415,124 +426,18 @@ class RayLauncher:
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
                 continue  # a transient loss of contact, or a busy actor: ask again next round
             except ray.exceptions.RayActorError as exc:  # dead for good (max_restarts=0)
-                slot.finished_before += int(slot.last.get("finished", 0))
-                limit = self.rcfg.max_client_restarts
-                if 0 <= limit <= slot.generation:
-                    raise LaunchError(f"client {slot.name} died and was replaced {slot.generation} times "
-                                       f"(ray.max_client_restarts={limit})") from exc
-                self.say(f"[server {s.index}] client actor {slot.name} died ({type(exc).__name__}); "
-                         "starting a new one")
-                slot.generation += 1
-                self.start_client(s, slot)
+                self._replace(s, slot, exc)
                 continue
             node = str(slot.last.get("node_id", ""))
             if node and node not in slot.nodes:
                 slot.nodes.append(node)
 
-    def poll(self, s: _Server) -> None:
-        """The server's state and every new step's line."""
-        try:
-            status = self.ray.get(s.actor.status.remote(), timeout=120)
-            pool = status.get("pool") or {}
-            last = pool.get("last_step")
-            rows = (self.ray.get(s.actor.metrics.remote(s.seen), timeout=120)
-                    if last and int(last["step"]) > s.seen else [])
-        except self.ray.exceptions.RayActorError as exc:
-            raise LaunchError(f"server {s.index}'s actor died: {exc}") from None
-        fill = pool.get("fill")
-        for row in rows:  # the pool's fill is the current one: shown on the newest step's line
-            text = step_line(row, pool=f"{fill['current']:g}/{fill['target']:g} {fill['unit']}"
-                             if fill and row is rows[-1] else None)
-            self.say(f"[server {s.index}] {text}")
-        s.seen = max([s.seen, *(int(r["step"]) for r in rows)])
-        s.step, s.state = int(status["global_step"]), str(status["state"])
-        if s.state == "OFFLINE":
-            raise LaunchError(f"server {s.index} went OFFLINE: {status.get('last_error')}")
+    def clients(self, k: int) -> list[dict[str, Any]]:
+        return [{"slot": c.index, "name": c.name, "replacements": c.generation, "finished": c.finished,
+                 "nodes": c.nodes} for c in self.servers[k].clients]
 
-    # ------------------------------------------------------------------ the job
-    def run(self) -> int:
-        t0 = time.time()
-        cfgs = server_configs(self.cfg, self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.connect()
-        try:
-            self.place(cfgs)
-            ray = self.ray
-            self.say(f"booting {len(self.servers)} server(s) ({self.cfg.model.name}: {self.cfg.model.path})...")
-            try:
-                ray.get([s.actor.boot.remote() for s in self.servers])
-            except ray.exceptions.RayTaskError as exc:
-                raise LaunchError(str(exc.cause)) from None
-            for s, r in zip(self.servers, ray.get([s.actor.evaluate.remote() for s in self.servers]), strict=True):
-                s.before = r
-                self.say(f"[server {s.index}] eval reward before training: {r}")
-            for s, n in zip(self.servers, ray.get([s.actor.warm_start.remote() for s in self.servers]), strict=True):
-                s.demos = n
-                if n:
-                    self.say(f"[server {s.index}] supervised warm start: {n} demonstrations in the pool")
-            self.train()
-            for s in self.servers:
-                for slot in s.clients:
-                    if slot.actor is not None:
-                        try:
-                            slot.last = ray.get(slot.actor.stop.remote(), timeout=120)
-                        except ray.exceptions.RayActorError:
-                            pass
-            ray.get([s.actor.checkpoint.remote() for s in self.servers])
-            for s, r in zip(self.servers, ray.get([s.actor.evaluate.remote() for s in self.servers]), strict=True):
-                s.after = r
-                self.say(f"[server {s.index}] eval reward after training: {r}")
-            statuses = ray.get([s.actor.status.remote() for s in self.servers])
-            self.write_summaries(statuses, time.time() - t0)
-        finally:
-            self.teardown()
-        return 0
-
-    def train(self) -> None:
-        """Start the clients (after a warm start's steps) and supervise until every server reached its steps."""
-        total = int(self.cfg.trainer.total_steps)
-        last_check = 0.0
-        while True:
-            for s in self.servers:
-                self.poll(s)
-                b, n = int(s.cfg.batching.batch_size), int(s.cfg.batching.rollouts_per_task)
-                if any(c.actor is None for c in s.clients) and s.step >= s.demos // max(1, b * n):
-                    for slot in s.clients:  # sampling starts once a warm start's steps are trained
-                        if slot.actor is None:
-                            self.start_client(s, slot)
-            if time.monotonic() - last_check > 2.0:
-                for s in self.servers:
-                    if s.step < total or not total:
-                        self.check_clients(s)
-                last_check = time.monotonic()
-            if total and all(s.step >= total for s in self.servers):
-                return
-            time.sleep(0.5)
-
-    def write_summaries(self, statuses: list[dict[str, Any]], wall: float) -> None:
-        runs = []
-        for s, st in zip(self.servers, statuses, strict=True):
-            assert s.before is not None and s.after is not None
-            summary = {
-                "server": s.index, "url": s.info.get("url"), "node_id": s.info.get("node_id"),
-                "eval_before": _eval_dict(s.before), "eval_after": _eval_dict(s.after),
-                "improvement": s.after.mean - s.before.mean, "demonstrations": s.demos,
-                "global_step": st["global_step"], "train_episodes": sum(c.finished for c in s.clients),
-                "clients": [{"slot": c.index, "name": c.name, "replacements": c.generation, "finished": c.finished,
-                             "nodes": c.nodes} for c in s.clients],
-                "client_replacements": sum(c.generation for c in s.clients),
-                "wall_time_s": wall, "run_dir": str(s.cfg.server.run_dir),
-            }
-            folder = self.run_dir / f"server_{s.index}"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "summary.json").write_text(json.dumps(summary, indent=2))
-            runs.append(summary)
-            self.say(f"[server {s.index}] eval {s.before.mean:.3f} -> {s.after.mean:.3f}, "
-                     f"{summary['global_step']} steps, {summary['train_episodes']} episodes, "
-                     f"{summary['client_replacements']} client replacement(s)")
-        (self.run_dir / "summary.json").write_text(json.dumps(
-            {"launcher": "ray", "namespace": self.namespace, "servers": runs, "wall_time_s": wall}, indent=2))
-        self.say(f"run folder {self.run_dir} ({wall:.0f} s)")
+    def stop(self) -> None:
+        self.teardown()
 
     def teardown(self) -> None:
         """Stop the servers, kill every actor, free the placement groups, leave the cluster."""
@@ -561,15 +466,15 @@ class RayLauncher:
 def run_ray(cfg: DictConfig) -> int:
     """``launcher=ray``: run the main job on a Ray cluster; the exit status (2: Ray missing or a bad config)."""
     try:
-        launcher = RayLauncher(cfg)
+        driver = RayDriver(cfg)
     except RayMissing as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        return launcher.run()
+        return run_main_job(driver, cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except LaunchError as exc:
+    except JobError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
