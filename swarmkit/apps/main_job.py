@@ -74,7 +74,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from swarmkit.apps.processes import port_free
 from swarmkit.apps.serve import start_server_thread
 from swarmkit.apps.task_client import (
     EpisodeResult,
@@ -85,6 +84,7 @@ from swarmkit.apps.task_client import (
 )
 from swarmkit.client import SwarmClient
 from swarmkit.config.validate import to_dict
+from swarmkit.procs import port_free
 from swarmkit.swarm.metrics import read_metrics, step_line
 from swarmkit.tasks import make_tasks
 

@@ -21,9 +21,7 @@ from typing import Any, TextIO
 
 from swarmkit.apps.task_client import EpisodeLoop
 from swarmkit.client import SwarmClient
-
-# port_free is re-exported: the multi-server scripts this module serves, apps.local and apps.ray_launcher import it here
-from swarmkit.procs import free_port, port_free  # noqa: F401
+from swarmkit.procs import free_port
 from swarmkit.swarm.metrics import read_metrics
 
 #: the admin token of servers started without one

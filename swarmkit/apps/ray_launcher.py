@@ -46,8 +46,9 @@ from swarmkit.apps.task_client import EpisodeResult, EvalResult
 from swarmkit.client import SwarmClient, SwarmError
 from swarmkit.config.compose import DEFAULT_CHOICES, validated
 from swarmkit.config.schema import RayConfig
-from swarmkit.config.validate import is_loopback, to_dict
+from swarmkit.config.validate import to_dict
 from swarmkit.errors import ConfigError
+from swarmkit.procs import is_loopback
 
 log = logging.getLogger("swarmkit.ray")
 
