@@ -324,10 +324,14 @@ def test_a_killed_client_leaves_a_two_server_episode_on_both_servers_or_on_neith
 
 def test_two_models_train_asynchronously_from_one_client(tmp_path):
     """The example in async mode (``--override trainer.mode=async``): both servers keep sampling
-    while they train, each learns from its own role's tokens, within its staleness bound."""
+    while they train, each learns from its own role's tokens, within its staleness bound.
+
+    20 steps: the tiny models' reward curve bends upward anywhere from step 5 to step 11 (which
+    policy version sampled what depends on timing); over 12 steps one in eight runs had gained less
+    than the margin (0.05), over 20 steps the gain was 0.33-0.58 in every run measured."""
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, str(RUN), "--steps", "12", "--batch-size", "2", "--rollouts", "8", "--max-tokens", "8",
+        [sys.executable, str(RUN), "--steps", "20", "--batch-size", "2", "--rollouts", "8", "--max-tokens", "8",
          "--concurrency", "8", "--override", "trainer.mode=async", "--override", "trainer.max_staleness=1",
          "--work-dir", str(tmp_path), "--out", str(out), "--timeout", "300"],
         env=server_env(TOKEN), capture_output=True, text=True, timeout=600,
@@ -337,7 +341,7 @@ def test_two_models_train_asynchronously_from_one_client(tmp_path):
     assert summary["failed_episodes"] == 0
     for role in ROLES:
         rows = summary["servers"][role]["steps"]
-        assert len(rows) >= 12
+        assert len(rows) >= 20
         assert all(r["staleness_max"] <= 1 and r["staleness_bound"] == 1 for r in rows)
         first = sum(r["reward_mean"] for r in rows[:3]) / 3
         last = sum(r["reward_mean"] for r in rows[-3:]) / 3
