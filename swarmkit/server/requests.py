@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 
 from swarmkit.errors import ApiError
-from swarmkit.swarm.server import CALLER_GONE
+from swarmkit.swarm.gateway import CALLER_GONE
 
 #: the most digits an integer of a request may have (a 64-bit value has 20): larger ones overflow later
 MAX_INT_DIGITS = 20

@@ -81,7 +81,7 @@ def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[
 
     ``template_kwargs``: extra chat-template variables of this request (``enable_thinking``...).
     """
-    renderer = srv.renderer_for(template_kwargs) if template_kwargs else srv.renderer
+    renderer = srv.inference.renderer_for(template_kwargs) if template_kwargs else srv.inference.renderer
     messages = normalize_messages(messages, developer_role=renderer.has_developer_role)
     check_tools_rendered(renderer, tools)
     messages, generated = ep.turns.substitute(messages)
@@ -131,16 +131,9 @@ def _text_size(messages: Any, tools: Any) -> int:
 
 
 def max_prompt_chars(srv: SwarmServer) -> int | None:
-    """The most characters a prompt that fits the context can hold: context x the longest token
-    (in characters) of the vocabulary (None: no context limit)."""
-    if not srv.max_context:
-        return None
-    if srv.longest_token is None:
-        try:
-            srv.longest_token = max((len(t) for t in srv.tokenizer.get_vocab()), default=16)
-        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary listing: a generous guess
-            srv.longest_token = 64
-    return int(srv.max_context) * srv.longest_token
+    """The most characters a prompt that fits the context can hold (see
+    :meth:`~swarmkit.swarm.gateway.InferenceGateway.max_prompt_chars`)."""
+    return srv.inference.max_prompt_chars()
 
 
 async def prepare_turn_async(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
@@ -150,7 +143,7 @@ async def prepare_turn_async(srv: SwarmServer, ep: Episode, messages: Any, tools
     context is refused before it is rendered (400 ``context_length_exceeded``), and a large one is
     rendered in a worker thread."""
     size = check_prompt_size(srv, messages, tools)
-    if size <= INLINE_CHARS and not srv.renders_in_pool:
+    if size <= INLINE_CHARS and not srv.inference.renders_in_pool:
         return prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint, template_kwargs=template_kwargs)
     return await in_render_pool(srv, lambda: prepare_turn(srv, ep, messages, tools, choice, endpoint=endpoint,
                                                           template_kwargs=template_kwargs))
@@ -161,13 +154,13 @@ def check_prompt_size(srv: SwarmServer, messages: Any, tools: Any) -> int:
     messages than it has tokens), checked before rendering; returns the size estimate."""
     size = _text_size(messages, tools)
     bound = max_prompt_chars(srv)
-    if isinstance(messages, list) and srv.max_context and len(messages) > int(srv.max_context):
+    if isinstance(messages, list) and srv.inference.max_context and len(messages) > int(srv.inference.max_context):
         raise ApiError(400, f"{len(messages)} messages: more than any prompt of this model's context "
-                       f"({srv.max_context} tokens; every message renders to at least one) can hold",
+                       f"({srv.inference.max_context} tokens; every message renders to at least one) can hold",
                        "context_length_exceeded", param="messages")
     if bound is not None and size > bound:
         raise ApiError(400, f"the messages hold {size} characters, more than any prompt of this model's context "
-                       f"({srv.max_context} tokens) can (model.max_context)", "context_length_exceeded",
+                       f"({srv.inference.max_context} tokens) can (model.max_context)", "context_length_exceeded",
                        param="messages")
     return size
 
@@ -179,11 +172,8 @@ async def in_render_pool(srv: SwarmServer, fn: Callable[[], _T]) -> _T:
     global _render_pool
     if _render_pool is None:
         _render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmkit-render")
-    srv.renders_in_pool += 1
-    try:
+    with srv.inference.rendering():
         return await asyncio.get_running_loop().run_in_executor(_render_pool, fn)
-    finally:
-        srv.renders_in_pool -= 1
 
 
 def check_text_fits(srv: SwarmServer, text: str, param: str) -> None:
@@ -192,7 +182,7 @@ def check_text_fits(srv: SwarmServer, text: str, param: str) -> None:
     bound = max_prompt_chars(srv)
     if bound is not None and len(text) > bound:
         raise ApiError(400, f"'{param}' holds {len(text)} characters, more than any prompt of this model's "
-                       f"context ({srv.max_context} tokens) can (model.max_context)", "context_length_exceeded",
+                       f"context ({srv.inference.max_context} tokens) can (model.max_context)", "context_length_exceeded",
                        param=param)
 
 
@@ -200,7 +190,7 @@ async def encode_async(srv: SwarmServer, text: str, encode: Callable[[str], list
     """``encode(text)`` that never stalls the event loop: refused when it cannot fit the context, run in the
     render worker when long (or while another render runs there)."""
     check_text_fits(srv, text, param)
-    if len(text) <= INLINE_CHARS and not srv.renders_in_pool:
+    if len(text) <= INLINE_CHARS and not srv.inference.renders_in_pool:
         return encode(text)
     return await in_render_pool(srv, lambda: encode(text))
 
@@ -215,23 +205,23 @@ async def prepare_raw_turn_async(srv: SwarmServer, prompt: str | list[int], *, e
     mask 0). Text is tokenized as it is (refused before tokenizing when it cannot fit the context, long text
     tokenized off the event loop); token ids are checked against the context and the vocabulary (400
     naming ``param``) and decoded for the block's text."""
-    tok = srv.tokenizer
+    tok = srv.inference.tokenizer
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, f"'{param}' must not be empty", "invalid_value", param=param)
         ids = await encode_async(srv, prompt, lambda t: list(tok.encode(t, add_special_tokens=False)), param)
         text = prompt
     else:
-        if srv.max_context and len(prompt) > int(srv.max_context):
+        if srv.inference.max_context and len(prompt) > int(srv.inference.max_context):
             raise ApiError(400, f"a prompt of {len(prompt)} token ids is longer than the model's context "
-                           f"({srv.max_context} tokens)", "context_length_exceeded", param=param)
+                           f"({srv.inference.max_context} tokens)", "context_length_exceeded", param=param)
         vocab = len(tok)
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             raise ApiError(400, f"token-id prompts must be non-empty lists of ids in [0, {vocab})",
                            "invalid_value", param=param)
         ids = list(prompt)
         text = await in_render_pool(srv, lambda: tok.decode(ids)) if len(ids) > INLINE_IDS else tok.decode(ids)
-    return Turn(endpoint, [srv.tracker.prompt_block(text, ids)], ids, ToolChoice(), "", [], False, raw=True)
+    return Turn(endpoint, [srv.inference.tracker.prompt_block(text, ids)], ids, ToolChoice(), "", [], False, raw=True)
 
 
 def with_internal_stop(turn: Turn, params: SamplingParams) -> SamplingParams:
@@ -258,7 +248,7 @@ def _remember(srv: SwarmServer, ep: Episode, completion: Block, content: str | N
     """Keep the turn (its recorded completion block: forced + generated tokens, decoded) for
     token-exact replay when the client sends it back."""
     rendered = completion.text
-    eos = srv.renderer.eos_text
+    eos = srv.inference.renderer.eos_text
     text = rendered[: -len(eos)] if eos and rendered.endswith(eos) else rendered
     ep.turns.remember(text, completion.token_ids, rendered, content, calls)
 
@@ -267,7 +257,7 @@ def matched_stop(srv: SwarmServer, turn: Turn, token_ids: list[int], text: str, 
     """The client stop string that ended a choice (None: EOS, length, or no stop strings)."""
     if finish_reason != "stop" or not turn.stops:
         return None
-    tail = srv.renderer.decode(token_ids)[len(text):]
+    tail = srv.inference.renderer.decode(token_ids)[len(text):]
     found = [(tail.find(s), s) for s in turn.stops if s and s in tail]
     return min(found)[1] if found else None
 
@@ -278,7 +268,7 @@ async def choice_streams(
     """(choice index, chunk) from ``params.n`` concurrent backend streams."""
     one = SamplingParams(**{**params.__dict__, "n": 1})
     if params.n == 1:
-        agen = srv.backend.stream(prompt_ids, one)
+        agen = srv.inference.backend.stream(prompt_ids, one)
         try:
             async for chunk in agen:
                 yield 0, chunk
@@ -292,7 +282,7 @@ async def choice_streams(
 
     async def pump(i: int) -> None:
         params_i = SamplingParams(**{**one.__dict__, "seed": None if one.seed is None else one.seed + i})
-        agen = srv.backend.stream(prompt_ids, params_i)
+        agen = srv.inference.backend.stream(prompt_ids, params_i)
         try:
             async for chunk in agen:
                 await send.send((i, chunk))
@@ -351,7 +341,7 @@ async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: T
                         params: SamplingParams) -> list[Reply]:
     """Generate every choice, record the call, parse and remember each turn (a raw turn: its text as generated)."""
     outputs = await srv.generate(ep, turn.prompt_ids, params)
-    recorded = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
+    recorded = srv.inference.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
                                   meta=_structured(params))
     replies = []
     for i, out in enumerate(outputs):
@@ -450,7 +440,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
             for i in range(n)
         ]
         if ep.running and any(ids):
-            made = srv.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint,
+            made = srv.inference.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint,
                                       forced=turn.forced_ids,
                                       meta={"stream": True, "complete": completed, **(_structured(params) or {})})
             if completed and not turn.raw:

@@ -57,7 +57,6 @@ class CycleHost(Protocol):
 
     run_dir: Path | None
     config: Any
-    backend: InferenceBackend | None
     drain_timeout_s: float
     drain_idle_s: float
     max_journal_bytes: int
@@ -66,6 +65,9 @@ class CycleHost(Protocol):
     episodes: EpisodeRegistry
     eval_tally: EvalTally
     state: StateMachine
+
+    @property
+    def backend(self) -> InferenceBackend | None: ...
 
     @property
     def policy_version(self) -> int: ...

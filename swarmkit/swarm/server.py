@@ -22,13 +22,11 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.plain import as_dict
 from swarmkit.config.schema import REPLICA_KEYS, ModelConfig, ReplicaConfig, ServerConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
@@ -47,16 +45,12 @@ from swarmkit.swarm.episodes import (
     EpisodeRegistry,
 )
 from swarmkit.swarm.families import EvalTally
+from swarmkit.swarm.gateway import InferenceGateway
 from swarmkit.swarm.presence import ClientTracker
 from swarmkit.swarm.replicas import ReplicaSet, build_replicas, check_replicable
 from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
-from swarmkit.timelines.render import ChatRenderer, TokenText
+from swarmkit.timelines.render import TokenText
 from swarmkit.timelines.track import ContextTracker
-
-#: set by the HTTP layer for the request being served: awaits until its client disconnects. A call whose
-#: client is gone stops generating (work for a request nobody will read is cancelled)
-CALLER_GONE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("swarmkit_caller_gone", default=None)
-
 
 #: the deepest a registration's or report's ``meta`` may nest (deeper ones broke every reader of the episode)
 MAX_META_DEPTH = 32
@@ -74,25 +68,6 @@ def _depth(value: Any, limit: int = MAX_META_DEPTH + 1) -> int:
             stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
     return deepest
 
-
-async def _unless_caller_gone(work: Awaitable[Any]) -> Any:
-    """Await ``work``; cancel it and answer 499 when the caller disconnects first."""
-    gone = CALLER_GONE.get()
-    if gone is None:
-        return await work
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        raise ApiError(499, "the client closed the connection; the generation was cancelled", "client_closed")
-    return task.result()
 
 log = logging.getLogger("swarmkit.server")
 #: the run dir's record of state moves: one ``{"time", "state"}`` JSON line per move
@@ -242,28 +217,15 @@ class SwarmServer:
         self.clients = ClientTracker()
         self.config: Any = config
         self.backend_factory = backend_factory
-        self.renderer_factory = renderer_factory
         #: the pool + trainer (or a stand-in) that accepted episodes go to
         self.cycle: Cycle = cycle if cycle is not None else MemoryCycle()
-        self.backend: InferenceBackend | None = None
-        self.renderer: Any = None
+        #: the served model: engine, renderers, tracker, per-token text, context limit (loaded at boot)
+        self.inference = InferenceGateway(renderer_factory)
         #: when the training step under way began, and how long the last one took (for Retry-After)
         self.cycle_started = 0.0
         self.last_cycle_s: float | None = None
-        #: renders running in the render worker (swarmkit.server.turn): while any does, the others queue there
-        self.renders_in_pool = 0
-        #: renderers per chat-template kwargs (``enable_thinking``...), the default one under ``()``
-        self._renderers: dict[tuple[tuple[str, Any], ...], Any] = {}
-        self._make_renderer: Callable[[dict[str, Any]], Any] | None = None
-        #: the longest vocabulary token in characters (bounds the text a context can hold); set at boot
-        self.longest_token: int | None = None
-        self.tracker: ContextTracker | None = None
-        #: cached per-token strings for logprob answers (built at boot)
-        self.token_text: TokenText | None = None
         self.started_at: float | None = None
         self.created_at = time.time()
-        self.model_name = "swarmkit"
-        self.max_context: int | None = None
         self._boot_task: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
         self.reaper_interval_s = 0.25
@@ -279,6 +241,37 @@ class SwarmServer:
             f.write(json.dumps({"time": self.state.since, "state": str(new)}) + "\n")
 
     # ------------------------------------------------------------------ properties
+    # what the routes read of the served model (the inference gateway owns it)
+    @property
+    def backend(self) -> InferenceBackend | None:
+        return self.inference.backend
+
+    @property
+    def renderer(self) -> Any:
+        return self.inference.renderer
+
+    @property
+    def tracker(self) -> ContextTracker | None:
+        return self.inference.tracker
+
+    @property
+    def token_text(self) -> TokenText | None:
+        return self.inference.token_text
+
+    @property
+    def max_context(self) -> int | None:
+        return self.inference.max_context
+
+    @property
+    def model_name(self) -> str:
+        return self.inference.model_name
+
+    def renderer_for(self, template_kwargs: dict[str, Any] | None) -> Any:
+        return self.inference.renderer_for(template_kwargs)
+
+    def room_for(self, prompt_len: int) -> int:
+        return self.inference.room_for(prompt_len)
+
     @property
     def global_step(self) -> int:
         """Training steps applied and served (the cycle's; read-only here)."""
@@ -291,15 +284,11 @@ class SwarmServer:
 
     @property
     def tokenizer(self) -> Any:
-        if self.backend is None:
-            raise busy("no model is loaded (server is OFFLINE); configure and start it", 2.0, "server_offline")
-        return self.backend.tokenizer
+        return self.inference.tokenizer
 
     @property
     def policy_version(self) -> int:
-        if self.backend is not None:
-            return int(getattr(self.backend, "policy_version", self.global_step))
-        return self.global_step
+        return self.inference.policy_version(self.global_step)
 
     @property
     def url(self) -> str:
@@ -428,32 +417,7 @@ class SwarmServer:
         if client_id:
             self.clients.touch(client_id[:128])
 
-    # ------------------------------------------------------------------ inference
-    def renderer_for(self, template_kwargs: dict[str, Any] | None) -> Any:
-        """The renderer of the served template with these extra template variables (built once per
-        set; the newest 8 sets are kept)."""
-        key = tuple(sorted((template_kwargs or {}).items()))
-        found = self._renderers.get(key)
-        if found is None:
-            if self._make_renderer is None:
-                return self.renderer
-            found = self._renderers[key] = self._make_renderer(dict(key))
-            while len(self._renderers) > 9:
-                oldest = next(k for k in self._renderers if k != ())
-                self._renderers.pop(oldest)
-        return found
-
-    def room_for(self, prompt_len: int) -> int:
-        """Tokens left for generation after a prompt; 400 if none."""
-        limit = self.max_context
-        if not limit:
-            return 1 << 20
-        room = limit - prompt_len
-        if room <= 0:
-            raise ApiError(400, f"this prompt has {prompt_len} tokens; the model's context is {limit} tokens "
-                           "(model.max_context)", "context_length_exceeded", param="messages")
-        return room
-
+    # ------------------------------------------------------------------ inference calls
     async def wait_serving(self, ep: Episode) -> None:
         """Return when the model can be called (waits out WEIGHT_SYNCING)."""
         if self.state.state in SERVING_STATES:
@@ -480,15 +444,7 @@ class SwarmServer:
         self.begin_call(ep)
         try:
             await self.wait_serving(ep)
-            backend = self.backend
-            if backend is None:
-                raise busy("the server stopped", 2.0, "server_offline")
-            try:
-                outputs = await _unless_caller_gone(backend.generate(prompt_ids, params))
-            except ApiError:
-                raise
-            except ValueError as exc:
-                raise ApiError(400, f"the backend refused this request: {exc}", "invalid_request") from None
+            outputs = await self.inference.generate(prompt_ids, params)
         finally:
             self.end_call(ep)
         self.episodes.check_open(ep)
@@ -523,20 +479,7 @@ class SwarmServer:
             backend = await asyncio.to_thread(self._make_backend, cfg)
             await backend.start()
             full = as_dict(cfg)
-            model = ModelConfig(**as_dict(full.get("model")))
-            factory = self.renderer_factory or ChatRenderer
-            template = resolve_chat_template(model.chat_template, model.path)
-            self.renderer = (factory(backend.tokenizer, chat_template=template) if template
-                             else factory(backend.tokenizer))
-            self._renderers = {(): self.renderer}
-            self._make_renderer = (lambda kw: factory(backend.tokenizer, chat_template=template, template_kwargs=kw)
-                                   if template else factory(backend.tokenizer, template_kwargs=kw))
-            self.token_text = TokenText(backend.tokenizer)
-            self.tracker = ContextTracker(self.renderer)
-            self.backend = backend
-            self.model_name = model.name or "swarmkit"
-            self.max_context = backend.max_context or model.max_context
-            self.longest_token = None  # recomputed from this boot's tokenizer
+            self.inference.load(backend, ModelConfig(**as_dict(full.get("model"))))
             if "server" in full:  # the training config's timeouts apply from this boot on
                 self._apply_limits(ServerConfig(**as_dict(full["server"])))
                 self.episodes.default_timeout_s = self.episode_timeout_s
@@ -555,8 +498,8 @@ class SwarmServer:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed boot is reported in the status
             log.exception("boot failed")
+            self.inference.unload()
             await self._close_backend(backend)
-            self.backend = None
             if self.state.state is ServerState.BOOTING:
                 self.state.transition(ServerState.OFFLINE, error=f"boot failed: {type(exc).__name__}: {exc}")
 
@@ -614,7 +557,7 @@ class SwarmServer:
             except Exception:  # noqa: BLE001 - stopping must always succeed
                 log.exception("the cycle failed to stop")
             log.debug("stop: the cycle stopped in %.1f s", time.perf_counter() - t)
-        backend, self.backend = self.backend, None
+        backend = self.inference.unload()
         t = time.perf_counter()
         await self._close_backend(backend)
         log.debug("stop: the backend closed in %.1f s", time.perf_counter() - t)
@@ -802,22 +745,12 @@ class SwarmServer:
             },
             "pool": self.pool_info(),
             "clients": {"active": len(active), "ready": sum(1 for c in active.values() if c.ready)},
-            "engine": self._engine_stats(),
+            "engine": self.inference.engine_stats(),
             "replicas": self.backend.replica_status() if isinstance(self.backend, ReplicaSet) else None,
             "calls": self.tracker.calls if self.tracker else 0,
             "tokens_generated": self.tracker.tokens_generated if self.tracker else 0,
             "uptime_s": time.time() - self.created_at,
         }
-
-    def _engine_stats(self) -> dict[str, float]:
-        """The inference engine's counters (``busy_s``...); {} without an engine or counters."""
-        backend = self.backend
-        if backend is None:
-            return {}
-        try:
-            return {k: float(v) for k, v in backend.engine_stats().items()}
-        except Exception:  # noqa: BLE001 - the status must always answer
-            return {}
 
     # ------------------------------------------------------------------ reaper
     async def _reap_loop(self) -> None:
