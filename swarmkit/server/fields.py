@@ -15,42 +15,22 @@ Every field of a request is one of
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
 from urllib.parse import quote
 
 from swarmkit.errors import ApiError
+from swarmkit.server.schema.openai import ChatRequest
+from swarmkit.server.schema.spec import FieldTable
 
 log = logging.getLogger("swarmkit.server")
 
 IGNORED_HEADER = "X-Swarm-Ignored-Fields"
 
 
-@dataclass(frozen=True)
-class FieldTable:
-    """The fields one endpoint reads (``known``: honoured or refused) and those it ignores."""
-
-    endpoint: str
-    known: frozenset[str]
-    ignored: frozenset[str]
-
-    @classmethod
-    def of(cls, endpoint: str, known: Iterable[str], ignored: Iterable[str]) -> FieldTable:
-        return cls(endpoint, frozenset(known), frozenset(ignored))
-
-
 _OPENAI_METADATA = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                     "prompt_cache_retention")
 
-CHAT = FieldTable.of(
-    "/v1/chat/completions",
-    known=("messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_tokens",
-           "max_completion_tokens", "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options",
-           "response_format", "logit_bias", "frequency_penalty", "presence_penalty", "functions", "function_call",
-           "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-           "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "skip_special_tokens"),
-    ignored=_OPENAI_METADATA,
-)
+#: derived from the request models (swarmkit/server/schema/): one declaration per field
+CHAT = ChatRequest.table()
 COMPLETIONS = FieldTable.of(
     "/v1/completions",
     known=("prompt", "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream",

@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 description of a swarm server's HTTP API, served at ``GET /openapi.json``.
 
-Written by hand from the routes (``swarmkit/server/routes/``), so it says what the
-code accepts: required fields, enums and bounds are those the handlers check.
+The request bodies of the inference endpoints are derived from their request models
+(:mod:`swarmkit.server.schema`), the same declarations the handlers validate with; the
+rest is written by hand from the routes (``swarmkit/server/routes/``).
 Unknown request fields are allowed (the server names them in ``X-Swarm-Ignored-Fields``
 unless ``server.strict_fields`` refuses them), so request objects stay open.
 ``tests/test_openapi.py`` fails when a route of ``app.py`` is not described here, and
@@ -11,11 +12,22 @@ fuzzes every operation with schemathesis. The prose reference is docs/server_api
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 from swarmkit import __version__
-
-Schema = dict[str, Any]
+from swarmkit.server.schema.jsonschema import (
+    ANY_OBJECT,
+    BOOL,
+    Schema,
+    array,
+    enum,
+    integer,
+    nullable,
+    number,
+    obj,
+    ref,
+    string,
+)
+from swarmkit.server.schema.openai import MAX_TOKENS, ChatRequest
 
 Security = list[dict[str, list[str]]]
 
@@ -27,79 +39,6 @@ EPISODE_OR_ADMIN: Security = [{"episodeKey": []}, {"adminToken": []}]
 ANTHROPIC: Security = [{"episodeKey": []}, {"anthropicApiKey": []}]
 CLIENT: Security = [{}, {"clientToken": []}]  # open unless the server has a client token
 PUBLIC: Security = []
-
-#: the largest max_tokens / max_output_tokens a request may name
-MAX_TOKENS = 10**7
-
-
-# --------------------------------------------------------------------------- small helpers
-def ref(name: str) -> Schema:
-    """A reference to ``components.schemas[name]``."""
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), *, closed: bool = False,
-        description: str | None = None) -> Schema:
-    """An object schema (open to other fields unless ``closed``)."""
-    out: Schema = {"type": "object", "properties": properties}
-    if required:
-        out["required"] = list(required)
-    if closed:
-        out["additionalProperties"] = False
-    if description:
-        out["description"] = description
-    return out
-
-
-def string(description: str | None = None, *, min_length: int | None = None, max_length: int | None = None,
-           pattern: str | None = None, enum: list[str] | None = None) -> Schema:
-    out: Schema = {"type": "string"}
-    for key, value in (("minLength", min_length), ("maxLength", max_length), ("pattern", pattern), ("enum", enum)):
-        if value is not None:
-            out[key] = value
-    if description:
-        out["description"] = description
-    return out
-
-
-def number(lo: float | None = None, hi: float | None = None, description: str | None = None) -> Schema:
-    out: Schema = {"type": "number"}
-    if lo is not None:
-        out["minimum"] = lo
-    if hi is not None:
-        out["maximum"] = hi
-    if description:
-        out["description"] = description
-    return out
-
-
-def integer(lo: int | None = None, hi: int | None = None, description: str | None = None) -> Schema:
-    out = number(lo, hi, description)
-    out["type"] = "integer"
-    return out
-
-
-def enum(*values: str, description: str | None = None) -> Schema:
-    return string(description, enum=list(values))
-
-
-def nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def array(items: Schema, *, min_items: int = 0, max_items: int | None = None, description: str | None = None) -> Schema:
-    out: Schema = {"type": "array", "items": items}
-    if min_items:
-        out["minItems"] = min_items
-    if max_items is not None:
-        out["maxItems"] = max_items
-    if description:
-        out["description"] = description
-    return out
-
-
-BOOL: Schema = {"type": "boolean"}
-ANY_OBJECT: Schema = {"type": "object"}
 
 
 def json_body(schema: Schema, *, required: bool = True) -> Schema:
@@ -292,24 +231,6 @@ def _sampling() -> dict[str, Schema]:
     }
 
 
-def _chat_body() -> Schema:
-    return obj({
-        "messages": array(ref("ChatMessage"), min_items=1),
-        **_sampling(),
-        "max_completion_tokens": integer(1, MAX_TOKENS),
-        "tools": nullable(array(ref("ChatTool"))), "tool_choice": ref("ChatToolChoice"),
-        "parallel_tool_calls": nullable(BOOL),
-        "logprobs": nullable(BOOL), "top_logprobs": integer(0, 20, "needs logprobs: true"),
-        "response_format": nullable(ref("ResponseFormat")),
-        "chat_template_kwargs": nullable({"type": "object", "maxProperties": 16,
-                                          "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-                                          "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
-                                          "description": "extra chat template variables (e.g. enable_thinking)"}),
-        "reasoning_effort": {"description": "refused (400): this model has no reasoning-effort setting"},
-        "metadata": ANY_OBJECT, "store": BOOL,
-    }, ("messages",))
-
-
 def _completions_body() -> Schema:
     ids = array(integer(0), min_items=1)
     return obj({
@@ -418,7 +339,7 @@ def _inference_paths() -> dict[str, Schema]:
     tag = "inference"
     return {
         "/v1/chat/completions": {"post": op(
-            "OpenAI Chat Completions", tag, EPISODE, operation_id="chatCompletions", body=json_body(_chat_body()),
+            "OpenAI Chat Completions", tag, EPISODE, operation_id="chatCompletions", body=json_body(ChatRequest.openapi_body()),
             responses={"200": answer("a chat completion (SSE chunks with stream: true)", chat_answer, stream=True,
                                      headers=IGNORED_HEADERS), **errors(*call_errors)})},
         "/v1/completions": {"post": op(
