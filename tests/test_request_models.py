@@ -9,10 +9,10 @@ import pytest
 from swarmkit.errors import ApiError
 from swarmkit.server import fields
 from swarmkit.server.openapi import openapi_document
-from swarmkit.server.schema.openai import ChatRequest
+from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
 from swarmkit.server.schema.spec import Number, Refused, spec
 
-MODELS = {"/v1/chat/completions": (ChatRequest, fields.CHAT)}
+MODELS = {"/v1/chat/completions": (ChatRequest, fields.CHAT), "/v1/completions": (CompletionsRequest, fields.COMPLETIONS)}
 
 
 def _body(path: str) -> dict:
@@ -64,3 +64,17 @@ def test_chat_request_to_sampling_params():
     with pytest.raises(ApiError) as e:
         ChatRequest.parse({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
     assert e.value.param == "top_logprobs"
+
+
+def test_completions_request_to_sampling_params():
+    req = CompletionsRequest.parse({"prompt": "hi", "logprobs": 2, "stop": "x"})
+    assert req.prompt == ["hi"]
+    params = req.to_sampling_params(100, None)
+    assert (params.max_tokens, params.top_logprobs, params.stop) == (16, 2, ["x"])
+    for body, code, param in [({}, "missing_field", "prompt"), ({"prompt": "hi", "echo": True}, "unsupported_value", "echo"),
+                              ({"prompt": "hi", "echo": 0}, "unsupported_field", "echo"),
+                              ({"prompt": "hi", "n": 2, "best_of": 2}, "unsupported_field", "best_of"),
+                              ({"prompt": "hi", "functions": [{}]}, "unsupported_field", "functions")]:
+        with pytest.raises(ApiError) as e:
+            CompletionsRequest.parse(body)
+        assert (e.value.code, e.value.param) == (code, param), body

@@ -18,7 +18,7 @@ import logging
 from urllib.parse import quote
 
 from swarmkit.errors import ApiError
-from swarmkit.server.schema.openai import ChatRequest
+from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
 from swarmkit.server.schema.spec import FieldTable
 
 log = logging.getLogger("swarmkit.server")
@@ -31,13 +31,7 @@ _OPENAI_METADATA = ("user", "metadata", "store", "service_tier", "prompt_cache_k
 
 #: derived from the request models (swarmkit/server/schema/): one declaration per field
 CHAT = ChatRequest.table()
-COMPLETIONS = FieldTable.of(
-    "/v1/completions",
-    known=("prompt", "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream",
-           "stream_options", "echo", "best_of", "suffix", "logit_bias", "frequency_penalty", "presence_penalty",
-           "top_k", "min_p", "repetition_penalty", "skip_special_tokens", "response_format"),
-    ignored=("user",),
-)
+COMPLETIONS = CompletionsRequest.table()
 MESSAGES = FieldTable.of(
     "/v1/messages",
     known=("model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",

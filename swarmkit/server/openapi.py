@@ -27,7 +27,7 @@ from swarmkit.server.schema.jsonschema import (
     ref,
     string,
 )
-from swarmkit.server.schema.openai import MAX_TOKENS, ChatRequest
+from swarmkit.server.schema.openai import MAX_TOKENS, ChatRequest, CompletionsRequest
 
 Security = list[dict[str, list[str]]]
 
@@ -231,20 +231,6 @@ def _sampling() -> dict[str, Schema]:
     }
 
 
-def _completions_body() -> Schema:
-    ids = array(integer(0), min_items=1)
-    return obj({
-        "prompt": {"anyOf": [string(min_length=1), ids, array({"anyOf": [string(min_length=1), ids]}, min_items=1)],
-                   "description": "text, token ids, or a list of either (no chat template)"},
-        **_sampling(),
-        "max_tokens": integer(1, MAX_TOKENS, "default 16"),
-        "logprobs": nullable(integer(0, 5)),
-        "response_format": nullable(ref("ResponseFormat")),
-        "echo": {"anyOf": [{"const": False}, {"type": "null"}], "description": "echo is refused (400)"},
-        "best_of": nullable(integer(1, 1)),
-    }, ("prompt",))
-
-
 def _anthropic_bodies() -> tuple[Schema, Schema]:
     text_block = obj({"type": enum("text"), "text": string()}, ("type", "text"))
     block = {"anyOf": [
@@ -344,7 +330,7 @@ def _inference_paths() -> dict[str, Schema]:
                                      headers=IGNORED_HEADERS), **errors(*call_errors)})},
         "/v1/completions": {"post": op(
             "OpenAI Completions (raw prompts, no chat template)", tag, EPISODE, operation_id="completions",
-            body=json_body(_completions_body()),
+            body=json_body(CompletionsRequest.openapi_body()),
             responses={"200": answer("a text completion", completion_answer, stream=True, headers=IGNORED_HEADERS),
                        **errors(*call_errors)})},
         "/v1/messages": {"post": op(

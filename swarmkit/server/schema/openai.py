@@ -21,8 +21,9 @@ from swarmkit.server.chat_input import (
     parse_tool_choice,
     parse_tools,
 )
-from swarmkit.server.schema.jsonschema import ANY_OBJECT, BOOL, array, obj, ref, string
+from swarmkit.server.schema.jsonschema import ANY_OBJECT, BOOL, array, integer, obj, ref, string
 from swarmkit.server.schema.spec import (
+    REFUSED,
     Custom,
     Flag,
     Ignored,
@@ -275,6 +276,101 @@ class ChatRequest(RequestModel):
         return SamplingParams(
             max_tokens=min(max_tokens, max_new), temperature=self.temperature, top_p=self.top_p or 1e-9, n=self.n,
             stop=self.stop, seed=self.seed, top_logprobs=self.top_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            **engine_shaping(backend, top_k=self.top_k, min_p=self.min_p, frequency_penalty=self.frequency_penalty,
+                             presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                             logit_bias=self.logit_bias, response_format=self.response_format))
+
+
+# --------------------------------------------------------------------------- /v1/completions
+#: the most prompts one /v1/completions request may batch
+MAX_PROMPTS = 128
+
+
+def _prompts(body: dict[str, Any], parsed: dict[str, Any]) -> list[str | list[int]]:
+    """The request's prompts, each a text or a list of token ids (each checked when its turn is prepared)."""
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        items = prompt
+    else:
+        raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+                      "of token ids", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise invalid(f"{len(items)} prompts in one request (at most {MAX_PROMPTS})", "prompt")
+    return items
+
+
+def _echo(body: dict[str, Any], parsed: dict[str, Any]) -> None:
+    if body.get("echo"):
+        raise ApiError(400, "'echo' is not supported by this server", "unsupported_value", param="echo")
+    return ECHO.read(body, "echo", parsed)
+
+
+def _best_of(body: dict[str, Any], parsed: dict[str, Any]) -> None:
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ApiError(400, "'best_of' is not supported by this server", "unsupported_value", param="best_of")
+    return BEST_OF.read(body, "best_of", parsed)
+
+
+_IDS = array(integer(0), min_items=1)
+_PROMPT_SCHEMA = {"anyOf": [string(min_length=1), _IDS, array({"anyOf": [string(min_length=1), _IDS]}, min_items=1)],
+                  "description": "text, token ids, or a list of either (no chat template)"}
+
+
+@dataclass
+class CompletionsRequest(RequestModel):
+    """``POST /v1/completions`` (raw prompts, no chat template): every field, in the order they are checked."""
+
+    endpoint = "/v1/completions"
+
+    model: str | None = spec(MODEL)
+    echo: None = spec(Custom(_echo, {"anyOf": [{"const": False}, {"type": "null"}],
+                                     "description": "echo is refused (400)"}, role=REFUSED))
+    best_of: None = spec(Custom(_best_of, integer(1, 1), nullable=True, role=REFUSED))
+    prompt: list[str | list[int]] = spec(Custom(_prompts, _PROMPT_SCHEMA, required=True))
+    # refused unless their no-op value
+    functions: None = spec(FUNCTIONS, listed=False)  # Chat's fields, refused here too (not in this table)
+    function_call: None = spec(FUNCTION_CALL, listed=False)
+    modalities: None = spec(MODALITIES, listed=False)
+    audio: None = spec(AUDIO, listed=False)
+    prediction: None = spec(PREDICTION, listed=False)
+    suffix: None = spec(SUFFIX)
+    reasoning_effort: None = spec(REASONING_EFFORT, listed=False)
+    web_search_options: None = spec(WEB_SEARCH_OPTIONS, listed=False)
+    # sampling
+    max_tokens: int | None = spec(Integer(1, MAX_TOKENS, None, "default 16"))
+    stop: list[str] = spec(STOP)
+    seed: int | None = spec(SEED)
+    logprobs: int | None = spec(Integer(0, 5, None, nullable=True))  # how many top logprobs (0: only the token's)
+    temperature: float = spec(TEMPERATURE)
+    top_p: float = spec(TOP_P)
+    n: int = spec(N)
+    skip_special_tokens: bool = spec(SKIP_SPECIAL_TOKENS)
+    top_k: int = spec(TOP_K)
+    min_p: float = spec(MIN_P)
+    frequency_penalty: float = spec(FREQUENCY_PENALTY)
+    presence_penalty: float = spec(PRESENCE_PENALTY)
+    repetition_penalty: float = spec(REPETITION_PENALTY)
+    logit_bias: dict[Any, float] = spec(LOGIT_BIAS)
+    response_format: dict[str, Any] | None = spec(RESPONSE_FORMAT)
+    stream: Any = spec(STREAM)
+    stream_options: bool = spec(STREAM_OPTIONS)  # read as include_usage
+    # metadata
+    user: None = spec(USER)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options)
+
+    def to_sampling_params(self, max_new: int, backend: Any) -> SamplingParams:
+        """The engine's sampling of this request, within ``max_new`` tokens (the context left)."""
+        return SamplingParams(
+            max_tokens=min(self.max_tokens or 16, max_new), temperature=self.temperature, top_p=self.top_p or 1e-9,
+            n=self.n, stop=self.stop, seed=self.seed, top_logprobs=self.logprobs or 0,
             skip_special_tokens=self.skip_special_tokens,
             **engine_shaping(backend, top_k=self.top_k, min_p=self.min_p, frequency_penalty=self.frequency_penalty,
                              presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,

@@ -57,7 +57,9 @@ class Spec:
     role: str = HONOURED
 
     def __init__(self, doc: str | None = None, *, required: bool = False, missing: str | None = None,
-                 nullable: bool = False) -> None:
+                 nullable: bool = False, role: str | None = None) -> None:
+        if role is not None:
+            self.role = role
         self.doc = doc
         self.required = required
         self.missing = missing
