@@ -9,10 +9,13 @@ import pytest
 from swarmkit.errors import ApiError
 from swarmkit.server import fields
 from swarmkit.server.openapi import openapi_document
+from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
 from swarmkit.server.schema.spec import Number, Refused, spec
 
-MODELS = {"/v1/chat/completions": (ChatRequest, fields.CHAT), "/v1/completions": (CompletionsRequest, fields.COMPLETIONS)}
+MODELS = {"/v1/chat/completions": (ChatRequest, fields.CHAT), "/v1/completions": (CompletionsRequest, fields.COMPLETIONS),
+          "/v1/messages": (MessagesRequest, fields.MESSAGES),
+          "/v1/messages/count_tokens": (CountTokensRequest, fields.COUNT_TOKENS)}
 
 
 def _body(path: str) -> dict:

@@ -18,6 +18,7 @@ import logging
 from urllib.parse import quote
 
 from swarmkit.errors import ApiError
+from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
 from swarmkit.server.schema.spec import FieldTable
 
@@ -32,19 +33,8 @@ _OPENAI_METADATA = ("user", "metadata", "store", "service_tier", "prompt_cache_k
 #: derived from the request models (swarmkit/server/schema/): one declaration per field
 CHAT = ChatRequest.table()
 COMPLETIONS = CompletionsRequest.table()
-MESSAGES = FieldTable.of(
-    "/v1/messages",
-    known=("model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-           "tools", "tool_choice", "thinking", "output_config", "container", "mcp_servers", "context_management"),
-    ignored=("metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id",
-             "workspace_id"),
-)
-COUNT_TOKENS = FieldTable.of(
-    "/v1/messages/count_tokens",
-    known=("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "mcp_servers",
-           "context_management"),
-    ignored=("cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id"),
-)
+MESSAGES = MessagesRequest.table()
+COUNT_TOKENS = CountTokensRequest.table()
 RESPONSES = FieldTable.of(
     "/v1/responses",
     known=("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",

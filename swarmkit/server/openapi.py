@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 
 from swarmkit import __version__
+from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.jsonschema import (
     ANY_OBJECT,
     BOOL,
@@ -231,45 +232,6 @@ def _sampling() -> dict[str, Schema]:
     }
 
 
-def _anthropic_bodies() -> tuple[Schema, Schema]:
-    text_block = obj({"type": enum("text"), "text": string()}, ("type", "text"))
-    block = {"anyOf": [
-        text_block,
-        obj({"type": enum("tool_use"), "id": string(), "name": string(), "input": ANY_OBJECT},
-            ("type", "id", "name")),
-        obj({"type": enum("tool_result"), "tool_use_id": string(min_length=1),
-             "content": {"anyOf": [string(), array(text_block), {"type": "null"}]}, "is_error": BOOL},
-            ("type", "tool_use_id")),
-        obj({"type": enum("thinking"), "thinking": string(), "signature": string()}, ("type", "thinking")),
-    ]}
-    message = obj({"role": enum("user", "assistant"), "content": {"anyOf": [string(), array(block)]}},
-                  ("role", "content"))
-    tool = obj({"name": string(), "description": string(), "input_schema": ANY_OBJECT,
-                "type": enum("custom")}, ("name", "input_schema"),
-               description="a client tool (server tools are refused with 400)")
-    shared = {
-        "model": string("accepted and ignored"),
-        "messages": array(message, min_items=1),
-        "system": {"anyOf": [string(), array(text_block)]},
-        "tools": nullable(array(tool)),
-        "tool_choice": obj({"type": enum("auto", "any", "tool", "none"), "name": string(),
-                            "disable_parallel_tool_use": BOOL}, ("type",)),
-        "thinking": obj({"type": enum("adaptive", "disabled")}, ("type",),
-                        description="a thinking budget (enabled) is refused"),
-        "output_config": obj({"format": ref("ResponseFormat")}, closed=True,
-                             description="structured output (vllm); effort is refused"),
-        "metadata": ANY_OBJECT,
-    }
-    messages = obj({
-        **shared,
-        "max_tokens": integer(1, MAX_TOKENS),
-        "stop_sequences": array(string()),
-        "temperature": number(0, 1), "top_p": number(0, 1), "top_k": integer(-1, 10**6),
-        "stream": BOOL,
-    }, ("messages", "max_tokens"))
-    return messages, obj(shared, ("messages",))
-
-
 def _responses_body() -> Schema:
     part = obj({"type": enum("input_text", "output_text", "text", "refusal"), "text": string(),
                 "refusal": string()}, ("type",))
@@ -310,7 +272,6 @@ def _responses_body() -> Schema:
 
 # --------------------------------------------------------------------------- the paths
 def _inference_paths() -> dict[str, Schema]:
-    messages_body, count_body = _anthropic_bodies()
     call_errors = (400, 401, 403, 409, 410, 429, 503)
     chat_answer = obj({"id": string(), "object": enum("chat.completion"), "model": string(),
                        "choices": array(ANY_OBJECT), "usage": ANY_OBJECT}, ("id", "choices"))
@@ -334,12 +295,12 @@ def _inference_paths() -> dict[str, Schema]:
             responses={"200": answer("a text completion", completion_answer, stream=True, headers=IGNORED_HEADERS),
                        **errors(*call_errors)})},
         "/v1/messages": {"post": op(
-            "Anthropic Messages", tag, ANTHROPIC, operation_id="messages", body=json_body(messages_body),
+            "Anthropic Messages", tag, ANTHROPIC, operation_id="messages", body=json_body(MessagesRequest.openapi_body()),
             responses={"200": answer("a message (Anthropic's events with stream: true)", message, stream=True,
                                      headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
         "/v1/messages/count_tokens": {"post": op(
             "Anthropic token count: the length of the prompt the same request would generate from", tag, ANTHROPIC,
-            operation_id="countTokens", body=json_body(count_body),
+            operation_id="countTokens", body=json_body(CountTokensRequest.openapi_body()),
             responses={"200": answer("the prompt length", obj({"input_tokens": integer(0)}, ("input_tokens",)),
                                      headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
         "/v1/responses": {"post": op(

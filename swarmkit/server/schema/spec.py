@@ -57,12 +57,12 @@ class Spec:
     role: str = HONOURED
 
     def __init__(self, doc: str | None = None, *, required: bool = False, missing: str | None = None,
-                 nullable: bool = False, role: str | None = None) -> None:
+                 missing_code: str = "missing_field", nullable: bool = False, role: str | None = None) -> None:
         if role is not None:
             self.role = role
         self.doc = doc
         self.required = required
-        self.missing = missing
+        self.missing, self.missing_code = missing, missing_code
         self.nullable = nullable
 
     def read(self, body: dict[str, Any], name: str, parsed: dict[str, Any]) -> Any:
@@ -70,7 +70,7 @@ class Spec:
         value = body.get(name)
         if value is None:
             if self.required:
-                raise ApiError(400, self.missing or f"missing required field '{name}'", "missing_field", param=name)
+                raise ApiError(400, self.missing or f"missing required field '{name}'", self.missing_code, param=name)
             return self.absent()
         return self.convert(value, name, parsed)
 
@@ -187,14 +187,16 @@ class Refused(Spec):
 
     role = REFUSED
 
-    def __init__(self, noop: tuple[Any, ...], why: str, schema: Schema | None = None, **kw: Any) -> None:
+    def __init__(self, noop: tuple[Any, ...], why: str, schema: Schema | None = None, *, message: str | None = None,
+                 **kw: Any) -> None:
         super().__init__(**kw)
-        self.noop, self.why, self._schema = noop, why, schema
+        self.noop, self.why, self._schema, self.message = noop, why, schema, message
 
     def convert(self, value: Any, name: str, parsed: dict[str, Any]) -> None:
         if any(value == v and type(value) is type(v) for v in self.noop):
             return None
-        raise ApiError(400, f"'{name}' = {json.dumps(value)[:80]}: {self.why}", "unsupported_field", param=name)
+        raise ApiError(400, self.message or f"'{name}' = {json.dumps(value)[:80]}: {self.why}", "unsupported_field",
+                       param=name)
 
     def base_schema(self) -> Schema:
         return self._schema if self._schema is not None else {"description": f"refused (400): {self.why}"}
