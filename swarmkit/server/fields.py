@@ -15,62 +15,26 @@ Every field of a request is one of
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
 from urllib.parse import quote
 
 from swarmkit.errors import ApiError
+from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
+from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
+from swarmkit.server.schema.spec import FieldTable
 
 log = logging.getLogger("swarmkit.server")
 
 IGNORED_HEADER = "X-Swarm-Ignored-Fields"
 
 
-@dataclass(frozen=True)
-class FieldTable:
-    """The fields one endpoint reads (``known``: honoured or refused) and those it ignores."""
-
-    endpoint: str
-    known: frozenset[str]
-    ignored: frozenset[str]
-
-    @classmethod
-    def of(cls, endpoint: str, known: Iterable[str], ignored: Iterable[str]) -> FieldTable:
-        return cls(endpoint, frozenset(known), frozenset(ignored))
-
-
 _OPENAI_METADATA = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                     "prompt_cache_retention")
 
-CHAT = FieldTable.of(
-    "/v1/chat/completions",
-    known=("messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_tokens",
-           "max_completion_tokens", "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options",
-           "response_format", "logit_bias", "frequency_penalty", "presence_penalty", "functions", "function_call",
-           "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-           "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "skip_special_tokens"),
-    ignored=_OPENAI_METADATA,
-)
-COMPLETIONS = FieldTable.of(
-    "/v1/completions",
-    known=("prompt", "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream",
-           "stream_options", "echo", "best_of", "suffix", "logit_bias", "frequency_penalty", "presence_penalty",
-           "top_k", "min_p", "repetition_penalty", "skip_special_tokens", "response_format"),
-    ignored=("user",),
-)
-MESSAGES = FieldTable.of(
-    "/v1/messages",
-    known=("model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-           "tools", "tool_choice", "thinking", "output_config", "container", "mcp_servers", "context_management"),
-    ignored=("metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id",
-             "workspace_id"),
-)
-COUNT_TOKENS = FieldTable.of(
-    "/v1/messages/count_tokens",
-    known=("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "mcp_servers",
-           "context_management"),
-    ignored=("cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id"),
-)
+#: derived from the request models (swarmkit/server/schema/): one declaration per field
+CHAT = ChatRequest.table()
+COMPLETIONS = CompletionsRequest.table()
+MESSAGES = MessagesRequest.table()
+COUNT_TOKENS = CountTokensRequest.table()
 RESPONSES = FieldTable.of(
     "/v1/responses",
     known=("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",

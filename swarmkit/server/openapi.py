@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 description of a swarm server's HTTP API, served at ``GET /openapi.json``.
 
-Written by hand from the routes (``swarmkit/server/routes/``), so it says what the
-code accepts: required fields, enums and bounds are those the handlers check.
+The request bodies of the inference endpoints are derived from their request models
+(:mod:`swarmkit.server.schema`), the same declarations the handlers validate with; the
+rest is written by hand from the routes (``swarmkit/server/routes/``).
 Unknown request fields are allowed (the server names them in ``X-Swarm-Ignored-Fields``
 unless ``server.strict_fields`` refuses them), so request objects stay open.
 ``tests/test_openapi.py`` fails when a route of ``app.py`` is not described here, and
@@ -11,11 +12,23 @@ fuzzes every operation with schemathesis. The prose reference is docs/server_api
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 from swarmkit import __version__
-
-Schema = dict[str, Any]
+from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
+from swarmkit.server.schema.jsonschema import (
+    ANY_OBJECT,
+    BOOL,
+    Schema,
+    array,
+    enum,
+    integer,
+    nullable,
+    number,
+    obj,
+    ref,
+    string,
+)
+from swarmkit.server.schema.openai import MAX_TOKENS, ChatRequest, CompletionsRequest
 
 Security = list[dict[str, list[str]]]
 
@@ -27,79 +40,6 @@ EPISODE_OR_ADMIN: Security = [{"episodeKey": []}, {"adminToken": []}]
 ANTHROPIC: Security = [{"episodeKey": []}, {"anthropicApiKey": []}]
 CLIENT: Security = [{}, {"clientToken": []}]  # open unless the server has a client token
 PUBLIC: Security = []
-
-#: the largest max_tokens / max_output_tokens a request may name
-MAX_TOKENS = 10**7
-
-
-# --------------------------------------------------------------------------- small helpers
-def ref(name: str) -> Schema:
-    """A reference to ``components.schemas[name]``."""
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), *, closed: bool = False,
-        description: str | None = None) -> Schema:
-    """An object schema (open to other fields unless ``closed``)."""
-    out: Schema = {"type": "object", "properties": properties}
-    if required:
-        out["required"] = list(required)
-    if closed:
-        out["additionalProperties"] = False
-    if description:
-        out["description"] = description
-    return out
-
-
-def string(description: str | None = None, *, min_length: int | None = None, max_length: int | None = None,
-           pattern: str | None = None, enum: list[str] | None = None) -> Schema:
-    out: Schema = {"type": "string"}
-    for key, value in (("minLength", min_length), ("maxLength", max_length), ("pattern", pattern), ("enum", enum)):
-        if value is not None:
-            out[key] = value
-    if description:
-        out["description"] = description
-    return out
-
-
-def number(lo: float | None = None, hi: float | None = None, description: str | None = None) -> Schema:
-    out: Schema = {"type": "number"}
-    if lo is not None:
-        out["minimum"] = lo
-    if hi is not None:
-        out["maximum"] = hi
-    if description:
-        out["description"] = description
-    return out
-
-
-def integer(lo: int | None = None, hi: int | None = None, description: str | None = None) -> Schema:
-    out = number(lo, hi, description)
-    out["type"] = "integer"
-    return out
-
-
-def enum(*values: str, description: str | None = None) -> Schema:
-    return string(description, enum=list(values))
-
-
-def nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def array(items: Schema, *, min_items: int = 0, max_items: int | None = None, description: str | None = None) -> Schema:
-    out: Schema = {"type": "array", "items": items}
-    if min_items:
-        out["minItems"] = min_items
-    if max_items is not None:
-        out["maxItems"] = max_items
-    if description:
-        out["description"] = description
-    return out
-
-
-BOOL: Schema = {"type": "boolean"}
-ANY_OBJECT: Schema = {"type": "object"}
 
 
 def json_body(schema: Schema, *, required: bool = True) -> Schema:
@@ -292,77 +232,6 @@ def _sampling() -> dict[str, Schema]:
     }
 
 
-def _chat_body() -> Schema:
-    return obj({
-        "messages": array(ref("ChatMessage"), min_items=1),
-        **_sampling(),
-        "max_completion_tokens": integer(1, MAX_TOKENS),
-        "tools": nullable(array(ref("ChatTool"))), "tool_choice": ref("ChatToolChoice"),
-        "parallel_tool_calls": nullable(BOOL),
-        "logprobs": nullable(BOOL), "top_logprobs": integer(0, 20, "needs logprobs: true"),
-        "response_format": nullable(ref("ResponseFormat")),
-        "chat_template_kwargs": nullable({"type": "object", "maxProperties": 16,
-                                          "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-                                          "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
-                                          "description": "extra chat template variables (e.g. enable_thinking)"}),
-        "reasoning_effort": {"description": "refused (400): this model has no reasoning-effort setting"},
-        "metadata": ANY_OBJECT, "store": BOOL,
-    }, ("messages",))
-
-
-def _completions_body() -> Schema:
-    ids = array(integer(0), min_items=1)
-    return obj({
-        "prompt": {"anyOf": [string(min_length=1), ids, array({"anyOf": [string(min_length=1), ids]}, min_items=1)],
-                   "description": "text, token ids, or a list of either (no chat template)"},
-        **_sampling(),
-        "max_tokens": integer(1, MAX_TOKENS, "default 16"),
-        "logprobs": nullable(integer(0, 5)),
-        "response_format": nullable(ref("ResponseFormat")),
-        "echo": {"anyOf": [{"const": False}, {"type": "null"}], "description": "echo is refused (400)"},
-        "best_of": nullable(integer(1, 1)),
-    }, ("prompt",))
-
-
-def _anthropic_bodies() -> tuple[Schema, Schema]:
-    text_block = obj({"type": enum("text"), "text": string()}, ("type", "text"))
-    block = {"anyOf": [
-        text_block,
-        obj({"type": enum("tool_use"), "id": string(), "name": string(), "input": ANY_OBJECT},
-            ("type", "id", "name")),
-        obj({"type": enum("tool_result"), "tool_use_id": string(min_length=1),
-             "content": {"anyOf": [string(), array(text_block), {"type": "null"}]}, "is_error": BOOL},
-            ("type", "tool_use_id")),
-        obj({"type": enum("thinking"), "thinking": string(), "signature": string()}, ("type", "thinking")),
-    ]}
-    message = obj({"role": enum("user", "assistant"), "content": {"anyOf": [string(), array(block)]}},
-                  ("role", "content"))
-    tool = obj({"name": string(), "description": string(), "input_schema": ANY_OBJECT,
-                "type": enum("custom")}, ("name", "input_schema"),
-               description="a client tool (server tools are refused with 400)")
-    shared = {
-        "model": string("accepted and ignored"),
-        "messages": array(message, min_items=1),
-        "system": {"anyOf": [string(), array(text_block)]},
-        "tools": nullable(array(tool)),
-        "tool_choice": obj({"type": enum("auto", "any", "tool", "none"), "name": string(),
-                            "disable_parallel_tool_use": BOOL}, ("type",)),
-        "thinking": obj({"type": enum("adaptive", "disabled")}, ("type",),
-                        description="a thinking budget (enabled) is refused"),
-        "output_config": obj({"format": ref("ResponseFormat")}, closed=True,
-                             description="structured output (vllm); effort is refused"),
-        "metadata": ANY_OBJECT,
-    }
-    messages = obj({
-        **shared,
-        "max_tokens": integer(1, MAX_TOKENS),
-        "stop_sequences": array(string()),
-        "temperature": number(0, 1), "top_p": number(0, 1), "top_k": integer(-1, 10**6),
-        "stream": BOOL,
-    }, ("messages", "max_tokens"))
-    return messages, obj(shared, ("messages",))
-
-
 def _responses_body() -> Schema:
     part = obj({"type": enum("input_text", "output_text", "text", "refusal"), "text": string(),
                 "refusal": string()}, ("type",))
@@ -403,7 +272,6 @@ def _responses_body() -> Schema:
 
 # --------------------------------------------------------------------------- the paths
 def _inference_paths() -> dict[str, Schema]:
-    messages_body, count_body = _anthropic_bodies()
     call_errors = (400, 401, 403, 409, 410, 429, 503)
     chat_answer = obj({"id": string(), "object": enum("chat.completion"), "model": string(),
                        "choices": array(ANY_OBJECT), "usage": ANY_OBJECT}, ("id", "choices"))
@@ -418,21 +286,21 @@ def _inference_paths() -> dict[str, Schema]:
     tag = "inference"
     return {
         "/v1/chat/completions": {"post": op(
-            "OpenAI Chat Completions", tag, EPISODE, operation_id="chatCompletions", body=json_body(_chat_body()),
+            "OpenAI Chat Completions", tag, EPISODE, operation_id="chatCompletions", body=json_body(ChatRequest.openapi_body()),
             responses={"200": answer("a chat completion (SSE chunks with stream: true)", chat_answer, stream=True,
                                      headers=IGNORED_HEADERS), **errors(*call_errors)})},
         "/v1/completions": {"post": op(
             "OpenAI Completions (raw prompts, no chat template)", tag, EPISODE, operation_id="completions",
-            body=json_body(_completions_body()),
+            body=json_body(CompletionsRequest.openapi_body()),
             responses={"200": answer("a text completion", completion_answer, stream=True, headers=IGNORED_HEADERS),
                        **errors(*call_errors)})},
         "/v1/messages": {"post": op(
-            "Anthropic Messages", tag, ANTHROPIC, operation_id="messages", body=json_body(messages_body),
+            "Anthropic Messages", tag, ANTHROPIC, operation_id="messages", body=json_body(MessagesRequest.openapi_body()),
             responses={"200": answer("a message (Anthropic's events with stream: true)", message, stream=True,
                                      headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
         "/v1/messages/count_tokens": {"post": op(
             "Anthropic token count: the length of the prompt the same request would generate from", tag, ANTHROPIC,
-            operation_id="countTokens", body=json_body(count_body),
+            operation_id="countTokens", body=json_body(CountTokensRequest.openapi_body()),
             responses={"200": answer("the prompt length", obj({"input_tokens": integer(0)}, ("input_tokens",)),
                                      headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
         "/v1/responses": {"post": op(

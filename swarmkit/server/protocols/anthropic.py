@@ -2,7 +2,8 @@
 
 A request's ``system``, ``messages`` (``text`` / ``tool_use`` / ``tool_result``
 blocks), ``tools`` and ``tool_choice`` become OpenAI-chat messages, function
-tools and a :class:`ToolChoice`; a finished turn becomes a ``message`` object,
+tools and a :class:`ToolChoice` (read by the request models of
+:mod:`swarmkit.server.schema.anthropic`); a finished turn becomes a ``message`` object,
 or the SSE event sequence of a streamed one. Errors carry the Anthropic field
 path as ``param``.
 """
@@ -16,7 +17,8 @@ from typing import Any
 from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import ToolChoice
 
-__all__ = ["STOP_REASONS", "event", "message_object", "to_chat", "tool_use_block"]
+__all__ = ["STOP_REASONS", "event", "message_object", "read_messages", "read_tool_choice", "read_tools",
+           "tool_use_block"]
 
 #: the turn's finish reason → Anthropic ``stop_reason``
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -106,7 +108,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def read_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -133,7 +135,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def read_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     tools = body.get("tools")
     if tools is None or tools == []:
         return None
@@ -159,7 +161,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+def read_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
     choice = body.get("tool_choice")
     if choice is None:
         return ToolChoice("auto" if tools else "none")
@@ -180,53 +182,6 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> To
     if name not in names:
         raise _bad(f"'tool_choice' names {name!r}, which is not in 'tools' ({', '.join(names)})", "tool_choice.name")
     return ToolChoice("named", name=name, parallel=parallel)
-
-
-def to_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolChoice]:
-    """(chat messages, function tools, tool choice) of a Messages request (400 on what it cannot read)."""
-    thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") in ("disabled", "adaptive")):
-        raise ApiError(400, "'thinking' with a token budget is not supported: a thinking model reasons as its chat "
-                       "template lets it (send {'type': 'adaptive'} or leave it out; the reasoning comes back as "
-                       "thinking blocks)", "unsupported_field", param="thinking")
-    output = body.get("output_config")
-    if output is not None and (not isinstance(output, dict) or set(output) - {"format", "effort"}
-                               or output.get("effort") is not None):
-        raise ApiError(400, "'output_config': only 'format' (structured output) is supported; 'effort' is not",
-                       "unsupported_field", param="output_config")
-    for name in ("container", "mcp_servers", "context_management"):
-        if body.get(name) not in (None, [], {}):
-            raise ApiError(400, f"'{name}' is not supported", "unsupported_field", param=name)
-    tools = _tools(body)
-    return _messages(body), tools, _tool_choice(body, tools)
-
-
-def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
-    """``thinking: {"type": "disabled"}`` as the chat template's ``enable_thinking=False`` (a
-    thinking template then prefills an empty think block; others ignore the variable)."""
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
-        return {"enable_thinking": False}
-    return None
-
-
-def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's sampling fields in OpenAI names (checked by the shared sampling parser)."""
-    if body.get("max_tokens") is None:
-        raise ApiError(400, "missing required field 'max_tokens'", "missing_field", param="max_tokens")
-    temperature = body.get("temperature")
-    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
-        raise _bad(f"'temperature' must be between 0 and 1, got {temperature}", "temperature")
-    out = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if body.get(k) is not None}
-    output = body.get("output_config")
-    if isinstance(output, dict) and output.get("format") is not None:
-        out["response_format"] = output["format"]  # checked (and refused where the engine cannot) by the shared parser
-    stops = body.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("'stop_sequences' must be a list of strings", "stop_sequences")
-        out["stop"] = stops
-    return out
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,7 @@
-"""``POST /v1/chat/completions``: the shared turn (:mod:`swarmkit.server.turn`) in OpenAI's Chat shape."""
+"""``POST /v1/chat/completions``: the shared turn (:mod:`swarmkit.server.turn`) in OpenAI's Chat shape.
+
+The request is read by :class:`~swarmkit.server.schema.openai.ChatRequest` (every field, its check, its
+place in the field table and the document, and its ``to_sampling_params``)."""
 
 from __future__ import annotations
 
@@ -12,15 +15,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarmkit.contract import SamplingParams
 from swarmkit.server import fields
-from swarmkit.server.chat_input import parse_template_kwargs, parse_tool_choice, parse_tools
 from swarmkit.server.requests import bearer, read_json
 from swarmkit.server.routes.openai import (
     chat_logprobs,
     served_model,
     server_of,
     sse,
-    turn_sampling,
+    turn_params,
 )
+from swarmkit.server.schema.openai import ChatRequest
 from swarmkit.server.turn import (
     CallDelta,
     Finished,
@@ -44,18 +47,17 @@ async def chat_completions(request: Request) -> Response:
     ep, role = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.CHAT, strict=srv.strict_fields)
     headers = fields.ignored_header(unknown)
-    tools = parse_tools(body)
-    turn = await prepare_turn_async(srv, ep, body.get("messages"), tools, parse_tool_choice(body, tools),
-                                    endpoint="chat", template_kwargs=parse_template_kwargs(body))
-    params, want_lp = turn_sampling(srv, turn, body)
+    req = ChatRequest.parse(body)
+    turn = await prepare_turn_async(srv, ep, req.messages, req.tools, req.tool_choice, endpoint="chat",
+                                    template_kwargs=req.chat_template_kwargs)
+    params = turn_params(srv, turn, req)
+    want_lp = req.logprobs
     want_top = want_lp and params.top_logprobs > 0
     created = int(time.time())
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = served_model(srv)
-    if body.get("stream"):
-        opts = body.get("stream_options") or {}
-        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-        gen = _chat_stream(srv, ep, role, turn, params, want_lp, want_top, cid, created, model, include_usage)
+    if req.stream:
+        gen = _chat_stream(srv, ep, role, turn, params, want_lp, want_top, cid, created, model, req.include_usage)
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     replies = await generate_turn(srv, ep, role, turn, params)

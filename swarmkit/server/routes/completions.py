@@ -1,12 +1,13 @@
 """``POST /v1/completions``: the shared turn (:mod:`swarmkit.server.turn`) over raw prompts (text or token
-ids, no chat template), in OpenAI's Completions shape (or streamed)."""
+ids, no chat template), in OpenAI's Completions shape (or streamed); the request is read by
+:class:`~swarmkit.server.schema.openai.CompletionsRequest`."""
 
 from __future__ import annotations
 
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -20,8 +21,9 @@ from swarmkit.server.routes.openai import (
     served_model,
     server_of,
     sse,
-    turn_sampling,
+    turn_params,
 )
+from swarmkit.server.schema.openai import CompletionsRequest
 from swarmkit.server.turn import (
     Finished,
     Piece,
@@ -32,32 +34,9 @@ from swarmkit.server.turn import (
 )
 from swarmkit.timelines.render import TokenText
 
-#: the most prompts one /v1/completions request may batch
-MAX_PROMPTS = 128
-
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.episodes import Episode
     from swarmkit.swarm.server import SwarmServer
-
-
-def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
-    """The request's prompts, each a text or a list of token ids (checked by :func:`prepare_raw_turn_async`)."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "missing required field 'prompt'", "missing_field", param="prompt")
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        items = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        items = prompt
-    else:
-        raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
-                       "of token ids", "invalid_value", param="prompt")
-    if len(items) > MAX_PROMPTS:
-        raise ApiError(400, f"{len(items)} prompts in one request (at most {MAX_PROMPTS})", "invalid_value",
-                       param="prompt")
-    return items
 
 
 async def completions(request: Request) -> Response:
@@ -66,23 +45,18 @@ async def completions(request: Request) -> Response:
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
     headers = fields.ignored_header(fields.unknown_fields(body, fields.COMPLETIONS, strict=srv.strict_fields))
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported by this server", "unsupported_value", param="echo")
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise ApiError(400, "'best_of' is not supported by this server", "unsupported_value", param="best_of")
-    turns = [await prepare_raw_turn_async(srv, p, endpoint="completions") for p in _prompts(body)]
-    params, want_lp = turn_sampling(srv, turns, body, chat=False)
+    req = CompletionsRequest.parse(body)
+    turns = [await prepare_raw_turn_async(srv, p, endpoint="completions") for p in req.prompt]
+    params = turn_params(srv, turns, req)
     created = int(time.time())
     cid = "cmpl-" + secrets.token_hex(12)
     model = served_model(srv)
-    tt = srv.token_text if want_lp else None
-    if body.get("stream"):
+    tt = srv.token_text if req.logprobs is not None else None
+    if req.stream:
         if len(turns) != 1:
             raise ApiError(400, "streaming supports one prompt per request", "unsupported_value", param="stream")
-        opts = body.get("stream_options") or {}
-        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         return StreamingResponse(_completion_stream(srv, ep, role, turns[0], params, tt, cid, created, model,
-                                                    include_usage),
+                                                    req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     choices = []
     usage_prompt = usage_gen = 0

@@ -9,7 +9,7 @@ Anthropic's shape (:mod:`swarmkit.server.errors`).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -18,7 +18,8 @@ from swarmkit.contract import SamplingParams
 from swarmkit.server import fields
 from swarmkit.server.protocols import anthropic
 from swarmkit.server.requests import bearer, read_json
-from swarmkit.server.routes.openai import served_model, server_of, stream_flag, turn_sampling
+from swarmkit.server.routes.openai import served_model, server_of, turn_params
+from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.turn import (
     CallDelta,
     Finished,
@@ -37,29 +38,29 @@ if TYPE_CHECKING:  # pragma: no cover
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _turn(request: Request, table: fields.FieldTable) -> tuple[SwarmServer, Episode, str | None,
-                                                                    dict[str, Any], list[str], Turn]:
-    """What both routes read: the body, the episode, the unknown fields, the prepared turn."""
+_R = TypeVar("_R", MessagesRequest, CountTokensRequest)
+
+
+async def _turn(request: Request, model: type[_R]) -> tuple[SwarmServer, Episode, str | None, _R, list[str], Turn]:
+    """What both routes read: the episode, the request (``model``), its unknown fields, the prepared turn."""
     srv = server_of(request)
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
-    unknown = fields.unknown_fields(body, table, strict=srv.strict_fields)
-    chat_messages, tools, choice = anthropic.to_chat(body)
-    turn = await prepare_turn_async(srv, ep, chat_messages, tools, choice, endpoint="messages",
-                                    template_kwargs=anthropic.template_kwargs(body))
-    return srv, ep, role, body, unknown, turn
+    unknown = fields.unknown_fields(body, model.table(), strict=srv.strict_fields)
+    req = model.parse(body)
+    turn = await prepare_turn_async(srv, ep, req.messages, req.tools, req.tool_choice, endpoint="messages",
+                                    template_kwargs=req.template_kwargs)
+    return srv, ep, role, req, unknown, turn
 
 
 async def messages(request: Request) -> Response:
     """``POST /v1/messages``."""
-    srv, ep, role, body, unknown, turn = await _turn(request, fields.MESSAGES)
-    stream = stream_flag(body)
-    params, _ = turn_sampling(srv, turn, anthropic.sampling_body(body),
-                              aliases={"response_format": "output_config.format"})
+    srv, ep, role, req, unknown, turn = await _turn(request, MessagesRequest)
+    params = turn_params(srv, turn, req)
     mid = anthropic.new_message_id()
     model = served_model(srv)
     headers = fields.ignored_header(unknown)
-    if stream:
+    if req.stream:
         return StreamingResponse(_stream(srv, ep, role, turn, params, mid, model), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     (reply,) = await generate_turn(srv, ep, role, turn, params)
@@ -145,5 +146,5 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
 
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's length as this server renders it."""
-    _, _, _, _, unknown, turn = await _turn(request, fields.COUNT_TOKENS)
+    _, _, _, _, unknown, turn = await _turn(request, CountTokensRequest)
     return JSONResponse({"input_tokens": len(turn.prompt_ids)}, headers=fields.ignored_header(unknown))

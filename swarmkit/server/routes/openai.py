@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -232,6 +232,25 @@ def turn_sampling(srv: SwarmServer, turn: Turn | Sequence[Turn], body: dict[str,
         params = with_internal_stop(t, params)
     srv.check_tokens(len(turns) * params.n * params.max_tokens)
     return params, want_lp
+
+
+class SamplingRequest(Protocol):
+    """A request model that knows its engine sampling (:mod:`swarmkit.server.schema`)."""
+
+    def to_sampling_params(self, max_new: int, backend: Any) -> SamplingParams: ...
+
+
+def turn_params(srv: SwarmServer, turn: Turn | Sequence[Turn], request: SamplingRequest) -> SamplingParams:
+    """The sampling of a request's turns (several: the raw prompts of one ``/v1/completions`` request):
+    the request's ``to_sampling_params`` within the context the longest prompt leaves, each turn's
+    internal stop added, and the tokens-per-request quota checked over all of them."""
+    turns = [turn] if isinstance(turn, Turn) else list(turn)
+    longest = max(len(t.prompt_ids) for t in turns)
+    params = request.to_sampling_params(srv.room_for(longest), srv.backend)
+    for t in turns:
+        params = with_internal_stop(t, params)
+    srv.check_tokens(len(turns) * params.n * params.max_tokens)
+    return params
 
 
 def stream_flag(body: dict[str, Any]) -> bool:

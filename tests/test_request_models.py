@@ -1,0 +1,83 @@
+"""One request model per endpoint: its validation, the field table and the OpenAPI body come from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from swarmkit.errors import ApiError
+from swarmkit.server import fields
+from swarmkit.server.openapi import openapi_document
+from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
+from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
+from swarmkit.server.schema.spec import Number, Refused, spec
+
+MODELS = {"/v1/chat/completions": (ChatRequest, fields.CHAT), "/v1/completions": (CompletionsRequest, fields.COMPLETIONS),
+          "/v1/messages": (MessagesRequest, fields.MESSAGES),
+          "/v1/messages/count_tokens": (CountTokensRequest, fields.COUNT_TOKENS)}
+
+
+def _body(path: str) -> dict:
+    return openapi_document()["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+@pytest.mark.parametrize("path", list(MODELS))
+def test_the_field_table_and_the_document_come_from_the_model(path):
+    model, table = MODELS[path]
+    assert table == model.table() and table.endpoint == path
+    body = _body(path)
+    assert body == model.openapi_body()
+    assert set(body["properties"]) == table.known | table.ignored  # the document lists every field of the table
+
+
+def test_a_field_added_to_the_model_shows_up_in_the_table_the_document_and_the_checks():
+    @dataclass
+    class Wider(ChatRequest):
+        knob: float = spec(Number(0, 1, 0.5, "a new knob"))
+        gadget: None = spec(Refused((), "gadgets are not supported"))
+
+    table = Wider.table()
+    assert {"knob", "gadget"} <= table.known and not {"knob", "gadget"} & table.ignored
+    props = Wider.openapi_body()["properties"]
+    assert props["knob"] == {"type": "number", "minimum": 0, "maximum": 1, "description": "a new knob"}
+    assert "gadgets are not supported" in props["gadget"]["description"]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert Wider.parse(chat).knob == 0.5 and Wider.parse({**chat, "knob": 0.25}).knob == 0.25
+    with pytest.raises(ApiError) as e:
+        Wider.parse({**chat, "knob": 2})
+    assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_value", "knob")
+    with pytest.raises(ApiError) as e:
+        Wider.parse({**chat, "gadget": 1})
+    assert (e.value.code, e.value.param) == ("unsupported_field", "gadget")
+
+
+def test_chat_request_to_sampling_params():
+    req = ChatRequest.parse({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50,
+                             "max_tokens": 9, "temperature": 0.5, "top_p": 0, "stop": ["", "x"], "n": 2, "seed": 7,
+                             "logprobs": True, "top_logprobs": 3})
+    params = req.to_sampling_params(40, None)
+    assert (params.max_tokens, params.temperature, params.top_p, params.n, params.stop, params.seed,
+            params.top_logprobs) == (40, 0.5, 1e-9, 2, ["x"], 7, 3)
+    assert ChatRequest.parse({"messages": [{"role": "user", "content": "hi"}]}).to_sampling_params(30, None
+                                                                                                  ).max_tokens == 30
+    with pytest.raises(ApiError) as e:
+        ChatRequest.parse({})
+    assert (e.value.code, e.value.param) == ("missing_field", "messages")
+    with pytest.raises(ApiError) as e:
+        ChatRequest.parse({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+    assert e.value.param == "top_logprobs"
+
+
+def test_completions_request_to_sampling_params():
+    req = CompletionsRequest.parse({"prompt": "hi", "logprobs": 2, "stop": "x"})
+    assert req.prompt == ["hi"]
+    params = req.to_sampling_params(100, None)
+    assert (params.max_tokens, params.top_logprobs, params.stop) == (16, 2, ["x"])
+    for body, code, param in [({}, "missing_field", "prompt"), ({"prompt": "hi", "echo": True}, "unsupported_value", "echo"),
+                              ({"prompt": "hi", "echo": 0}, "unsupported_field", "echo"),
+                              ({"prompt": "hi", "n": 2, "best_of": 2}, "unsupported_field", "best_of"),
+                              ({"prompt": "hi", "functions": [{}]}, "unsupported_field", "functions")]:
+        with pytest.raises(ApiError) as e:
+            CompletionsRequest.parse(body)
+        assert (e.value.code, e.value.param) == (code, param), body
