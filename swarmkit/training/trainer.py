@@ -28,7 +28,7 @@ from swarmkit.models import resolve_model_path
 from swarmkit.plugins import get_registry, load_component
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.runfiles import staged_dir, write_text
-from swarmkit.training.config import EngineConfig
+from swarmkit.training.config import EngineConfig, GroupLaunch, launch_config
 from swarmkit.training.samples import bound_staleness, build_samples
 
 log = logging.getLogger(__name__)
@@ -70,16 +70,17 @@ def build_algo(algo_cfg: Any) -> Algorithm:
     return algo
 
 
-def optim_launch(optim_cfg: Mapping[str, Any]) -> tuple[str, int]:
-    """``(engine name, nprocs)`` of the ``optim`` group; ``nprocs`` is read from engines whose
-    schema is an :class:`~swarmkit.training.config.EngineConfig` (others train in-process)."""
+def optim_launch(optim_cfg: Mapping[str, Any]) -> tuple[str, GroupLaunch | None]:
+    """``(engine name, launch)`` of the ``optim`` group: ``launch`` holds the group's launch keys,
+    read through the engine's schema when it is an :class:`~swarmkit.training.config.EngineConfig`;
+    ``None`` for other engines (they train in-process)."""
     name = str(optim_cfg.get("name") or "")
     if not name:
         raise ValueError("the optim group needs a name (e.g. fsdp, deepspeed)")
     schema = get_registry().get("optim", name).schema
     if schema is not None and issubclass(schema, EngineConfig):
-        return name, int(schema(**optim_cfg).nprocs)
-    return name, 1
+        return name, launch_config(schema(**optim_cfg))
+    return name, None
 
 
 class Trainer:
@@ -104,10 +105,9 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.algo = build_algo(self.algo_cfg)
         self.model_path = resolve_model_path(ModelConfig(**self.model_cfg).path)
-        name, nprocs = optim_launch(self.optim_cfg)
+        name, launch = optim_launch(self.optim_cfg)
         self.engine: OptimEngine
-        nnodes = int(self.optim_cfg.get("nnodes") or 1)
-        if (nprocs > 1 or nnodes > 1) and "WORLD_SIZE" not in os.environ:
+        if launch is not None and launch.grouped and "WORLD_SIZE" not in os.environ:
             # the engine trains in a torchrun group of its own (on several hosts with nnodes > 1); this
             # process drives it
             from swarmkit.training.group import ProcessGroupEngine
@@ -116,7 +116,7 @@ class Trainer:
             if self.run_dir is not None:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 log_path = self.run_dir / "train_group.log"
-            self.engine = ProcessGroupEngine(name, nprocs, str(self.model_path), self.model_cfg, self.optim_cfg,
+            self.engine = ProcessGroupEngine(name, launch.nprocs, str(self.model_path), self.model_cfg, self.optim_cfg,
                                              self.algo_cfg, log_path=log_path)
         else:
             engine_cls = load_component("optim", name)
