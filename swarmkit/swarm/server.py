@@ -523,7 +523,7 @@ class SwarmServer:
             backend = await asyncio.to_thread(self._make_backend, cfg)
             await backend.start()
             full = as_dict(cfg)
-            model = ModelConfig(**as_dict(full.get("model")))
+            model = ModelConfig.of(full.get("model"))
             factory = self.renderer_factory or ChatRenderer
             template = resolve_chat_template(model.chat_template, model.path)
             self.renderer = (factory(backend.tokenizer, chat_template=template) if template

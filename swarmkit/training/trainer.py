@@ -104,7 +104,9 @@ class Trainer:
         self.match = match.get("name", "text") if isinstance(match, Mapping) else match
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.algo = build_algo(self.algo_cfg)
-        self.model_path = resolve_model_path(ModelConfig(**self.model_cfg).path)
+        #: the typed ``model`` group (the engines get ``model_cfg``, the plain one)
+        self.model = ModelConfig.of(self.model_cfg)
+        self.model_path = resolve_model_path(self.model.path)
         name, launch = optim_launch(self.optim_cfg)
         self.engine: OptimEngine
         if launch is not None and launch.grouped and "WORLD_SIZE" not in os.environ:
