@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import ModelConfig
+from swarmkit.config.schema import ModelConfig, TrainerConfig
 from swarmkit.contract import Algorithm, OptimEngine, check_algorithm, scalar_reward
 from swarmkit.models import resolve_model_path
 from swarmkit.plugins import get_registry, load_component
@@ -54,6 +54,17 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
+
+
+def resolve_algo_config(algo_cfg: Any, trainer_mode: str) -> dict[str, Any]:
+    """The ``algo`` group as its algorithm resolves it for ``trainer.mode`` ``trainer_mode``
+    (:meth:`swarmkit.contract.Algorithm.resolve_config`: e.g. ``grpo``'s ``decoupled: null``)."""
+    cfg = as_dict(algo_cfg)
+    if not cfg.get("name"):
+        raise ValueError("the algo group needs a name (e.g. grpo, ppo)")
+    cls = load_component("algo", str(cfg["name"]))
+    resolve = getattr(cls, "resolve_config", None)  # None: not an Algorithm, which build_algo reports
+    return dict(resolve(cfg, trainer_mode=trainer_mode)) if resolve is not None else cfg
 
 
 def build_algo(algo_cfg: Any) -> Algorithm:
@@ -92,15 +103,19 @@ class Trainer:
     :param match: match strategy for timeline merging (a name, a ``{"name": ...}`` group, or an object).
     :param run_dir: folder for checkpoints (``None``: only explicit paths work).
     :param seed: the run's seed; the engine's when ``optim.seed`` is not set.
+    :param trainer_mode: ``trainer.mode`` of the run (``"sync"`` or ``"async"``); the algorithm
+        resolves the ``algo`` keys that depend on it (:func:`resolve_algo_config`).
     """
 
     def __init__(self, model_cfg: Any, optim_cfg: Any, algo_cfg: Any, match: Any = "text",
-                 run_dir: str | os.PathLike[str] | None = None, seed: int | None = None):
+                 run_dir: str | os.PathLike[str] | None = None, seed: int | None = None,
+                 trainer_mode: str = TrainerConfig.mode):
         self.model_cfg = as_dict(model_cfg)
         self.optim_cfg = as_dict(optim_cfg)
         if seed is not None and self.optim_cfg.get("seed") is None:
             self.optim_cfg["seed"] = int(seed)
-        self.algo_cfg = as_dict(algo_cfg)
+        #: the ``algo`` group as the algorithm resolved it for ``trainer_mode`` (what every rank builds)
+        self.algo_cfg = resolve_algo_config(algo_cfg, trainer_mode)
         self.match = match.get("name", "text") if isinstance(match, Mapping) else match
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.algo = build_algo(self.algo_cfg)
