@@ -1,11 +1,13 @@
 """Every config key a component reads is a field of its schema (one source per default).
 
 Components build their typed config once (``self.cfg = Schema(**group)``,
-``self.model = ModelConfig(**model)``) and read attributes of it. This test
+``self.model = ModelConfig.of(model)``) and read attributes of it. This test
 reads the source of every built-in component class (static: GPU- and
 vLLM-only paths count too) and checks that each ``self.cfg.<key>`` /
 ``self.model.<key>`` it reads is a field of the schema, and that no component
 reads a raw config dict with ``.get("key", default)`` (a second default).
+The core's modules are held to the same: none reads a key of a component
+group (``optim``, ``model``, ``algo``, ``backend``) with a default of its own.
 """
 
 from __future__ import annotations
