@@ -260,3 +260,30 @@ def test_old_import_paths_still_work():
 
     assert interfaces.Algorithm is contract.Algorithm and interfaces.BatchingPolicy is contract.BatchingPolicy
     assert old_trainer.Trainer is training.Trainer and old_trainer.TrainSample is contract.TrainSample
+
+
+def test_the_algorithm_resolves_its_keys_for_the_trainer_mode():
+    """``trainer.mode`` reaches the algorithm through ``Algorithm.resolve_config``: grpo's and ppo's
+    ``decoupled: null`` is on in async, off in sync; an explicit value and a third party's group
+    (the contract's default) pass unchanged."""
+    from swarmkit.training.trainer import resolve_algo_config
+
+    assert MeanBaselineAlgorithm.resolve_config({"name": "mean_baseline"}, trainer_mode="async") == \
+        {"name": "mean_baseline"}
+    for name in ("grpo", "ppo"):
+        assert resolve_algo_config({"name": name}, "async")["decoupled"] is True
+        assert resolve_algo_config({"name": name, "decoupled": None}, "sync")["decoupled"] is False
+        assert resolve_algo_config({"name": name, "decoupled": False}, "async")["decoupled"] is False
+        assert resolve_algo_config({"name": name, "decoupled": True}, "sync")["decoupled"] is True
+
+
+def test_the_composition_root_hands_the_trainer_mode_on(monkeypatch, tmp_path):
+    """``make_trainer`` knows no algorithm's keys: it passes ``trainer.mode`` and the ``algo`` group as is."""
+    from swarmkit.apps import wiring
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(wiring, "Trainer", lambda *args, **kwargs: seen.update(args=args, **kwargs))
+    algo = {"name": "grpo", "decoupled": None}
+    wiring.make_trainer({"model": {}, "optim": {"name": "fsdp"}, "algo": algo, "match": "text", "seed": 0,
+                         "trainer": {"mode": "async"}}, tmp_path)
+    assert seen["trainer_mode"] == "async" and seen["args"][2] == algo

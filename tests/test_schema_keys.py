@@ -1,11 +1,13 @@
 """Every config key a component reads is a field of its schema (one source per default).
 
 Components build their typed config once (``self.cfg = Schema(**group)``,
-``self.model = ModelConfig(**model)``) and read attributes of it. This test
+``self.model = ModelConfig.of(model)``) and read attributes of it. This test
 reads the source of every built-in component class (static: GPU- and
 vLLM-only paths count too) and checks that each ``self.cfg.<key>`` /
 ``self.model.<key>`` it reads is a field of the schema, and that no component
 reads a raw config dict with ``.get("key", default)`` (a second default).
+The core's modules are held to the same: none reads a key of a component
+group (``optim``, ``model``, ``algo``, ``backend``) with a default of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import importlib
 import inspect
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +97,54 @@ def test_a_component_reads_only_fields_of_its_schema(item):
     unknown_model = sorted((reads(trees, "model") | reads(trees, "model_cfg")) - model_fields)
     assert not unknown_model, f"{component.kind} '{component.name}' reads model.{unknown_model}, not in ModelConfig"
     assert not raw_reads(trees), f"{component.kind} '{component.name}' reads raw config dicts: {raw_reads(trees)}"
+
+
+# ---------------------------------------------------------------- the core reads component groups through their schemas
+#: names the core keeps a component's config group under (``optim_cfg``, ``self.model_cfg``, ``cfg.optim``, ...)
+CORE_GROUP_NAMES = {"optim", "optim_cfg", "model", "model_cfg", "algo", "algo_cfg", "backend", "backend_cfg"}
+#: the key that picks the plugin: read before any schema is known
+SELECTOR = "name"
+CORE_ROOT = Path(__file__).resolve().parents[1] / "swarmkit"
+
+
+def defaulted_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, text)`` of every read of a component group key with a default of its own:
+    ``<group>.get("key", default)`` and ``<group>.get("key") or default``."""
+    or_operands = {id(v) for n in ast.walk(tree) if isinstance(n, ast.BoolOp) and isinstance(n.op, ast.Or)
+                   for v in n.values[:-1]}
+    bad = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and n.args
+                and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)):
+            continue
+        target = n.func.value
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+        key = n.args[0].value
+        if name not in CORE_GROUP_NAMES or key == SELECTOR:
+            continue
+        if len(n.args) > 1 or n.keywords or id(n) in or_operands:
+            bad.append((n.lineno, ast.unparse(n)))
+    return bad
+
+
+def core_defaulted_reads(root: Path = CORE_ROOT) -> list[str]:
+    """Every such read in the core's modules under ``root``, as ``path:line: text``."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for line, text in defaulted_reads(ast.parse(path.read_text(), filename=str(path))):
+            out.append(f"{path.relative_to(root.parent)}:{line}: {text}")
+    return out
+
+
+def test_the_core_reads_component_groups_without_second_defaults():
+    """A key of ``optim`` / ``model`` / ``algo`` / ``backend`` that the core reads comes from the typed
+    object (``launch_config(optim)``, ``ModelConfig.of(model)``, ``schema(**group)``), whose dataclass
+    holds the only default: never ``group.get("key", default)`` or ``group.get("key") or default``."""
+    bad = core_defaulted_reads()
+    assert not bad, "the core reads component config keys with defaults of its own:\n" + "\n".join(bad)
+
+
+def test_the_rule_sees_a_second_default():
+    tree = ast.parse('n = int(self.optim_cfg.get("nnodes") or 1)\nh = optim.get("group_host", "127.0.0.1")\n'
+                     'p = cfg.optim.get("nprocs", 1)\nok = optim_cfg.get("name") or ""\nseed = optim_cfg.get("seed")\n')
+    assert sorted(line for line, _ in defaulted_reads(tree)) == [1, 2, 3]

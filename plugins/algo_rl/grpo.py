@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -68,6 +68,17 @@ class ClippedPolicyAlgorithm(Algorithm):
             x.logprobs, x.prox_logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high,
             self.behav_weight_cap, self.loss_agg, self.loss_norm_constant)
 
+    #: the schema of the ``algo`` group (GRPOConfig, PPOConfig)
+    config_cls: ClassVar[type[GRPOConfig] | type[PPOConfig]]
+
+    @classmethod
+    def resolve_config(cls, config: dict[str, Any], *, trainer_mode: str) -> dict[str, Any]:
+        """``decoupled: null`` (the default): the decoupled loss is on when the trainer is
+        asynchronous (``trainer.mode=async``), off when it is synchronous."""
+        if cls.config_cls(**config).decoupled is None:
+            return {**config, "decoupled": trainer_mode == "async"}
+        return config
+
     @property
     def needs_reference(self) -> bool:
         """Whether the engine must keep a frozen reference policy (``kl_coef > 0``)."""
@@ -101,6 +112,7 @@ class GRPO(ClippedPolicyAlgorithm):
     split into ``mini_batches`` optimizer steps, are the engine's job.
     """
 
+    config_cls = GRPOConfig
     needs_values = False
 
     def __init__(self, **config: Any):

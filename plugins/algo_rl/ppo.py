@@ -20,6 +20,7 @@ class PPO(ClippedPolicyAlgorithm):
     A KL to the reference (``kl_coef > 0``) is a loss term, not reward shaping.
     """
 
+    config_cls = PPOConfig
     needs_values = True
 
     def __init__(self, **config: Any):

@@ -159,7 +159,7 @@ class HFBackend(InferenceBackend):
         if not model or "path" not in model:
             raise ValueError("hf backend: the model config needs a 'path'")
         self.cfg = HFBackendConfig(**dict(config or {}))
-        self.model_cfg = ModelConfig(**dict(model))
+        self.model_cfg = ModelConfig.of(model)
         self.model_name: str = self.model_cfg.name or self.model_cfg.path
         self.max_context: int | None = self.model_cfg.max_context
         self.max_batch_size = int(self.cfg.max_batch_size)

@@ -137,7 +137,7 @@ class VLLMBackend(InferenceBackend):
         if not model or "path" not in model:
             raise ValueError("vllm backend: the model config needs a 'path'")
         self.cfg = VLLMBackendConfig(**dict(config or {}))
-        self.model_cfg = ModelConfig(**dict(model))
+        self.model_cfg = ModelConfig.of(model)
         self.max_context: int | None = self.model_cfg.max_context
         self.policy_version = 0
         self.model_dir: Path | None = None

@@ -49,6 +49,7 @@ from swarmkit.config.schema import RayConfig
 from swarmkit.config.validate import to_dict
 from swarmkit.errors import ConfigError
 from swarmkit.procs import is_loopback
+from swarmkit.training.trainer import optim_launch
 
 log = logging.getLogger("swarmkit.ray")
 
@@ -282,8 +283,8 @@ class RayDriver:
 
     def server_resources(self, cfg: DictConfig) -> dict[str, float]:
         """The server actor's bundle: itself plus its training ranks when ``optim.nprocs > 1``."""
-        nprocs = int(cfg.optim.get("nprocs", 1) or 1)
-        ranks = nprocs if nprocs > 1 else 0
+        _, launch = optim_launch(to_dict(cfg.optim))
+        ranks = launch.nprocs if launch is not None and launch.nprocs > 1 else 0
         res = {"CPU": self.rcfg.server_cpus + ranks * self.rcfg.rank_cpus,
                "GPU": self.rcfg.server_gpus + ranks * self.rcfg.rank_gpus}
         return {k: v for k, v in res.items() if v > 0}

@@ -24,15 +24,10 @@ from swarmkit.training import Trainer
 
 
 def make_trainer(cfg: dict[str, Any], run_dir: Path) -> Trainer:
-    """The trainer of a validated training config (``model``, ``optim``, ``algo``, ``match``, ``seed``).
-
-    ``algo.decoupled: null`` (the default) turns on the decoupled loss when ``trainer.mode`` is async.
-    """
-    algo = dict(as_dict(cfg["algo"]))
-    if "decoupled" in algo and algo["decoupled"] is None:
-        algo["decoupled"] = TrainerConfig(**as_dict(cfg.get("trainer") or {})).mode == "async"
-    return Trainer(cfg["model"], cfg["optim"], algo, match=cfg["match"], run_dir=run_dir,
-                   seed=int(cfg["seed"]))
+    """The trainer of a validated training config (``model``, ``optim``, ``algo``, ``match``, ``seed``,
+    ``trainer.mode``, which the algorithm may resolve its keys by)."""
+    return Trainer(cfg["model"], cfg["optim"], cfg["algo"], match=cfg["match"], run_dir=run_dir,
+                   seed=int(cfg["seed"]), trainer_mode=TrainerConfig(**as_dict(cfg.get("trainer"))).mode)
 
 
 def build_server(cfg: Any, *, train: bool = True, step_fn: StepFn | None = None,

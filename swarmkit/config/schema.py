@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarmkit.config.plain import as_dict
+
 
 @dataclass
 class ModelConfig:
@@ -32,6 +34,15 @@ class ModelConfig:
     #: for builtin:smollm2, the model's own otherwise), "model", "builtin:<name>"
     #: (swarmkit.chat_templates), a .jinja file path, or the template text
     chat_template: str = "auto"
+
+    @classmethod
+    def of(cls, model: ModelConfig | Any) -> ModelConfig:
+        """The typed ``model`` group: ``model`` itself, or built from a plain group (a dict, an
+        OmegaConf node, ``None`` = every default); the one place a ``model`` dict becomes typed.
+
+        :raises TypeError: an unknown key.
+        """
+        return model if isinstance(model, cls) else cls(**as_dict(model))
 
 
 @dataclass

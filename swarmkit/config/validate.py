@@ -8,7 +8,6 @@ unknown component names with the installed choices), in one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -27,7 +26,6 @@ from swarmkit.config.schema import (
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins.loader import get_hooks
 from swarmkit.plugins.registry import KINDS, Registry
-from swarmkit.procs import is_loopback
 
 
 def _check_node(schema: type, node: Any, where: str, problems: list[str]) -> DictConfig | None:
@@ -111,36 +109,6 @@ def _check_ray(ray: DictConfig, problems: list[str]) -> None:
                         f"{', '.join(PLACEMENT_STRATEGIES)}")
 
 
-def check_group_launch(optim: Mapping[str, Any]) -> list[str]:
-    """Problems of the multi-node keys of an ``optim`` group (``nnodes``, ``rdzv_endpoint``,
-    ``group_host``, ``group_port``); empty when the engine has none or they are consistent."""
-    nnodes = optim.get("nnodes")
-    if nnodes is None:
-        return []
-    if int(nnodes) < 1:
-        return [f"optim.nnodes: must be >= 1, got {nnodes}"]
-    if int(nnodes) == 1:
-        return []
-    problems: list[str] = []
-    endpoint = str(optim.get("rdzv_endpoint") or "")
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        problems.append(f"optim.rdzv_endpoint: optim.nnodes={nnodes} needs HOST:PORT of the c10d rendezvous, "
-                        f"an address of this server's host that every node reaches, e.g. "
-                        f"optim.rdzv_endpoint=10.0.0.1:29400 (got {endpoint!r})")
-    group_host = str(optim.get("group_host", "127.0.0.1"))
-    group_port = int(optim.get("group_port") or 0)
-    if group_host in ("", "0.0.0.0", "::", "*"):
-        problems.append(f"optim.group_host: give an address of this host that the other nodes reach "
-                        f"(rank 0 connects to it), not {group_host!r}")
-    elif host and not is_loopback(host) and is_loopback(group_host):
-        problems.append(f"optim.group_host: {group_host} is loopback, but the rendezvous {endpoint} is not: "
-                        f"rank 0 may run on another host; set optim.group_host to this host's address there")
-    if not 0 <= group_port < 65536:
-        problems.append(f"optim.group_port: must be 0 (ephemeral) .. 65535, got {group_port}")
-    return problems
-
-
 def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
     """Return the typed, validated config, or raise ConfigError listing every problem.
 
@@ -206,6 +174,9 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             replica_node = OmegaConf.create({k: node[k] for k in REPLICA_KEYS if k in node})
             node = OmegaConf.create({k: node[k] for k in node if k not in REPLICA_KEYS})
         checked = _check_node(component.schema, node, kind, problems)
+        if checked is not None and callable(getattr(component.schema, "problems", None)):
+            # the schema checks its keys as a whole (EngineConfig: the multi-node launch keys)
+            problems.extend(component.schema(**OmegaConf.to_container(checked, resolve=True)).problems())
         if replica_node is not None:
             replica = _check_node(ReplicaConfig, replica_node, kind, problems)
             if replica is not None:
@@ -217,7 +188,7 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
     model = result.get("model")
     if model is not None:
         try:
-            resolve_chat_template(str(model.get("chat_template", "auto")), str(model.get("path", "")))
+            resolve_chat_template(str(model.chat_template), str(model.path))
         except ValueError as exc:
             problems.append(str(exc))
     trainer = result.get("trainer")
@@ -232,7 +203,6 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             value = optim.get(key)
             if value is not None and not float(value) > 0:
                 problems.append(f"optim.{key}: must be > 0, got {value}")
-        problems.extend(check_group_launch(optim))
     if problems:
         raise ConfigError(problems)
     out = OmegaConf.create({"mode": mode, "launcher": launcher, "seed": seed})

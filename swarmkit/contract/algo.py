@@ -100,6 +100,17 @@ class Algorithm(ABC):
     def loss(self, inputs: LossInputs) -> tuple[Tensor, dict[str, float]]:
         """The 0-d loss of a micro-batch and its scalar metrics (computed without gradient)."""
 
+    @classmethod
+    def resolve_config(cls, config: dict[str, Any], *, trainer_mode: str) -> dict[str, Any]:
+        """The ``algo`` group to build this algorithm from when the trainer runs in ``trainer_mode``
+        (``trainer.mode``: ``"sync"`` or ``"async"``), for keys whose default depends on it.
+
+        The trainer calls it once, before it builds the algorithm, and builds the algorithm (here
+        and in every rank of a training group) from the group it returns. The default returns
+        ``config`` unchanged.
+        """
+        return config
+
 
 def _overrides(obj: Any, method: str) -> bool:
     return getattr(type(obj), method) is not getattr(Algorithm, method)

@@ -479,7 +479,7 @@ class SwarmServer:
             backend = await asyncio.to_thread(self._make_backend, cfg)
             await backend.start()
             full = as_dict(cfg)
-            self.inference.load(backend, ModelConfig(**as_dict(full.get("model"))))
+            self.inference.load(backend, ModelConfig.of(full.get("model")))
             if "server" in full:  # the training config's timeouts apply from this boot on
                 self._apply_limits(ServerConfig(**as_dict(full["server"])))
                 self.episodes.default_timeout_s = self.episode_timeout_s

@@ -63,7 +63,7 @@ class TrainingEngine(OptimEngine):
                  algo: Algorithm):
         check_algorithm(algo)
         self.model_path = str(model_path)
-        self.model = ModelConfig(**dict(model_cfg or {}))
+        self.model = ModelConfig.of(model_cfg)
         self.cfg = self.config_cls(**dict(optim_cfg or {}))
         self.algo = algo
         self.distributed, self.rank, self.world = dist_info()

@@ -49,14 +49,12 @@ from typing import Any
 from swarmkit.contract import OptimEngine, TrainSample
 from swarmkit.errors import ConfigError
 from swarmkit.runfiles import write_json
+from swarmkit.training.config import LAUNCHER_ONLY_KEYS, check_group_launch, launch_config
 from swarmkit.weights import load_weights, save_weights, weights_from_bytes, weights_to_bytes
 
 log = logging.getLogger("swarmkit.training.group")
 
 AUTHKEY_ENV = "SWARMKIT_GROUP_AUTHKEY"
-#: engine options the launcher consumes (the engines in the group see nprocs = 1's meaning: "this rank")
-_LAUNCH_KEYS = ("nprocs", "nnodes", "rdzv_endpoint", "rdzv_id", "group_host", "group_port",
-                "group_start_timeout_s", "group_step_timeout_s")
 #: the join spec's file name, beside the group's log (``RUN_DIR/group_join.json`` under a server)
 JOIN_SPEC_NAME = "group_join.json"
 JOIN_SPEC_VERSION = 1
@@ -150,16 +148,15 @@ class ProcessGroupEngine(OptimEngine):
                  join_spec_path: str | Path | None = None):
         self.engine_name = engine
         self.nprocs = int(nprocs)
+        #: the launch keys of ``optim_cfg`` (its EngineConfig's), typed
+        self.launch = launch_config(optim_cfg)
         #: hosts in the group (torchrun --nnodes); the group has nnodes x nprocs ranks
-        self.nnodes = int(optim_cfg.get("nnodes") or 1)
-        if self.nnodes > 1:
-            from swarmkit.config.validate import check_group_launch
-
-            problems = check_group_launch({**optim_cfg, "nnodes": self.nnodes})
-            if problems:
-                raise ConfigError(problems)
-        self.start_timeout_s = float(optim_cfg.get("group_start_timeout_s", 600.0))
-        self.step_timeout_s = float(optim_cfg.get("group_step_timeout_s", 3600.0))
+        self.nnodes = self.launch.nnodes
+        problems = check_group_launch(self.launch)
+        if problems:
+            raise ConfigError(problems)
+        self.start_timeout_s = self.launch.group_start_timeout_s
+        self.step_timeout_s = self.launch.group_step_timeout_s
         self.optimizer_steps = 0
         self.train_steps = 0
         self._lock = threading.Lock()
@@ -174,18 +171,18 @@ class ProcessGroupEngine(OptimEngine):
         self._shared_shm = True
         key = secrets.token_bytes(32)
         if self.nnodes > 1:
-            listen = (str(optim_cfg.get("group_host") or "127.0.0.1"), int(optim_cfg.get("group_port") or 0))
+            listen = (self.launch.group_host, self.launch.group_port)
         else:
             listen = ("127.0.0.1", 0)
         listener = Listener(listen, authkey=key)
         host, port = listener.address
-        inner_optim = {k: v for k, v in optim_cfg.items() if k not in _LAUNCH_KEYS}
+        inner_optim = {k: v for k, v in optim_cfg.items() if k not in LAUNCHER_ONLY_KEYS}
         inner_optim["name"] = engine
         spec: dict[str, Any] = {
             "engine": engine, "model": str(model_path), "model_cfg": model_cfg, "optim_cfg": inner_optim,
-            "algo_cfg": algo_cfg, "threads": int(optim_cfg.get("threads_per_rank", 1)), "nnodes": self.nnodes,
-            "nprocs": self.nprocs, "rdzv_endpoint": str(optim_cfg.get("rdzv_endpoint") or ""),
-            "rdzv_id": str(optim_cfg.get("rdzv_id") or "") or f"swarmkit-{secrets.token_hex(6)}",
+            "algo_cfg": algo_cfg, "threads": self.launch.threads_per_rank, "nnodes": self.nnodes,
+            "nprocs": self.nprocs, "rdzv_endpoint": self.launch.rdzv_endpoint,
+            "rdzv_id": self.launch.rdzv_id or f"swarmkit-{secrets.token_hex(6)}",
             "start_timeout_s": self.start_timeout_s, "serve": f"{host}:{port}", "shm": str(self._shm),
             "authkey": key.hex()}
         local_addr = None

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import ModelConfig
+from swarmkit.config.schema import ModelConfig, TrainerConfig
 from swarmkit.contract import Algorithm, OptimEngine, check_algorithm, scalar_reward
 from swarmkit.models import resolve_model_path
 from swarmkit.plugins import get_registry, load_component
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.runfiles import staged_dir, write_text
-from swarmkit.training.config import EngineConfig
+from swarmkit.training.config import EngineConfig, GroupLaunch, launch_config
 from swarmkit.training.samples import bound_staleness, build_samples
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,17 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     return gone
 
 
+def resolve_algo_config(algo_cfg: Any, trainer_mode: str) -> dict[str, Any]:
+    """The ``algo`` group as its algorithm resolves it for ``trainer.mode`` ``trainer_mode``
+    (:meth:`swarmkit.contract.Algorithm.resolve_config`: e.g. ``grpo``'s ``decoupled: null``)."""
+    cfg = as_dict(algo_cfg)
+    if not cfg.get("name"):
+        raise ValueError("the algo group needs a name (e.g. grpo, ppo)")
+    cls = load_component("algo", str(cfg["name"]))
+    resolve = getattr(cls, "resolve_config", None)  # None: not an Algorithm, which build_algo reports
+    return dict(resolve(cfg, trainer_mode=trainer_mode)) if resolve is not None else cfg
+
+
 def build_algo(algo_cfg: Any) -> Algorithm:
     """The checked algorithm of the ``algo`` group (``name`` picks the plugin).
 
@@ -70,16 +81,17 @@ def build_algo(algo_cfg: Any) -> Algorithm:
     return algo
 
 
-def optim_launch(optim_cfg: Mapping[str, Any]) -> tuple[str, int]:
-    """``(engine name, nprocs)`` of the ``optim`` group; ``nprocs`` is read from engines whose
-    schema is an :class:`~swarmkit.training.config.EngineConfig` (others train in-process)."""
+def optim_launch(optim_cfg: Mapping[str, Any]) -> tuple[str, GroupLaunch | None]:
+    """``(engine name, launch)`` of the ``optim`` group: ``launch`` holds the group's launch keys,
+    read through the engine's schema when it is an :class:`~swarmkit.training.config.EngineConfig`;
+    ``None`` for other engines (they train in-process)."""
     name = str(optim_cfg.get("name") or "")
     if not name:
         raise ValueError("the optim group needs a name (e.g. fsdp, deepspeed)")
     schema = get_registry().get("optim", name).schema
     if schema is not None and issubclass(schema, EngineConfig):
-        return name, int(schema(**optim_cfg).nprocs)
-    return name, 1
+        return name, launch_config(schema(**optim_cfg))
+    return name, None
 
 
 class Trainer:
@@ -91,23 +103,28 @@ class Trainer:
     :param match: match strategy for timeline merging (a name, a ``{"name": ...}`` group, or an object).
     :param run_dir: folder for checkpoints (``None``: only explicit paths work).
     :param seed: the run's seed; the engine's when ``optim.seed`` is not set.
+    :param trainer_mode: ``trainer.mode`` of the run (``"sync"`` or ``"async"``); the algorithm
+        resolves the ``algo`` keys that depend on it (:func:`resolve_algo_config`).
     """
 
     def __init__(self, model_cfg: Any, optim_cfg: Any, algo_cfg: Any, match: Any = "text",
-                 run_dir: str | os.PathLike[str] | None = None, seed: int | None = None):
+                 run_dir: str | os.PathLike[str] | None = None, seed: int | None = None,
+                 trainer_mode: str = TrainerConfig.mode):
         self.model_cfg = as_dict(model_cfg)
         self.optim_cfg = as_dict(optim_cfg)
         if seed is not None and self.optim_cfg.get("seed") is None:
             self.optim_cfg["seed"] = int(seed)
-        self.algo_cfg = as_dict(algo_cfg)
+        #: the ``algo`` group as the algorithm resolved it for ``trainer_mode`` (what every rank builds)
+        self.algo_cfg = resolve_algo_config(algo_cfg, trainer_mode)
         self.match = match.get("name", "text") if isinstance(match, Mapping) else match
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.algo = build_algo(self.algo_cfg)
-        self.model_path = resolve_model_path(ModelConfig(**self.model_cfg).path)
-        name, nprocs = optim_launch(self.optim_cfg)
+        #: the typed ``model`` group (the engines get ``model_cfg``, the plain one)
+        self.model = ModelConfig.of(self.model_cfg)
+        self.model_path = resolve_model_path(self.model.path)
+        name, launch = optim_launch(self.optim_cfg)
         self.engine: OptimEngine
-        nnodes = int(self.optim_cfg.get("nnodes") or 1)
-        if (nprocs > 1 or nnodes > 1) and "WORLD_SIZE" not in os.environ:
+        if launch is not None and launch.grouped and "WORLD_SIZE" not in os.environ:
             # the engine trains in a torchrun group of its own (on several hosts with nnodes > 1); this
             # process drives it
             from swarmkit.training.group import ProcessGroupEngine
@@ -116,7 +133,7 @@ class Trainer:
             if self.run_dir is not None:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 log_path = self.run_dir / "train_group.log"
-            self.engine = ProcessGroupEngine(name, nprocs, str(self.model_path), self.model_cfg, self.optim_cfg,
+            self.engine = ProcessGroupEngine(name, launch.nprocs, str(self.model_path), self.model_cfg, self.optim_cfg,
                                              self.algo_cfg, log_path=log_path)
         else:
             engine_cls = load_component("optim", name)
