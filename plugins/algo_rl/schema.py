@@ -27,6 +27,9 @@ class GRPOConfig:
     decoupled: bool | None = None
     #: decoupled loss: tokens whose importance weight exceeds this are left out (<= 0: no cap)
     behav_weight_cap: float = 5.0
+    #: entropy bonus: the loss subtracts entropy_coef x the policy's entropy on the trained tokens
+    #: (aggregated like the loss); 0 = no bonus. The step metric `entropy` is reported either way
+    entropy_coef: float = 0.0
 
 
 @dataclass
@@ -50,3 +53,5 @@ class PPOConfig:
     kl_kind: str = "k3"
     decoupled: bool | None = None
     behav_weight_cap: float = 5.0
+    #: the entropy bonus, as in GRPOConfig
+    entropy_coef: float = 0.0

@@ -36,7 +36,9 @@ class LossInputs:
     (the logprobs of the weights before this step, scored without gradient) when it
     ``needs_proximal``; ``values``, ``old_values`` and ``returns`` when it ``needs_values``.
     ``old_logprobs`` are the rollout's (the behaviour policy: with asynchronous training,
-    possibly older weights).
+    possibly older weights). ``entropy`` is the entropy (nats) of the policy's next-token
+    distribution at each trained token, with gradient (an entropy bonus may use it); the
+    engines built on the training core always fill it.
     """
 
     logprobs: Tensor
@@ -48,6 +50,7 @@ class LossInputs:
     values: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
+    entropy: Tensor | None = None
 
 
 class Algorithm(ABC):

@@ -44,6 +44,9 @@ from swarmkit.training.packing import (
 )
 from swarmkit.training.policy import PolicyModel
 
+#: metric keys of the per-mini-batch entropy sums (summed over micro-batches and ranks, then divided)
+_ENT_SUM, _ENT_TOKENS = "_entropy_sum", "_entropy_tokens"
+
 
 class TrainingEngine(OptimEngine):
     """Common engine: ``FSDPEngine`` / ``DeepSpeedEngine`` fill in the distributed parts.
@@ -137,8 +140,10 @@ class TrainingEngine(OptimEngine):
         """Shard / wrap ``self.policy`` (and ``self.reference``); create optimizer + scheduler."""
         raise NotImplementedError
 
-    def _forward(self, mb: MicroBatch, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs (M,) and values (M,) | None of a packed micro-batch."""
+    def _forward(self, mb: MicroBatch,
+                 model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Logprobs (M,), values (M,) | None and entropies (M,) of a packed micro-batch
+        (:meth:`PolicyModel.forward`)."""
         raise NotImplementedError
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
@@ -228,7 +233,7 @@ class TrainingEngine(OptimEngine):
         for bin_ in plan.per_rank[0]:
             mb = micro_batch_tensors(prepared, bin_, self.device, self.pad_id)
             with self._autocast():
-                lp, values = self._forward(mb)
+                lp, values, _ = self._forward(mb)
             if missing or want_prox or self.needs_values:
                 for i, x, v in zip(bin_, mb.split(lp), mb.split(values) if values is not None else [None] * len(bin_), strict=True):
                     p = prepared[i]
@@ -254,10 +259,10 @@ class TrainingEngine(OptimEngine):
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.lora:
             with self._compute_model().lm.disable_adapter(), self._autocast():
-                lp, _ = self._forward(mb)
+                lp, _, _ = self._forward(mb)
             return lp
         with self._autocast():
-            lp, _ = self._forward(mb, model=self.reference)
+            lp, _, _ = self._forward(mb, model=self.reference)
         return lp
 
     def _ppo_advantages(self, prepared: list[Prepared]) -> None:
@@ -274,14 +279,16 @@ class TrainingEngine(OptimEngine):
             p.advantages = adv[r, : p.k].float()
             p.returns = ret[r, : p.k].float()
 
-    def _loss(self, mb: MicroBatch, lp: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, mb: MicroBatch, lp: torch.Tensor, values: torch.Tensor | None,
+              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         if mb.tokens == 0:  # dummy: gradient 0, graph still touches every parameter group
             loss = lp.sum() * 0.0
             if values is not None:
                 loss = loss + values.sum() * 0.0
             return loss, {}
         inputs = LossInputs(logprobs=mb.scatter(lp), old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                            mask=mb.mask, ref_logprobs=mb.ref_logprobs, prox_logprobs=mb.prox_logprobs)
+                            mask=mb.mask, ref_logprobs=mb.ref_logprobs, prox_logprobs=mb.prox_logprobs,
+                            entropy=mb.scatter(entropy) if entropy is not None else None)
         if self.needs_values:
             assert values is not None, "an algorithm that needs values gets a value head"
             inputs.values, inputs.old_values, inputs.returns = mb.scatter(values), mb.old_values, mb.returns
@@ -294,9 +301,11 @@ class TrainingEngine(OptimEngine):
         Returns metrics: ``loss`` (mean over the optimizer steps of the full
         mini-batch loss), ``tokens`` (packed tokens forwarded, all ranks, one
         epoch), ``trained_tokens``, ``samples``, ``micro_batches``, ``grad_norm``,
-        ``lr``, ``optimizer_steps``, ``step_time_s``, the algorithm's metrics, and with
-        demonstrations ``sft_nll`` (their tokens' mean negative logprob before the step: the
-        supervised loss, which the policy-gradient ``loss`` at ratio 1 does not show).
+        ``lr``, ``optimizer_steps``, ``step_time_s``, ``entropy`` (the policy's mean
+        next-token entropy over the trained tokens, in nats, as the step's forward passes saw
+        it; averaged over the optimizer steps), the algorithm's metrics, with demonstrations
+        ``sft_nll`` (their tokens' mean negative logprob before the step: the supervised loss,
+        which the policy-gradient ``loss`` at ratio 1 does not show).
         """
         t0 = time.perf_counter()
         pairs = [(s, p) for s in batch if (p := prepare_sample(s)).k > 0]
@@ -321,15 +330,19 @@ class TrainingEngine(OptimEngine):
                 plan = plan_micro_batches([len(p.input_ids) for p in subset], self.token_budget, self.world)
                 total = loss_units(subset, mode)
                 self._zero_grad()
-                local: dict[str, float] = {"loss": 0.0}
+                # entropy: a token mean whatever the loss aggregation (summed here, divided below)
+                local: dict[str, float] = {"loss": 0.0, _ENT_SUM: 0.0, _ENT_TOKENS: 0.0}
                 for k, bin_ in enumerate(plan.per_rank[self.rank]):
                     mb = micro_batch_tensors(subset, bin_, self.device, self.pad_id)
                     units = loss_units([subset[j] for j in bin_], mode)
                     share = units / total if total else 0.0
                     with self._autocast():
-                        lp, values = self._forward(mb)
-                    loss, metrics = self._loss(mb, lp, values)
+                        lp, values, ent = self._forward(mb)
+                    loss, metrics = self._loss(mb, lp, values, ent)
                     self._backward(loss * loss_weight(units, total, self.world), last=k == plan.steps - 1)
+                    if mb.tokens:
+                        local[_ENT_SUM] += float(ent.detach().float().sum().item())
+                        local[_ENT_TOKENS] += float(ent.numel())
                     local["loss"] += float(loss.detach().item()) * share
                     for key, v in metrics.items():
                         if key != "loss":
@@ -340,6 +353,9 @@ class TrainingEngine(OptimEngine):
                     for key, v in part.items():
                         merged[key] = merged.get(key, 0.0) + v
                 mini_loss = merged.pop("loss")
+                ent_sum, ent_tokens = merged.pop(_ENT_SUM), merged.pop(_ENT_TOKENS)
+                if ent_tokens:
+                    merged["entropy"] = ent_sum / ent_tokens
                 if not math.isfinite(mini_loss):  # NaN / inf loss (same on every rank): never applied
                     self._zero_grad()
                     skipped += 1
