@@ -67,6 +67,105 @@ def test_kernel_float32_entropy_is_close():
     torch.testing.assert_close(ent, torch.distributions.Categorical(logits=h @ w.T).entropy(), rtol=1e-5, atol=1e-5)
 
 
+# --------------------------------------------------------------------------- overlong: the maths
+def dapo_penalty(length, limit, buffer):
+    """DAPO's soft overlong punishment written out: 0, then linear, then -1."""
+    if length <= limit - buffer:
+        return 0.0
+    if length <= limit:
+        return ((limit - buffer) - length) / buffer
+    return -1.0
+
+
+def test_length_penalty_by_hand_and_against_dapo():
+    from swarmkit.training.overlong import length_penalty
+
+    assert [length_penalty(n, 8, 4) for n in (0, 4, 5, 6, 7, 8, 9)] == pytest.approx(
+        [0, 0, -0.25, -0.5, -0.75, -1, -1])
+    assert [length_penalty(n, 8, 0) for n in (0, 7, 8)] == [0.0, 0.0, -1.0]  # no buffer: only a cut
+    assert [length_penalty(n, 4, 10) for n in (0, 1, 2, 4)] == pytest.approx([0, -0.25, -0.5, -1])  # buffer > limit
+    for limit in (1, 5, 16, 64):
+        for buffer in range(1, limit + 1):
+            for n in range(0, limit + 3):
+                assert abs(length_penalty(n, limit, buffer) - dapo_penalty(n, limit, buffer)) < 1e-12
+    with pytest.raises(ValueError):
+        length_penalty(3, 0, 1)
+
+
+def _call(n_generated, finish="stop", limit=None, base=10, role=None, prompt=(1, 2, 3)):
+    """One recorded call: a prompt block, then ``n_generated`` generated tokens."""
+    from swarmkit.timelines import Block, Timeline
+
+    meta = {"finish_reason": finish}
+    if limit is not None:
+        meta["max_tokens"] = limit
+    ids = [base + i for i in range(n_generated)]
+    blocks = [Block("user", "q", list(prompt)), Block("llm", "a" * n_generated, ids, [-1.0] * n_generated)]
+    return Timeline(blocks, role=role, meta=meta)
+
+
+def _rec(eid, calls, reward, task="q"):
+    from swarmkit.pool.records import EpisodeRecord
+
+    return EpisodeRecord(episode_id=eid, task_id=task, client_id="c", reward=reward,
+                         timelines=[t.to_dict() for t in calls], policy_version=0)
+
+
+def test_call_and_unit_penalties():
+    from swarmkit.training.overlong import call_penalty, generated_length, unit_penalty
+
+    assert generated_length(_call(5)) == 5
+    assert call_penalty(_call(7, limit=8), 4) == pytest.approx(-0.75)
+    assert call_penalty(_call(8, "length", limit=8), 4) == -1.0
+    assert call_penalty(_call(3, "length"), 4) == -1.0  # cut, no recorded limit
+    assert call_penalty(_call(300), 4) == 0.0  # not cut, no recorded limit
+    assert unit_penalty([_call(2, limit=8), _call(6, limit=8), _call(5, limit=8)], 4) == pytest.approx(-0.5)
+    assert unit_penalty([], 4) == 0.0
+
+
+def test_overlong_penalty_shapes_rewards_before_advantages():
+    from swarmkit.training import build_samples
+    from swarmkit_plugins.algo_rl.grpo import GRPO
+
+    recs = [_rec("e0", [_call(2, limit=8)], 1.0), _rec("e1", [_call(7, limit=8)], 1.0),
+            _rec("e2", [_call(8, "length", limit=8)], 1.0), _rec("e3", [_call(6, limit=8)], 1.0)]
+    algo = GRPO(overlong="penalty", overlong_buffer=4)
+    stats: dict = {}
+    samples = build_samples(recs, algo, stats=stats)
+    shaped = [1.0, 0.25, 0.0, 0.5]
+    assert [s.reward for s in samples] == pytest.approx(shaped)
+    want = algo.episode_advantages(shaped, ["q"] * 4)
+    assert [max(s.advantages, key=abs) for s in samples] == pytest.approx(want)
+    assert stats["overlong_calls"] == 1 and stats["overlong_penalty"] == pytest.approx(-2.25)
+    # "none" leaves rewards alone (equal rewards: no signal) and still counts the cut call
+    stats = {}
+    plain = build_samples(recs, GRPO(), stats=stats)
+    assert [s.reward for s in plain] == [1.0] * 4 and all(a == 0 for s in plain for a in s.advantages)
+    assert stats["overlong_calls"] == 1 and "overlong_penalty" not in stats
+
+
+def test_overlong_filter_leaves_the_cut_units_samples_out():
+    from swarmkit.training import build_samples
+    from swarmkit_plugins.algo_rl.grpo import GRPO
+
+    recs = [_rec("e0", [_call(3, limit=8), _call(4, "length", limit=4, prompt=(1, 2, 3, 9))], 0.0),
+            _rec("e1", [_call(3, limit=8)], 1.0), _rec("e2", [_call(5, limit=8)], 0.5)]
+    algo = GRPO(overlong="filter")
+    stats: dict = {}
+    samples = build_samples(recs, algo, stats=stats)
+    assert sorted(s.episode_id for s in samples) == ["e1", "e2"]
+    assert stats["overlong_filtered"] == 2 and stats["overlong_calls"] == 1  # e0's two calls do not merge
+    # the cut episode's reward still counts in its group's baseline
+    want = algo.episode_advantages([0.0, 1.0, 0.5], ["q"] * 3)[1:]
+    assert [max(s.advantages, key=abs) for s in samples] == pytest.approx(want)
+    # per-role rewards: only the role whose call was cut is left out
+    role_recs = [_rec(f"r{i}", [_call(3, role="spy", limit=8), _call(4, "length" if i == 0 else "stop",
+                                                                      role="civ", limit=4, base=200)],
+                      {"spy": float(i), "civ": float(i)}) for i in range(2)]
+    kept = build_samples(role_recs, algo)
+    assert sorted((s.episode_id, s.role) for s in kept) == [("r0", "spy"), ("r1", "civ"), ("r1", "spy")]
+
+
 # --------------------------------------------------------------------------- the tiny model
 LORA = {"lora_rank": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]}
 
@@ -142,3 +241,21 @@ def test_entropy_metric_and_bonus_on_the_tiny_model(monkeypatch):
         torch.testing.assert_close(g1[n] - g, 0.5 * bonus, rtol=1e-3, atol=1e-6)
         changed += bool((g1[n] - g).abs().max() > 1e-6)
     assert changed > 10
+
+
+def test_overlong_filter_end_to_end_on_the_tiny_model(tmp_path):
+    """A Trainer step with overlong=filter trains every sample but the cut one."""
+    from swarmkit.training import Trainer
+
+    recs = [_rec("e0", [_call(6, limit=8)], 1.0), _rec("e1", [_call(8, "length", limit=8, base=20)], 0.0),
+            _rec("e2", [_call(5, limit=8, base=30)], 0.0, task="p"), _rec("e3", [_call(7, limit=8, base=40)], 1.0,
+                                                                          task="p")]
+    out = {}
+    for mode in ("none", "filter"):
+        tr = Trainer({"path": "builtin:tiny", "lora_rank": 0}, {"name": "fsdp", "lr": 1e-3, "token_budget": 64},
+                     {"name": "grpo", "overlong": mode}, run_dir=tmp_path / mode)
+        out[mode] = tr.step(recs)
+    assert out["none"]["samples"] == 4 and out["none"]["trained_tokens"] == 6 + 8 + 5 + 7
+    assert out["filter"]["samples"] == 3 and out["filter"]["trained_tokens"] == 6 + 5 + 7
+    assert out["filter"]["overlong_filtered"] == 1 and out["none"]["overlong_calls"] == 1
+    assert out["filter"]["entropy"] > 0

@@ -30,6 +30,11 @@ class GRPOConfig:
     #: entropy bonus: the loss subtracts entropy_coef x the policy's entropy on the trained tokens
     #: (aggregated like the loss); 0 = no bonus. The step metric `entropy` is reported either way
     entropy_coef: float = 0.0
+    #: generations cut by their request's max_tokens: "none" | "filter" (their episode's samples are
+    #: left out of the loss) | "penalty" (DAPO's soft length penalty is added to the reward)
+    overlong: str = "none"
+    #: "penalty": the penalty ramps from 0 to -1 over this many tokens before the limit
+    overlong_buffer: int = 128
 
 
 @dataclass
@@ -53,5 +58,7 @@ class PPOConfig:
     kl_kind: str = "k3"
     decoupled: bool | None = None
     behav_weight_cap: float = 5.0
-    #: the entropy bonus, as in GRPOConfig
+    #: the guard rails, as in GRPOConfig
     entropy_coef: float = 0.0
+    overlong: str = "none"
+    overlong_buffer: int = 128

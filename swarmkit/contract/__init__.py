@@ -13,7 +13,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from swarmkit.contract.algo import LOSS_AGG_MODES, Algorithm, LossInputs, check_algorithm
+from swarmkit.contract.algo import (
+    LOSS_AGG_MODES,
+    OVERLONG_MODES,
+    Algorithm,
+    LossInputs,
+    check_algorithm,
+)
 from swarmkit.contract.backend import (
     GenerationOutput,
     InferenceBackend,
@@ -67,6 +73,7 @@ def check_implementation(kind: str, obj: Any, name: str = "") -> None:
 __all__ = [
     "CONTRACTS",
     "LOSS_AGG_MODES",
+    "OVERLONG_MODES",
     "Algorithm",
     "BatchingPolicy",
     "ClientState",

@@ -24,6 +24,8 @@ else:
 
 #: how a (B, T) per-token loss is reduced to a scalar (see ``swarmkit_plugins.algo_rl.losses``)
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: what happens to a response the generation limit cut (see ``swarmkit.training.overlong``)
+OVERLONG_MODES: tuple[str, ...] = ("none", "filter", "penalty")
 
 
 @dataclass
@@ -70,6 +72,9 @@ class Algorithm(ABC):
       optimizer steps.
     - ``loss_agg``: one of :data:`LOSS_AGG_MODES`; the engine weights
       micro-batches so that gradient accumulation equals one big batch.
+    - ``overlong`` (one of :data:`OVERLONG_MODES`) and ``overlong_buffer`` (tokens):
+      what the trainer does with responses the generation limit cut, before advantages
+      (:mod:`swarmkit.training.overlong`).
     """
 
     name: str = ""
@@ -79,6 +84,8 @@ class Algorithm(ABC):
     ppo_epochs: int = 1
     mini_batches: int = 1
     loss_agg: str = "token-mean"
+    overlong: str = "none"
+    overlong_buffer: int = 0
 
     def episode_advantages(self, rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
         """One advantage per reward unit (required unless ``needs_values``).
@@ -123,6 +130,11 @@ def check_algorithm(algo: Any) -> None:
             problems.append(f"{attr} must be an int >= 1, got {value!r}")
     if algo.loss_agg not in LOSS_AGG_MODES:
         problems.append(f"loss_agg must be one of {LOSS_AGG_MODES}, got {algo.loss_agg!r}")
+    if algo.overlong not in OVERLONG_MODES:
+        problems.append(f"overlong must be one of {OVERLONG_MODES}, got {algo.overlong!r}")
+    buffer = algo.overlong_buffer
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+        problems.append(f"overlong_buffer must be an int >= 0, got {buffer!r}")
     if algo.needs_values and not _overrides(algo, "token_advantages"):
         problems.append("needs_values is True but token_advantages(rewards, values, mask) is not implemented")
     if not algo.needs_values and not _overrides(algo, "episode_advantages"):
