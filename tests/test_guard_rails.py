@@ -259,3 +259,68 @@ def test_overlong_filter_end_to_end_on_the_tiny_model(tmp_path):
     assert out["filter"]["samples"] == 3 and out["filter"]["trained_tokens"] == 6 + 5 + 7
     assert out["filter"]["overlong_filtered"] == 1 and out["none"]["overlong_calls"] == 1
     assert out["filter"]["entropy"] > 0
+
+
+# --------------------------------------------------------------------------- the warm-started reference
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reference_reanchored_after_a_warm_start(lora, tmp_path):
+    """reference=warm_start: after demonstration-only steps the first RL step moves the reference to
+    the current weights (KL 0 there); reference=initial keeps the loaded weights (KL > 0). A
+    checkpoint keeps the anchor, and a warm start pending at the save."""
+    demo, rl = _batch(3, demo=True), _batch(4)
+    kl = {}
+    for mode in ("initial", "warm_start"):
+        e = _engine(lora, kl_coef=0.1, reference=mode)
+        for _ in range(2):
+            assert "reference_reanchored" not in e.train_step(demo)
+        if mode == "warm_start":
+            e.save_checkpoint(str(tmp_path / "pending"))
+        first = e.train_step(rl)
+        kl[mode] = (first["kl"], e.train_step(rl)["kl"])
+        assert first.get("reference_reanchored") == (1.0 if mode == "warm_start" else None)
+    assert kl["warm_start"][0] < 1e-7 < 1e-4 < kl["initial"][0]
+    assert kl["warm_start"][1] > 1e-9  # the policy moved on from its anchor
+    # checkpoints: the pending re-anchor survives, and so does the anchor itself
+    resumed = _engine(lora, kl_coef=0.1, reference="warm_start")
+    resumed.load_checkpoint(str(tmp_path / "pending"))
+    assert resumed.train_step(rl)["reference_reanchored"] == 1.0
+    resumed.save_checkpoint(str(tmp_path / "anchored"))
+    assert (tmp_path / "anchored" / "reference").is_dir() and not (tmp_path / "pending" / "reference").exists()
+    again = _engine(lora, kl_coef=0.1, reference="warm_start")
+    again.load_checkpoint(str(tmp_path / "anchored"))
+    from swarmkit.training.packing import micro_batch_tensors, prepare_sample
+
+    prep = [prepare_sample(s) for s in rl]
+    mb = micro_batch_tensors(prep, list(range(len(prep))), resumed.device)
+    with torch.no_grad():
+        torch.testing.assert_close(again._reference_logprobs(mb), resumed._reference_logprobs(mb), rtol=0, atol=0)
+        # loading a checkpoint saved before the anchor puts the initial reference back
+        again.load_checkpoint(str(tmp_path / "pending"))
+        initial = _engine(lora, kl_coef=0.1)
+        torch.testing.assert_close(again._reference_logprobs(mb), initial._reference_logprobs(mb), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reference_reanchored_on_two_fsdp2_ranks(lora, tmp_path):
+    """The same on a 2-rank FSDP2 group (sharded parameters, gloo): KL 0 at the first RL step after
+    the warm start, and a sharded checkpoint of the anchor resumes to the same KL."""
+    import json
+
+    from swarmkit.training.worker import launch
+
+    steps = [[s.to_dict() for s in _batch(3, demo=True)]] * 2 + [[s.to_dict() for s in _batch(4)]] * 2
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+    model_cfg = dict(LORA) if lora else {"lora_rank": 0}
+    optim_cfg = {"lr": 1e-3, "sft_lr": 2e-2, "token_budget": 40}
+    algo_cfg = {"name": "grpo", "kl_coef": 0.1, "reference": "warm_start"}
+    full = launch(2, tmp_path / "steps.json", tmp_path / "full.jsonl", "fsdp", model_cfg=model_cfg,
+                  optim_cfg=optim_cfg, algo_cfg=algo_cfg, timeout=300)
+    assert full[2]["reference_reanchored"] == 1.0 and full[2]["kl"] < 1e-7 < full[3]["kl"]
+    launch(2, tmp_path / "steps.json", tmp_path / "first.jsonl", "fsdp", model_cfg=model_cfg, optim_cfg=optim_cfg,
+           algo_cfg=algo_cfg, extra=["--steps", "3", "--save", str(tmp_path / "ck")], timeout=300)
+    assert (tmp_path / "ck" / "reference").is_dir()
+    rest = launch(2, tmp_path / "steps.json", tmp_path / "rest.jsonl", "fsdp", model_cfg=model_cfg,
+                  optim_cfg=optim_cfg, algo_cfg=algo_cfg, extra=["--resume", str(tmp_path / "ck"), "--skip", "3"],
+                  timeout=300)
+    assert rest[0]["kl"] == pytest.approx(full[3]["kl"], rel=1e-4, abs=1e-9)

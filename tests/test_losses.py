@@ -329,7 +329,7 @@ def test_bad_config_rejected():
         GRPO(kl_kind="k9")
     with pytest.raises(TypeError, match="no_such_key"):
         GRPO(no_such_key=1)  # the schema is the only source of keys and defaults
-    for bad, key in (({"entropy_coef": -0.1}, "entropy_coef"),
+    for bad, key in (({"entropy_coef": -0.1}, "entropy_coef"), ({"reference": "base"}, "reference"),
                      ({"overlong": "drop"}, "overlong"), ({"overlong_buffer": -1}, "overlong_buffer"),
                      ({"overlong_buffer": 1.5}, "overlong_buffer")):
         for cls in (GRPO, PPO):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from swarmkit.contract import OVERLONG_MODES, Algorithm, LossInputs
+from swarmkit.contract import OVERLONG_MODES, REFERENCE_MODES, Algorithm, LossInputs
 from swarmkit.errors import ConfigError
 from swarmkit_plugins.algo_rl import losses
 from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
@@ -15,7 +15,7 @@ from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
 
 class ClippedPolicyAlgorithm(Algorithm):
     """What GRPO and PPO share: the clipped surrogate's settings, loss aggregation, KL, entropy bonus
-    and the guard rail the trainer reads (``overlong``)."""
+    and the guard rails the engine and trainer read (``reference``, ``overlong``)."""
 
     def _init_common(self, cfg: GRPOConfig | PPOConfig) -> None:
         name, clip_low, clip_high, kl_coef, kl_kind = cfg.name, cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.kl_kind
@@ -40,6 +40,8 @@ class ClippedPolicyAlgorithm(Algorithm):
             problems.append(f"algo.decoupled must be true, false or null, got {cfg.decoupled!r}")
         if not cfg.entropy_coef >= 0:
             problems.append(f"algo.entropy_coef must be >= 0, got {cfg.entropy_coef}")
+        if cfg.reference not in REFERENCE_MODES:
+            problems.append(f"algo.reference must be one of {REFERENCE_MODES}, got {cfg.reference!r}")
         if cfg.overlong not in OVERLONG_MODES:
             problems.append(f"algo.overlong must be one of {OVERLONG_MODES}, got {cfg.overlong!r}")
         if isinstance(cfg.overlong_buffer, bool) or not isinstance(cfg.overlong_buffer, int) \
@@ -59,6 +61,7 @@ class ClippedPolicyAlgorithm(Algorithm):
         self.ppo_epochs = int(ppo_epochs)
         self.mini_batches = int(mini_batches)
         self.entropy_coef = float(cfg.entropy_coef)
+        self.reference = cfg.reference
         self.overlong = cfg.overlong
         self.overlong_buffer = int(cfg.overlong_buffer)
 

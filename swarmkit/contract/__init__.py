@@ -16,6 +16,7 @@ from typing import Any
 from swarmkit.contract.algo import (
     LOSS_AGG_MODES,
     OVERLONG_MODES,
+    REFERENCE_MODES,
     Algorithm,
     LossInputs,
     check_algorithm,
@@ -74,6 +75,7 @@ __all__ = [
     "CONTRACTS",
     "LOSS_AGG_MODES",
     "OVERLONG_MODES",
+    "REFERENCE_MODES",
     "Algorithm",
     "BatchingPolicy",
     "ClientState",

@@ -24,6 +24,8 @@ else:
 
 #: how a (B, T) per-token loss is reduced to a scalar (see ``swarmkit_plugins.algo_rl.losses``)
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: which weights the reference policy holds: the initial ones, or the weights the warm start reached
+REFERENCE_MODES: tuple[str, ...] = ("initial", "warm_start")
 #: what happens to a response the generation limit cut (see ``swarmkit.training.overlong``)
 OVERLONG_MODES: tuple[str, ...] = ("none", "filter", "penalty")
 
@@ -72,6 +74,9 @@ class Algorithm(ABC):
       optimizer steps.
     - ``loss_agg``: one of :data:`LOSS_AGG_MODES`; the engine weights
       micro-batches so that gradient accumulation equals one big batch.
+    - ``reference``: one of :data:`REFERENCE_MODES` (read when ``needs_reference``):
+      ``initial`` keeps the initial policy; ``warm_start`` moves the reference to the
+      current weights at the first step after a run of demonstration-only steps.
     - ``overlong`` (one of :data:`OVERLONG_MODES`) and ``overlong_buffer`` (tokens):
       what the trainer does with responses the generation limit cut, before advantages
       (:mod:`swarmkit.training.overlong`).
@@ -84,6 +89,7 @@ class Algorithm(ABC):
     ppo_epochs: int = 1
     mini_batches: int = 1
     loss_agg: str = "token-mean"
+    reference: str = "initial"
     overlong: str = "none"
     overlong_buffer: int = 0
 
@@ -130,6 +136,8 @@ def check_algorithm(algo: Any) -> None:
             problems.append(f"{attr} must be an int >= 1, got {value!r}")
     if algo.loss_agg not in LOSS_AGG_MODES:
         problems.append(f"loss_agg must be one of {LOSS_AGG_MODES}, got {algo.loss_agg!r}")
+    if algo.reference not in REFERENCE_MODES:
+        problems.append(f"reference must be one of {REFERENCE_MODES}, got {algo.reference!r}")
     if algo.overlong not in OVERLONG_MODES:
         problems.append(f"overlong must be one of {OVERLONG_MODES}, got {algo.overlong!r}")
     buffer = algo.overlong_buffer
