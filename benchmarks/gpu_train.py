@@ -371,7 +371,7 @@ def check_compile(engine, samples, dev: torch.device) -> dict[str, float]:
         restore = apply_knobs(engine, ["eager"] if mode == "eager" else [])
         engine._zero_grad()
         with engine._autocast():
-            lp, _ = engine._forward(mb, model=engine.policy if mode == "fp32" else None)
+            lp, _, _ = engine._forward(mb, model=engine.policy if mode == "fp32" else None)
         (lp.float().sum() / lp.numel()).backward()
         # the gradient lands on the fp32 masters (the compute copy hands its grads over in a hook)
         grads = [_full(p.grad).detach().float().flatten() for p in engine.policy.parameters() if p.grad is not None]

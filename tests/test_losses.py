@@ -199,6 +199,42 @@ def test_kl_random(rng, kind):
     assert close(loss, ref_agg(mat, mask.tolist(), "seq-mean-token-mean", 1.0))
 
 
+@pytest.mark.parametrize("mode", L.AGG_MODES)
+def test_entropy_bonus_random(rng, mode):
+    """The entropy term is minus the entropy aggregated like the loss; its gradient is minus the
+    aggregation's weights; GRPO and PPO subtract entropy_coef times it."""
+    _, _, _, mask = rand_batch(rng)
+    ent = (torch.rand(mask.shape, generator=rng, dtype=D) * 4).requires_grad_(True)
+    ent_masked_garbage = torch.where(mask.bool(), ent, torch.full_like(ent, float("nan")))
+    loss, m = L.entropy_loss(ent_masked_garbage, mask, mode, 7.0)
+    want = -ref_agg(ent.tolist(), mask.tolist(), mode, 7.0)
+    assert close(loss, want) and m["entropy_loss"] == pytest.approx(want, abs=ATOL)
+    (grad,) = torch.autograd.grad(loss, ent)
+    rows = mask.sum(-1) > 0
+    if mode == "token-mean":
+        w = mask / mask.sum()
+    elif mode == "seq-mean-token-mean":
+        w = mask / mask.sum(-1, keepdim=True).clamp(min=1) / rows.sum()
+    else:
+        w = mask / 7.0 / rows.sum()
+    assert close(grad, -w)
+    lp, old, adv, _ = rand_batch(rng)
+    for cls in (GRPO, PPO):
+        algo = cls(entropy_coef=0.05, loss_agg=mode, loss_norm_constant=7.0)
+        extra = {}
+        if cls is PPO:
+            extra = {"values": adv, "old_values": adv, "returns": adv}
+        with pytest.raises(ValueError, match="entropy"):
+            algo.loss(LossInputs(lp, old, adv, mask, **extra))
+        got, metrics = algo.loss(LossInputs(lp, old, adv, mask, entropy=ent.detach(), **extra))
+        base, _ = cls(loss_agg=mode, loss_norm_constant=7.0).loss(LossInputs(lp, old, adv, mask, **extra))
+        assert close(got, base + 0.05 * want) and "entropy_loss" in metrics
+        # no bonus: the entropy is ignored (the engine always hands it over)
+        same, _ = cls(loss_agg=mode, loss_norm_constant=7.0).loss(
+            LossInputs(lp, old, adv, mask, entropy=ent.detach(), **extra))
+        assert close(same, base)
+
+
 def test_gae_random(rng):
     _, _, _, mask = rand_batch(rng, B=6, T=12)
     rewards = torch.randn(6, 12, generator=rng, dtype=D)
@@ -293,6 +329,12 @@ def test_bad_config_rejected():
         GRPO(kl_kind="k9")
     with pytest.raises(TypeError, match="no_such_key"):
         GRPO(no_such_key=1)  # the schema is the only source of keys and defaults
+    for bad, key in (({"entropy_coef": -0.1}, "entropy_coef"), ({"reference": "base"}, "reference"),
+                     ({"overlong": "drop"}, "overlong"), ({"overlong_buffer": -1}, "overlong_buffer"),
+                     ({"overlong_buffer": 1.5}, "overlong_buffer")):
+        for cls in (GRPO, PPO):
+            with pytest.raises(ValueError, match=key):
+                cls(**bad)
 
 
 # ----------------------------------------------------------------- decoupled PPO (asynchronous training)

@@ -40,7 +40,7 @@ def score(engine: FSDPEngine, samples: list[TrainSample]) -> list[torch.Tensor]:
     """Current logprobs (k,) of the trained tokens of each sample."""
     prep = [prepare_sample(s) for s in samples]
     mb = micro_batch_tensors(prep, list(range(len(prep))), engine.device)
-    lp, _ = engine.policy(mb.input_ids, mb.position_ids, mb.select, mb.targets)
+    lp, _, _ = engine.policy(mb.input_ids, mb.position_ids, mb.select, mb.targets)
     return mb.split(lp)
 
 

@@ -1,4 +1,4 @@
-"""GRPO: group-relative advantages, clipped surrogate, optional KL to a reference."""
+"""GRPO: group-relative advantages, clipped surrogate, optional KL to a reference and entropy bonus."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from swarmkit.contract import Algorithm, LossInputs
+from swarmkit.contract import OVERLONG_MODES, REFERENCE_MODES, Algorithm, LossInputs
 from swarmkit.errors import ConfigError
 from swarmkit_plugins.algo_rl import losses
 from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
 
 
 class ClippedPolicyAlgorithm(Algorithm):
-    """What GRPO and PPO share: the clipped surrogate's settings, loss aggregation and KL."""
+    """What GRPO and PPO share: the clipped surrogate's settings, loss aggregation, KL, entropy bonus
+    and the guard rails the engine and trainer read (``reference``, ``overlong``)."""
 
     def _init_common(self, cfg: GRPOConfig | PPOConfig) -> None:
         name, clip_low, clip_high, kl_coef, kl_kind = cfg.name, cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.kl_kind
@@ -37,6 +38,15 @@ class ClippedPolicyAlgorithm(Algorithm):
             problems.append(f"algo.kl_kind must be one of {losses.KL_KINDS}, got {kl_kind!r}")
         if cfg.decoupled not in (None, True, False):
             problems.append(f"algo.decoupled must be true, false or null, got {cfg.decoupled!r}")
+        if not cfg.entropy_coef >= 0:
+            problems.append(f"algo.entropy_coef must be >= 0, got {cfg.entropy_coef}")
+        if cfg.reference not in REFERENCE_MODES:
+            problems.append(f"algo.reference must be one of {REFERENCE_MODES}, got {cfg.reference!r}")
+        if cfg.overlong not in OVERLONG_MODES:
+            problems.append(f"algo.overlong must be one of {OVERLONG_MODES}, got {cfg.overlong!r}")
+        if isinstance(cfg.overlong_buffer, bool) or not isinstance(cfg.overlong_buffer, int) \
+                or cfg.overlong_buffer < 0:
+            problems.append(f"algo.overlong_buffer must be an int >= 0, got {cfg.overlong_buffer!r}")
         if problems:
             raise ConfigError(problems)
         self.name = name
@@ -50,6 +60,10 @@ class ClippedPolicyAlgorithm(Algorithm):
         self.loss_norm_constant = float(loss_norm_constant)
         self.ppo_epochs = int(ppo_epochs)
         self.mini_batches = int(mini_batches)
+        self.entropy_coef = float(cfg.entropy_coef)
+        self.reference = cfg.reference
+        self.overlong = cfg.overlong
+        self.overlong_buffer = int(cfg.overlong_buffer)
 
     @property
     def needs_proximal(self) -> bool:
@@ -96,6 +110,16 @@ class ClippedPolicyAlgorithm(Algorithm):
         metrics.update(kl_metrics)
         return loss + self.kl_coef * kl
 
+    def _add_entropy(self, loss: torch.Tensor, metrics: dict[str, float], x: LossInputs) -> torch.Tensor:
+        """``loss − entropy_coef * entropy`` (aggregated like the loss) when ``entropy_coef > 0``."""
+        if self.entropy_coef <= 0:
+            return loss
+        if x.entropy is None:
+            raise ValueError(f"{type(self).__name__} with entropy_coef > 0 needs LossInputs.entropy")
+        term, ent_metrics = losses.entropy_loss(x.entropy, x.mask, self.loss_agg, self.loss_norm_constant)
+        metrics.update(ent_metrics)
+        return loss + self.entropy_coef * term
+
 
 def expand_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence advantages (B,) broadcast to (B, T); (B, T) passes through."""
@@ -133,14 +157,16 @@ class GRPO(ClippedPolicyAlgorithm):
         return losses.grpo_advantages(r, group_index, self.std_normalize, self.adv_eps).tolist()
 
     def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-        """Clipped surrogate (+ ``kl_coef`` * KL to the reference) of a micro-batch.
+        """Clipped surrogate (+ ``kl_coef`` * KL to the reference − ``entropy_coef`` * entropy) of a
+        micro-batch.
 
-        ``logprobs``, ``old_logprobs``, ``mask``, ``ref_logprobs``: (B, T);
+        ``logprobs``, ``old_logprobs``, ``mask``, ``ref_logprobs``, ``entropy``: (B, T);
         ``advantages``: (B, T) or (B,) (one per row, broadcast over tokens).
         """
         x = inputs
         adv = expand_advantages(x.advantages, x.mask)
         loss, metrics = self._policy_loss(x, adv)
         loss = self._add_kl(loss, metrics, x.logprobs, x.ref_logprobs, x.mask)
+        loss = self._add_entropy(loss, metrics, x)
         metrics["loss"] = float(loss.detach().item())
         return loss, metrics

@@ -228,6 +228,25 @@ def kl_penalty(
     return loss, metrics
 
 
+def entropy_loss(
+    entropy: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_constant: float = 1024.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The entropy bonus as a loss term: ``−aggregate(entropy)``, all inputs (B, T).
+
+    ``entropy[b, t]`` is the entropy (nats) of the policy's next-token distribution where token
+    ``t`` of row ``b`` was sampled (the engine's logprob kernel gives it with gradient). Adding
+    ``entropy_coef`` times this term to the loss rewards keeping the distribution spread out;
+    it is aggregated like the policy loss so the two keep their relative weight. Metrics:
+    ``entropy_loss`` (the term).
+    """
+    on = mask.bool()
+    ent = torch.where(on, entropy, torch.zeros_like(entropy))
+    loss = -aggregate_loss(ent, mask, mode, norm_constant)
+    with torch.no_grad():
+        metrics = {"entropy_loss": float(loss.item())}
+    return loss, metrics
+
+
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
     lam: float = 0.95,

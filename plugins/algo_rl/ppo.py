@@ -49,7 +49,7 @@ class PPO(ClippedPolicyAlgorithm):
         return adv, returns
 
     def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-        """Policy loss + ``vf_coef`` * value loss (+ ``kl_coef`` * KL); all (B, T)."""
+        """Policy loss + ``vf_coef`` * value loss (+ ``kl_coef`` * KL − ``entropy_coef`` * entropy); all (B, T)."""
         x = inputs
         if x.values is None or x.old_values is None or x.returns is None:
             raise ValueError("PPO's loss needs values, old_values and returns (the engine's value head)")
@@ -60,5 +60,6 @@ class PPO(ClippedPolicyAlgorithm):
         loss = loss + self.vf_coef * vl
         metrics.update(v_metrics)
         loss = self._add_kl(loss, metrics, x.logprobs, x.ref_logprobs, x.mask)
+        loss = self._add_entropy(loss, metrics, x)
         metrics["loss"] = float(loss.detach().item())
         return loss, metrics

@@ -10,7 +10,7 @@ class GRPOConfig:
     std_normalize: bool = True
     clip_low: float = 0.2
     clip_high: float = 0.28
-    #: KL penalty to the frozen initial policy; 0 disables (no reference kept)
+    #: KL penalty to the frozen reference policy (see `reference`); 0 disables (no reference kept)
     kl_coef: float = 0.0
     #: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
     loss_agg: str = "token-mean"
@@ -27,6 +27,17 @@ class GRPOConfig:
     decoupled: bool | None = None
     #: decoupled loss: tokens whose importance weight exceeds this are left out (<= 0: no cap)
     behav_weight_cap: float = 5.0
+    #: entropy bonus: the loss subtracts entropy_coef x the policy's entropy on the trained tokens
+    #: (aggregated like the loss); 0 = no bonus. The step metric `entropy` is reported either way
+    entropy_coef: float = 0.0
+    #: the KL term's reference (kl_coef > 0): "initial" = the loaded weights; "warm_start" = the
+    #: weights at the first RL step after demonstration-only steps (a warm start), re-anchored there
+    reference: str = "initial"
+    #: generations cut by their request's max_tokens: "none" | "filter" (their episode's samples are
+    #: left out of the loss) | "penalty" (DAPO's soft length penalty is added to the reward)
+    overlong: str = "none"
+    #: "penalty": the penalty ramps from 0 to -1 over this many tokens before the limit
+    overlong_buffer: int = 128
 
 
 @dataclass
@@ -50,3 +61,8 @@ class PPOConfig:
     kl_kind: str = "k3"
     decoupled: bool | None = None
     behav_weight_cap: float = 5.0
+    #: the guard rails, as in GRPOConfig
+    entropy_coef: float = 0.0
+    reference: str = "initial"
+    overlong: str = "none"
+    overlong_buffer: int = 128

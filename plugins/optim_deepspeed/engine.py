@@ -82,6 +82,9 @@ class DeepSpeedEngine(TrainingEngine):
     def _wrap(self) -> None:
         import deepspeed
 
+        if int(self.cfg.zero_stage) == 3 and self.needs_reference and self.reference_mode == "warm_start":
+            raise ValueError("algo.reference=warm_start is not supported with optim.zero_stage=3 (partitioned "
+                             "parameters); use zero_stage=2, optim=fsdp, or algo.reference=initial")
         self.policy.to(self.device)
         if self.reference is not None:
             self.reference.to(device=self.device, dtype=self.compute_dtype)
@@ -144,6 +147,7 @@ class DeepSpeedEngine(TrainingEngine):
                 torch.save(vh, path_ / "value_head.pt")
         self.ds.save_checkpoint(str(path_ / "ds"), tag=DS_TAG, client_state={"swarmkit": self._meta()},
                                 exclude_frozen_parameters=self.lora)
+        self._save_reference(path_)
         torch.save(self._rng_state(), path_ / f"rng_rank{self.rank}.pt")
         dist.barrier()
 
@@ -157,6 +161,7 @@ class DeepSpeedEngine(TrainingEngine):
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {path_ / 'ds'}")
         self._set_meta(client["swarmkit"])
+        self._load_reference(path_)
         rng = path_ / f"rng_rank{self.rank}.pt"
         if rng.exists():
             self._set_rng_state(torch.load(rng, weights_only=False))

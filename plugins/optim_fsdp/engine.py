@@ -23,6 +23,8 @@ Checkpoints (``save_checkpoint(path)``)::
                                    (sharded; loadable with another world size)
     path/engine_state.pt           scheduler, optimizer/train step counters
     path/rng_rank{r}.pt            RNG states per rank
+    path/reference/                an anchored reference (algo.reference=warm_start): the frozen
+                                   adapter (LoRA) or the reference's weights (torch.distributed.checkpoint)
 """
 
 from __future__ import annotations
@@ -102,6 +104,16 @@ class FSDPEngine(TrainingEngine):
 
     def _compute_model(self) -> PolicyModel:
         return self._compute if self._compute is not None else self.policy
+
+    def _before_reference_write(self) -> None:
+        """FSDP2 may keep a module's gathered parameters after a no-grad forward (the root's): free
+        them, so the next forward gathers the shards written in place."""
+        if self.distributed and self.reference is not None:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.reference.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def _wrap(self) -> None:
         if self._wants_compute_copy():
@@ -214,6 +226,7 @@ class FSDPEngine(TrainingEngine):
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, checkpoint_id=str(path_ / "dist"))
+        self._save_reference(path_)
         if self.rank == 0:
             torch.save({"meta": self._meta(), "scheduler": self.scheduler.state_dict(), "has_optim": has_optim},
                        path_ / "engine_state.pt")
@@ -250,6 +263,7 @@ class FSDPEngine(TrainingEngine):
         self.scheduler.load_state_dict(st["scheduler"])
         self._set_meta(st["meta"])
         self._sync_compute(everything=True)
+        self._load_reference(path_)
         rng = path_ / f"rng_rank{self.rank}.pt"
         if rng.exists():
             self._set_rng_state(torch.load(rng, weights_only=False))

@@ -13,7 +13,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from swarmkit.contract.algo import LOSS_AGG_MODES, Algorithm, LossInputs, check_algorithm
+from swarmkit.contract.algo import (
+    LOSS_AGG_MODES,
+    OVERLONG_MODES,
+    REFERENCE_MODES,
+    Algorithm,
+    LossInputs,
+    check_algorithm,
+)
 from swarmkit.contract.backend import (
     GenerationOutput,
     InferenceBackend,
@@ -67,6 +74,8 @@ def check_implementation(kind: str, obj: Any, name: str = "") -> None:
 __all__ = [
     "CONTRACTS",
     "LOSS_AGG_MODES",
+    "OVERLONG_MODES",
+    "REFERENCE_MODES",
     "Algorithm",
     "BatchingPolicy",
     "ClientState",

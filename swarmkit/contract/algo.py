@@ -24,6 +24,10 @@ else:
 
 #: how a (B, T) per-token loss is reduced to a scalar (see ``swarmkit_plugins.algo_rl.losses``)
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: which weights the reference policy holds: the initial ones, or the weights the warm start reached
+REFERENCE_MODES: tuple[str, ...] = ("initial", "warm_start")
+#: what happens to a response the generation limit cut (see ``swarmkit.training.overlong``)
+OVERLONG_MODES: tuple[str, ...] = ("none", "filter", "penalty")
 
 
 @dataclass
@@ -36,7 +40,9 @@ class LossInputs:
     (the logprobs of the weights before this step, scored without gradient) when it
     ``needs_proximal``; ``values``, ``old_values`` and ``returns`` when it ``needs_values``.
     ``old_logprobs`` are the rollout's (the behaviour policy: with asynchronous training,
-    possibly older weights).
+    possibly older weights). ``entropy`` is the entropy (nats) of the policy's next-token
+    distribution at each trained token, with gradient (an entropy bonus may use it); the
+    engines built on the training core always fill it.
     """
 
     logprobs: Tensor
@@ -48,6 +54,7 @@ class LossInputs:
     values: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
+    entropy: Tensor | None = None
 
 
 class Algorithm(ABC):
@@ -67,6 +74,12 @@ class Algorithm(ABC):
       optimizer steps.
     - ``loss_agg``: one of :data:`LOSS_AGG_MODES`; the engine weights
       micro-batches so that gradient accumulation equals one big batch.
+    - ``reference``: one of :data:`REFERENCE_MODES` (read when ``needs_reference``):
+      ``initial`` keeps the initial policy; ``warm_start`` moves the reference to the
+      current weights at the first step after a run of demonstration-only steps.
+    - ``overlong`` (one of :data:`OVERLONG_MODES`) and ``overlong_buffer`` (tokens):
+      what the trainer does with responses the generation limit cut, before advantages
+      (:mod:`swarmkit.training.overlong`).
     """
 
     name: str = ""
@@ -76,6 +89,9 @@ class Algorithm(ABC):
     ppo_epochs: int = 1
     mini_batches: int = 1
     loss_agg: str = "token-mean"
+    reference: str = "initial"
+    overlong: str = "none"
+    overlong_buffer: int = 0
 
     def episode_advantages(self, rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
         """One advantage per reward unit (required unless ``needs_values``).
@@ -131,6 +147,13 @@ def check_algorithm(algo: Any) -> None:
             problems.append(f"{attr} must be an int >= 1, got {value!r}")
     if algo.loss_agg not in LOSS_AGG_MODES:
         problems.append(f"loss_agg must be one of {LOSS_AGG_MODES}, got {algo.loss_agg!r}")
+    if algo.reference not in REFERENCE_MODES:
+        problems.append(f"reference must be one of {REFERENCE_MODES}, got {algo.reference!r}")
+    if algo.overlong not in OVERLONG_MODES:
+        problems.append(f"overlong must be one of {OVERLONG_MODES}, got {algo.overlong!r}")
+    buffer = algo.overlong_buffer
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+        problems.append(f"overlong_buffer must be an int >= 0, got {buffer!r}")
     if algo.needs_values and not _overrides(algo, "token_advantages"):
         problems.append("needs_values is True but token_advantages(rewards, values, mask) is not implemented")
     if not algo.needs_values and not _overrides(algo, "episode_advantages"):

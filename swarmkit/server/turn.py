@@ -342,7 +342,7 @@ async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: T
     """Generate every choice, record the call, parse and remember each turn (a raw turn: its text as generated)."""
     outputs = await srv.generate(ep, turn.prompt_ids, params)
     recorded = srv.inference.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
-                                  meta=_structured(params))
+                                            meta={**(_structured(params) or {}), "max_tokens": params.max_tokens})
     replies = []
     for i, out in enumerate(outputs):
         stop = matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason)
@@ -442,7 +442,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
         if ep.running and any(ids):
             made = srv.inference.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint,
                                       forced=turn.forced_ids,
-                                      meta={"stream": True, "complete": completed, **(_structured(params) or {})})
+                                      meta={"stream": True, "complete": completed, **(_structured(params) or {}),
+                                            "max_tokens": params.max_tokens})
             if completed and not turn.raw:
                 for i in range(n):
                     _remember(srv, ep, made[i].blocks[-1], "".join(contents[i]) or None, calls_of[i])

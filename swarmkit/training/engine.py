@@ -14,11 +14,14 @@ gets the same list); the engine deals packed micro-batches to ranks itself.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +46,11 @@ from swarmkit.training.packing import (
     split_mini_batches,
 )
 from swarmkit.training.policy import PolicyModel
+
+#: metric keys of the per-mini-batch entropy sums (summed over micro-batches and ranks, then divided)
+_ENT_SUM, _ENT_TOKENS = "_entropy_sum", "_entropy_tokens"
+#: checkpoint folder of an anchored reference (``reference=warm_start``): torch.distributed.checkpoint
+REFERENCE_DIR = "reference"
 
 
 class TrainingEngine(OptimEngine):
@@ -85,6 +93,11 @@ class TrainingEngine(OptimEngine):
         self.needs_values = algo.needs_values
         self.needs_reference = algo.needs_reference
         self.needs_proximal = bool(getattr(algo, "needs_proximal", False))
+        self.reference_mode = algo.reference  # "initial" | "warm_start" (checked by check_algorithm)
+        #: LoRA: the adapter tensors of an anchored reference (swapped in for its forward); None: adapter off
+        self._ref_adapter: dict[str, torch.Tensor] | None = None
+        self._ref_anchored = False  # the reference no longer holds the initial weights
+        self._ref_pending = False  # demonstration-only steps since the reference was last anchored
         chunk = int(self.cfg.logit_chunk_elements or DEFAULT_LOGIT_CHUNK_ELEMENTS)
 
         torch.manual_seed(self.seed)
@@ -98,7 +111,7 @@ class TrainingEngine(OptimEngine):
         self.pad_id = int(getattr(self.policy.causal_lm.config, "pad_token_id", None) or 0)
         self.reference: PolicyModel | None = None
         if self.needs_reference and not self.lora:
-            ref_lm = load_lm(self.model_path, ModelConfig(**{**vars(self.model), "lora_rank": 0}), self.seed)
+            ref_lm = load_lm(self.model_path, dataclasses.replace(self.model, lora_rank=0), self.seed)
             self.reference = PolicyModel(ref_lm, self.compute_dtype, chunk_elements=chunk).eval()
             self.reference.requires_grad_(False)
         self._wrap()
@@ -137,8 +150,10 @@ class TrainingEngine(OptimEngine):
         """Shard / wrap ``self.policy`` (and ``self.reference``); create optimizer + scheduler."""
         raise NotImplementedError
 
-    def _forward(self, mb: MicroBatch, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs (M,) and values (M,) | None of a packed micro-batch."""
+    def _forward(self, mb: MicroBatch,
+                 model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Logprobs (M,), values (M,) | None and entropies (M,) of a packed micro-batch
+        (:meth:`PolicyModel.forward`)."""
         raise NotImplementedError
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
@@ -228,7 +243,7 @@ class TrainingEngine(OptimEngine):
         for bin_ in plan.per_rank[0]:
             mb = micro_batch_tensors(prepared, bin_, self.device, self.pad_id)
             with self._autocast():
-                lp, values = self._forward(mb)
+                lp, values, _ = self._forward(mb)
             if missing or want_prox or self.needs_values:
                 for i, x, v in zip(bin_, mb.split(lp), mb.split(values) if values is not None else [None] * len(bin_), strict=True):
                     p = prepared[i]
@@ -251,13 +266,144 @@ class TrainingEngine(OptimEngine):
         """The module that runs forward/backward (``self.policy`` unless the engine keeps a compute copy)."""
         return self.policy
 
-    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+    # ------------------------------------------------------------------ the reference policy
+    def _track_warm_start(self, batch: Sequence[TrainSample]) -> bool:
+        """``reference=warm_start``: note a demonstration-only batch (the warm start); at the first
+        other batch after some, anchor the reference to the current weights. True when it anchored."""
+        if not (self.needs_reference and self.reference_mode == "warm_start"):
+            return False
+        if all(s.demonstration for s in batch):
+            self._ref_pending = True
+            return False
+        if not self._ref_pending:
+            return False
+        self._anchor_reference()
+        self._ref_pending = False
+        return True
+
+    @staticmethod
+    def _adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
+        """The trainable tensors of a LoRA model's LM (the adapter; the value head excluded)."""
+        return {n: p for n, p in model.named_parameters() if p.requires_grad and n.startswith("lm.")}
+
+    def _before_reference_write(self) -> None:
+        """Called before the reference's weights change in place (FSDP2: drop gathered copies)."""
+
+    @torch.no_grad()
+    def _anchor_reference(self) -> None:
+        """Make the reference policy the current weights (of the module that runs forward, so the
+        reference forward equals the policy's). LoRA: a frozen copy of the adapter tensors only;
+        full weights: the policy's parameters copied into the reference module."""
+        model = self._compute_model()
         if self.lora:
+            self._ref_adapter = {n: p.detach().clone() for n, p in self._adapter_params(model).items()}
+        else:
+            if self.reference is None:
+                raise RuntimeError("a reference model is kept only when the algorithm needs_reference")
+            src = dict(model.named_parameters())
+            self._before_reference_write()
+            for n, p in self.reference.named_parameters():
+                p.copy_(src[n])
+        self._ref_anchored = True
+
+    @contextmanager
+    def _swapped_adapter(self) -> Iterator[None]:
+        """LoRA: the anchored reference adapter in place of the live one, restored on exit."""
+        anchor = self._ref_adapter
+        assert anchor is not None, "only an anchored reference swaps adapters"
+        params = self._adapter_params(self._compute_model())
+        with torch.no_grad():
+            live = {n: p.detach().clone() for n, p in params.items()}
+            for n, p in params.items():
+                p.copy_(anchor[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(live[n])
+
+    def _reference_state(self) -> dict[str, torch.Tensor] | None:
+        """The tensors a checkpoint keeps of an anchored reference; None while it is the initial one."""
+        if not self._ref_anchored:
+            return None
+        if self.lora:
+            return self._ref_adapter
+        assert self.reference is not None
+        return dict(self.reference.named_parameters())
+
+    def _save_reference(self, path: Path) -> None:
+        """Write an anchored reference to ``path/reference`` (torch.distributed.checkpoint: sharded
+        tensors save sharded); nothing while it is the initial one. Collective."""
+        state = self._reference_state()
+        if state is None:
+            return
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            save({"reference": state}, checkpoint_id=str(path / REFERENCE_DIR))
+
+    @torch.no_grad()
+    def _load_reference(self, path: Path) -> None:
+        """Restore the reference a checkpoint kept (``path/reference``), or go back to the initial one
+        when it kept none. Collective."""
+        if not self.needs_reference:
+            return
+        folder = path / REFERENCE_DIR
+        if not folder.exists():
+            self._reset_reference()
+            return
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        if self.lora:
+            state = {n: p.detach().clone() for n, p in self._adapter_params(self._compute_model()).items()}
+        else:
+            assert self.reference is not None
+            self._before_reference_write()
+            state = dict(self.reference.named_parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            load({"reference": state}, checkpoint_id=str(folder))
+        if self.lora:
+            self._ref_adapter = state
+        self._ref_anchored = True
+
+    @torch.no_grad()
+    def _reset_reference(self) -> None:
+        """The reference back to the initial weights (a checkpoint saved before any anchoring)."""
+        if not self._ref_anchored:
+            return
+        if self.lora:
+            self._ref_adapter = None
+        else:
+            assert self.reference is not None
+            initial = load_lm(self.model_path, dataclasses.replace(self.model, lora_rank=0), self.seed)
+            sd = {"lm." + k: v for k, v in initial.state_dict().items()}
+            self._before_reference_write()
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            for n, p in self.reference.named_parameters():
+                src = sd[n]
+                if isinstance(p, DTensor):  # a shard (FSDP2): give every rank its part
+                    src = distribute_tensor(src.to(p.dtype), p.device_mesh, p.placements)
+                p.copy_(src)
+        self._ref_anchored = False
+
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """Logprobs (M,) of the reference policy: with LoRA the model with its adapter disabled, or
+        with the anchored adapter swapped in (``reference=warm_start``); with full weights the
+        frozen copy."""
+        if self.lora:
+            if self._ref_adapter is not None:
+                with self._swapped_adapter(), self._autocast():
+                    lp, _, _ = self._forward(mb)
+                return lp
             with self._compute_model().lm.disable_adapter(), self._autocast():
-                lp, _ = self._forward(mb)
+                lp, _, _ = self._forward(mb)
             return lp
         with self._autocast():
-            lp, _ = self._forward(mb, model=self.reference)
+            lp, _, _ = self._forward(mb, model=self.reference)
         return lp
 
     def _ppo_advantages(self, prepared: list[Prepared]) -> None:
@@ -274,14 +420,16 @@ class TrainingEngine(OptimEngine):
             p.advantages = adv[r, : p.k].float()
             p.returns = ret[r, : p.k].float()
 
-    def _loss(self, mb: MicroBatch, lp: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, mb: MicroBatch, lp: torch.Tensor, values: torch.Tensor | None,
+              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         if mb.tokens == 0:  # dummy: gradient 0, graph still touches every parameter group
             loss = lp.sum() * 0.0
             if values is not None:
                 loss = loss + values.sum() * 0.0
             return loss, {}
         inputs = LossInputs(logprobs=mb.scatter(lp), old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                            mask=mb.mask, ref_logprobs=mb.ref_logprobs, prox_logprobs=mb.prox_logprobs)
+                            mask=mb.mask, ref_logprobs=mb.ref_logprobs, prox_logprobs=mb.prox_logprobs,
+                            entropy=mb.scatter(entropy) if entropy is not None else None)
         if self.needs_values:
             assert values is not None, "an algorithm that needs values gets a value head"
             inputs.values, inputs.old_values, inputs.returns = mb.scatter(values), mb.old_values, mb.returns
@@ -294,15 +442,20 @@ class TrainingEngine(OptimEngine):
         Returns metrics: ``loss`` (mean over the optimizer steps of the full
         mini-batch loss), ``tokens`` (packed tokens forwarded, all ranks, one
         epoch), ``trained_tokens``, ``samples``, ``micro_batches``, ``grad_norm``,
-        ``lr``, ``optimizer_steps``, ``step_time_s``, the algorithm's metrics, and with
-        demonstrations ``sft_nll`` (their tokens' mean negative logprob before the step: the
-        supervised loss, which the policy-gradient ``loss`` at ratio 1 does not show).
+        ``lr``, ``optimizer_steps``, ``step_time_s``, ``entropy`` (the policy's mean
+        next-token entropy over the trained tokens, in nats, as the step's forward passes saw
+        it; averaged over the optimizer steps), the algorithm's metrics, with demonstrations
+        ``sft_nll`` (their tokens' mean negative logprob before the step: the supervised loss,
+        which the policy-gradient ``loss`` at ratio 1 does not show), and
+        ``reference_reanchored`` = 1 on the step that moved the reference to the warm-started
+        weights (``reference=warm_start``).
         """
         t0 = time.perf_counter()
         pairs = [(s, p) for s in batch if (p := prepare_sample(s)).k > 0]
         prepared = [p for _, p in pairs]
         if not prepared:
             return {"skipped": 1.0, "samples": 0.0, "trained_tokens": 0.0, "step_time_s": time.perf_counter() - t0}
+        reanchored = self._track_warm_start(batch)
         self._prepass(prepared)
         sft = sft_nll([p for s, p in pairs if s.demonstration])
         self._set_lr_scale(self._step_lr_scale(batch))
@@ -321,15 +474,19 @@ class TrainingEngine(OptimEngine):
                 plan = plan_micro_batches([len(p.input_ids) for p in subset], self.token_budget, self.world)
                 total = loss_units(subset, mode)
                 self._zero_grad()
-                local: dict[str, float] = {"loss": 0.0}
+                # entropy: a token mean whatever the loss aggregation (summed here, divided below)
+                local: dict[str, float] = {"loss": 0.0, _ENT_SUM: 0.0, _ENT_TOKENS: 0.0}
                 for k, bin_ in enumerate(plan.per_rank[self.rank]):
                     mb = micro_batch_tensors(subset, bin_, self.device, self.pad_id)
                     units = loss_units([subset[j] for j in bin_], mode)
                     share = units / total if total else 0.0
                     with self._autocast():
-                        lp, values = self._forward(mb)
-                    loss, metrics = self._loss(mb, lp, values)
+                        lp, values, ent = self._forward(mb)
+                    loss, metrics = self._loss(mb, lp, values, ent)
                     self._backward(loss * loss_weight(units, total, self.world), last=k == plan.steps - 1)
+                    if mb.tokens:
+                        local[_ENT_SUM] += float(ent.detach().float().sum().item())
+                        local[_ENT_TOKENS] += float(ent.numel())
                     local["loss"] += float(loss.detach().item()) * share
                     for key, v in metrics.items():
                         if key != "loss":
@@ -340,6 +497,9 @@ class TrainingEngine(OptimEngine):
                     for key, v in part.items():
                         merged[key] = merged.get(key, 0.0) + v
                 mini_loss = merged.pop("loss")
+                ent_sum, ent_tokens = merged.pop(_ENT_SUM), merged.pop(_ENT_TOKENS)
+                if ent_tokens:
+                    merged["entropy"] = ent_sum / ent_tokens
                 if not math.isfinite(mini_loss):  # NaN / inf loss (same on every rank): never applied
                     self._zero_grad()
                     skipped += 1
@@ -375,6 +535,8 @@ class TrainingEngine(OptimEngine):
         )
         if sft is not None:
             out["sft_nll"] = sft
+        if reanchored:
+            out["reference_reanchored"] = 1.0
         if self.device.type == "cpu":
             release_freed_memory()
         return out
@@ -476,11 +638,13 @@ class TrainingEngine(OptimEngine):
 
     def _meta(self) -> dict[str, Any]:
         return {"optimizer_steps": self.optimizer_steps, "train_steps": self.train_steps,
-                "world": self.world, "lora": self.lora, "model_path": self.model_path}
+                "world": self.world, "lora": self.lora, "model_path": self.model_path,
+                "reference_pending": self._ref_pending}
 
     def _set_meta(self, meta: dict[str, Any]) -> None:
         self.optimizer_steps = int(meta["optimizer_steps"])
         self.train_steps = int(meta["train_steps"])
+        self._ref_pending = bool(meta.get("reference_pending", False))  # absent in older checkpoints
 
 
 def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:

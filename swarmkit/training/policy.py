@@ -3,8 +3,9 @@
 :class:`PolicyModel` wraps a causal LM (plain or peft) and scores a *packed*
 row of samples (see :mod:`swarmkit.training.packing`): the decoder runs once,
 the hidden states of the trained positions go through the chunked logprob
-kernel (:mod:`swarmkit.training.logprob`), and an optional value head gives
-PPO values.
+kernel (:mod:`swarmkit.training.logprob`, which also gives the policy's entropy
+at those positions in the same pass), and an optional value head gives PPO
+values.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmkit.training.logprob import DEFAULT_LOGIT_CHUNK_ELEMENTS, selected_logprobs
+from swarmkit.training.logprob import (
+    DEFAULT_LOGIT_CHUNK_ELEMENTS,
+    logits_entropy,
+    selected_logprobs_and_entropy,
+)
 
 
 def _causal_lm(lm: Any) -> Any:
@@ -25,7 +30,7 @@ def _causal_lm(lm: Any) -> Any:
 
 
 class PolicyModel(nn.Module):
-    """A causal LM that scores packed samples: ``forward`` returns trained-token logprobs.
+    """A causal LM that scores packed samples: ``forward`` returns trained-token logprobs and entropies.
 
     ``lm`` is a transformers causal LM or a peft model around one. With
     ``value_head`` a scalar head on the last hidden state gives PPO values.
@@ -50,14 +55,16 @@ class PolicyModel(nn.Module):
         return _causal_lm(self.lm)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, select: torch.Tensor,
-                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Score one packed row.
 
         :param input_ids: (R, C) packed token ids.
         :param position_ids: (R, C), restarting at 0 at each sample.
         :param select: (M,) flattened positions whose *next* token is trained.
         :param targets: (M,) the token at ``select + 1``.
-        :returns: logprobs (M,) float32 and values (M,) float32 or None.
+        :returns: logprobs (M,) float32, values (M,) float32 or None, and entropies (M,) float32:
+            the entropy of the policy's next-token distribution at each selected position
+            (differentiable; an unused one costs nothing in backward).
         """
         clm = self.causal_lm
         decoder = getattr(clm, clm.base_model_prefix)
@@ -68,13 +75,14 @@ class PolicyModel(nn.Module):
         if getattr(head, "bias", None) is not None:
             logits = head(hidden).float()
             lp = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+            ent = logits_entropy(logits)
         else:
-            lp = selected_logprobs(hidden, head.weight, targets, self.compute_dtype, self.chunk_elements,
-                                   self.keep_logits_bytes)
+            lp, ent = selected_logprobs_and_entropy(hidden, head.weight, targets, self.compute_dtype,
+                                                    self.chunk_elements, self.keep_logits_bytes)
         values = None
         if self.value_head is not None:
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return lp, values
+        return lp, values, ent
 
     def decoder_layers(self) -> list[nn.Module]:
         clm = self.causal_lm

@@ -16,7 +16,11 @@
    another role's) with the match strategy; every surviving timeline is one
    sample, and all its generated spans (loss mask 1) get the advantage of its
    (episode, role).
-4. Demonstrated timelines (a supervised warm start) get no reward unit: they
+4. Generations the limit cut (``algo.overlong``, :mod:`swarmkit.training.overlong`):
+   with ``filter`` the samples of a unit with a cut call are left out (its reward
+   still counts in its group's advantages); with ``penalty`` the unit's reward gets
+   DAPO's soft length penalty before advantages.
+5. Demonstrated timelines (a supervised warm start) get no reward unit: they
    are merged apart from sampled ones, and every assistant token gets
    advantage 1 with its old logprob scored by the engine just before the step,
    so the policy-gradient loss (ratio 1) has the gradient of the plain token
@@ -32,18 +36,23 @@ from collections.abc import Mapping, Sequence
 from swarmkit.contract import Algorithm, MatchStrategy, TrainSample, scalar_reward
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.timelines import Block, Timeline, merge_timelines
-from swarmkit.timelines.merging import drifted_blocks, merge
+from swarmkit.timelines.merging import MergeResult, drifted_blocks, merge
+from swarmkit.training.overlong import is_cut, unit_penalty
 
 log = logging.getLogger(__name__)
 
 
 def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
-                  match: str | MatchStrategy = "text", stats: dict[str, int] | None = None) -> list[TrainSample]:
+                  match: str | MatchStrategy = "text", stats: dict[str, float] | None = None) -> list[TrainSample]:
     """Merged, advantage-labelled samples of ``records`` (see the module docstring).
 
     :param stats: filled with the merge of the sampled (not demonstrated) timelines:
         ``timelines``, ``groups`` (episode x role), ``absorbed`` (timelines merged into a
-        longer one) and ``drifted_blocks`` (:func:`~swarmkit.timelines.merging.drifted_blocks`).
+        longer one) and ``drifted_blocks`` (:func:`~swarmkit.timelines.merging.drifted_blocks`);
+        and with the generations the limit cut: ``overlong_calls`` (sampled calls cut; only
+        when there are some), ``overlong_filtered`` (samples left out, ``overlong=filter``),
+        ``overlong_penalty`` and ``reward_units`` (the penalties' sum and the reward units,
+        ``overlong=penalty``).
 
     :param records: the pool's records (``reward`` a float or role → float,
         ``timelines`` as ``Timeline.to_dict()`` dicts or Timelines, each with ``role``).
@@ -53,6 +62,7 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
     """
     # (record index, role or None) -> reward unit index
     units: dict[tuple[int, str | None], int] = {}
+    unit_calls: list[list[Timeline]] = []  # the sampled calls of each reward unit
     rewards: list[float] = []
     groups: list[str] = []
     per_record: list[list[tuple[str | None, list[Timeline]]]] = []
@@ -79,9 +89,21 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
                 units[key] = len(rewards)
                 rewards.append(value)
                 groups.append(group)
+                unit_calls.append([])
+            unit_calls[units[key]].extend(by_role[role])
     if fallbacks:
         log.warning("%d timeline role(s) had no entry in their episode's role rewards; "
                     "used the episode's mean reward", fallbacks)
+    cut_units = {u for u, calls in enumerate(unit_calls) if any(is_cut(t) for t in calls)}
+    cut_calls = sum(is_cut(t) for calls in unit_calls for t in calls)
+    if stats is not None and cut_calls:
+        stats["overlong_calls"] = stats.get("overlong_calls", 0) + cut_calls
+    if algo.overlong == "penalty":
+        penalties = [unit_penalty(calls, algo.overlong_buffer) for calls in unit_calls]
+        rewards = [r + p for r, p in zip(rewards, penalties, strict=True)]
+        if stats is not None:
+            stats["overlong_penalty"] = stats.get("overlong_penalty", 0.0) + sum(penalties)
+            stats["reward_units"] = stats.get("reward_units", 0) + len(rewards)
     if algo.needs_values:
         # token advantages come from GAE over the value head inside the engine
         # (from each sample's ``reward``); none are assigned here
@@ -97,11 +119,14 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
             u = units[key]
             adv, value = float(advantages[u]), rewards[u]
             result = merge(timelines, match)
+            if algo.overlong == "filter" and u in cut_units:
+                if stats is not None:
+                    stats["overlong_filtered"] = stats.get("overlong_filtered", 0) + sum(
+                        any(m.loss_mask()) for m in result.timelines if isinstance(m, Timeline))
+                    _merge_stats(stats, timelines, result)
+                continue
             if stats is not None:
-                stats["timelines"] = stats.get("timelines", 0) + len(timelines)
-                stats["groups"] = stats.get("groups", 0) + 1
-                stats["absorbed"] = stats.get("absorbed", 0) + sum(a is not None for a in result.absorbed_into)
-                stats["drifted_blocks"] = stats.get("drifted_blocks", 0) + drifted_blocks(timelines, result)
+                _merge_stats(stats, timelines, result)
             for merged in result.timelines:
                 assert isinstance(merged, Timeline)  # the merge answers in the form it was given
                 ids, mask, lps = merged.token_ids(), merged.loss_mask(), merged.logprobs()
@@ -130,6 +155,14 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
                 task_id=str(rec.task_id), policy_version=int(rec.policy_version), role=role,
                 reward=0.0, demonstration=True))
     return samples
+
+
+def _merge_stats(stats: dict[str, float], timelines: Sequence[Timeline], result: MergeResult) -> None:
+    """Add one (episode, role) merge to ``stats`` (see :func:`build_samples`)."""
+    stats["timelines"] = stats.get("timelines", 0) + len(timelines)
+    stats["groups"] = stats.get("groups", 0) + 1
+    stats["absorbed"] = stats.get("absorbed", 0) + sum(a is not None for a in result.absorbed_into)
+    stats["drifted_blocks"] = stats.get("drifted_blocks", 0) + drifted_blocks(timelines, result)
 
 
 def _rescored(timeline: Timeline) -> Timeline:

@@ -29,6 +29,7 @@ from swarmkit.plugins import get_registry, load_component
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.runfiles import staged_dir, write_text
 from swarmkit.training.config import EngineConfig, GroupLaunch, launch_config
+from swarmkit.training.overlong import overlong_metrics
 from swarmkit.training.samples import bound_staleness, build_samples
 
 log = logging.getLogger(__name__)
@@ -165,11 +166,12 @@ class Trainer:
         blocks merged over history of equal text but other tokens: what the ``text`` match traded),
         ``demonstrations`` / ``demo_samples`` (supervised; not in ``reward_mean``), the staleness
         of the trained tokens (``staleness_mean``, ``staleness_max``, ``stale_tokens_dropped``,
-        ``partial_rollouts``),
+        ``partial_rollouts``), the generations the limit cut (``overlong_calls``; with
+        ``algo.overlong`` also ``overlong_filtered`` or ``overlong_penalty_mean``),
         ``build_time_s``, ``step_time_s`` (whole call) and ``global_step``.
         """
         t0 = time.perf_counter()
-        merge_stats: dict[str, int] = {}
+        merge_stats: dict[str, float] = {}
         samples = build_samples(records, self.algo, self.match, stats=merge_stats)
         staleness = bound_staleness(samples, self.global_step, max_staleness)
         t1 = time.perf_counter()
@@ -193,6 +195,7 @@ class Trainer:
             step_time_s=time.perf_counter() - t0,
             global_step=float(self.global_step),
         )
+        metrics.update(overlong_metrics(self.algo.overlong, merge_stats))
         return metrics
 
     def close(self) -> None:
