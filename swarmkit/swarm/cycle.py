@@ -249,6 +249,8 @@ class TrainingCycle:
         alarm's counts start over, so it fires again only after ``patience`` more steps past a threshold."""
         was = self.paused
         self.paused = None
+        if was is not None and self.last_error == was:
+            self.last_error = None
         self.alarm.reset()
         self._wake.set()
         if was is not None:
@@ -291,7 +293,8 @@ class TrainingCycle:
                     named_tensors=self.trainer.export_weights(), version=self.trainer.global_step
                 )
                 self.global_step = self.trainer.global_step
-            if self.collapse.enabled and self.collapse.action == "rollback" and not self.trainer.checkpoints():
+            if (self.collapse.enabled and self.collapse.action == "rollback" and hasattr(self.trainer, "checkpoints")
+                    and not self.trainer.checkpoints()):
                 # a rollback needs a point to go back to, also before the first periodic checkpoint
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, self._checkpoint_extra())
         if self._task is None or self._task.done():
@@ -299,7 +302,8 @@ class TrainingCycle:
 
     def _resume(self) -> None:
         extra = self.trainer.load_checkpoint()
-        if isinstance(extra.get("lr_factor"), int | float) and extra["lr_factor"] != 1:
+        if isinstance(extra.get("lr_factor"), int | float) and extra["lr_factor"] != 1 \
+                and hasattr(self.trainer, "set_lr_factor"):
             self.trainer.set_lr_factor(float(extra["lr_factor"]))  # lowered by an earlier rollback
         self.rollbacks = int(extra.get("rollbacks") or 0)
         step = self.trainer.global_step
@@ -512,7 +516,7 @@ class TrainingCycle:
     def _checkpoint_extra(self) -> dict[str, Any]:
         """What a checkpoint keeps of the cycle: the pool position, the learning-rate factor and
         rollbacks so far (a resume keeps the learning rate a rollback lowered)."""
-        return {"pool": self.pool.stats(), "lr_factor": float(self.trainer.lr_factor) if self.trainer else 1.0,
+        return {"pool": self.pool.stats(), "lr_factor": float(getattr(self.trainer, "lr_factor", 1.0)),
                 "rollbacks": self.rollbacks}
 
     def _keep(self) -> int:
@@ -529,8 +533,8 @@ class TrainingCycle:
         action = alarm.action
         why = ""
         if action == "rollback":
-            if self.trainer is None:
-                action, why = "pause", "no trainer to roll back"
+            if self.trainer is None or not hasattr(self.trainer, "checkpoints"):
+                action, why = "pause", "no trainer that can roll back"
             elif self.rollbacks >= int(self.collapse.max_rollbacks):
                 action, why = "pause", f"{self.rollbacks} rollbacks already (trainer.collapse.max_rollbacks)"
             elif self._unrecorded or self._unsynced is not None:
@@ -549,7 +553,8 @@ class TrainingCycle:
         alarm.extra["taken"] = action
         if why:
             alarm.extra["note"] = why
-        self.last_error = self.paused or alarm.message
+        if self.paused:
+            self.last_error = self.paused  # training stopped: as loud as a failing journal (cleared on resume)
         if self.metrics is not None:
             self.metrics.write(step, {"alarm": alarm.message, **{f"{k}": v for k, v in alarm.extra.items()
                                                                  if isinstance(v, int | float | str)}}, kind="alarm")
@@ -564,11 +569,13 @@ class TrainingCycle:
         if not before:
             return False, f"no checkpoint before step {alarm.window_start} to roll back to"
         back, folder = before[-1]
-        factor = float(trainer.lr_factor) * float(self.collapse.lr_factor)
+        factor = float(getattr(trainer, "lr_factor", 1.0)) * float(self.collapse.lr_factor)
         await asyncio.to_thread(trainer.load_checkpoint, folder)
-        lowered = await asyncio.to_thread(trainer.set_lr_factor, factor)
+        set_lr = getattr(trainer, "set_lr_factor", None)
+        lowered = bool(await asyncio.to_thread(set_lr, factor)) if set_lr is not None else False
         back = int(trainer.global_step)
-        await asyncio.to_thread(trainer.discard_checkpoints_after, back)
+        if hasattr(trainer, "discard_checkpoints_after"):
+            await asyncio.to_thread(trainer.discard_checkpoints_after, back)
         consumed, waiting = self.pool.retire_after(back)
         self._applied_step = self.global_step = back
         if self.mode == "async":
@@ -576,7 +583,7 @@ class TrainingCycle:
         await self._sync_weights(back)
         self.rollbacks += 1
         self.alarm.reset()
-        alarm.extra.update(rolled_back_to=back, lr_factor=factor if lowered else float(trainer.lr_factor),
+        alarm.extra.update(rolled_back_to=back, lr_factor=factor if lowered else float(getattr(trainer, "lr_factor", 1.0)),
                            retired_episodes=consumed + waiting)
         log.warning("collapse alarm: rolled back to the checkpoint of step %d (%s); learning rate x%g%s; %d episodes "
                     "the undone steps trained on or sampled were retired", back, folder, factor,
