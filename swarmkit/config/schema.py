@@ -118,6 +118,41 @@ class ServerConfig:
 
 
 @dataclass
+class CollapseConfig:
+    """``trainer.collapse``: the collapse alarm (docs/training.md, "Collapse alarm"). Every step's
+    signals are computed by :mod:`swarmkit.swarm.collapse`; the alarm fires when one of them is past
+    its threshold for ``patience`` steps in a row."""
+
+    #: watch the signals and raise the alarm (the signals are logged with every step either way)
+    enabled: bool = True
+    #: the alarm fires above this share of groups (task, step) whose rollouts are all identical
+    identical_groups_max: float = 0.9
+    #: ... above this share of groups with no reward variance (no GRPO signal at all)
+    flat_groups_max: float = 0.95
+    #: ... below this policy entropy (nats per generated token)
+    entropy_min: float = 0.05
+    #: a task-declared validity metric (a client's ``meta["metrics"]`` key, e.g. "valid_tool_call"),
+    #: averaged per step; "" = none
+    validity_metric: str = ""
+    #: ... the alarm fires below this step mean of ``validity_metric``
+    validity_min: float = 0.5
+    #: steps in a row a signal must be past its threshold before the alarm fires
+    patience: int = 3
+    #: what the alarm does: "warn" (log, status, /metrics, dashboard), "pause" (training stops until
+    #: POST /api/v1/admin/resume_training; episodes are still accepted) or "rollback" (back to the last
+    #: checkpoint taken before the alarm's window, learning rate x lr_factor)
+    action: str = "warn"
+    #: rollback: the learning rate is multiplied by this at every rollback
+    lr_factor: float = 0.5
+    #: rollback: after this many rollbacks the alarm pauses training instead
+    max_rollbacks: int = 3
+
+
+#: values of ``trainer.collapse.action``
+COLLAPSE_ACTIONS = ("warn", "pause", "rollback")
+
+
+@dataclass
 class TrainerConfig:
     #: optimizer steps to train; 0 = until stopped (a server configured without it trains until stopped;
     #: one that reaches its limit refuses training episodes with 409 training_finished)
@@ -140,6 +175,12 @@ class TrainerConfig:
     #: async: no trained token is more than this many policy versions older than the weights being
     #: updated (new episodes wait with 503 + Retry-After while in-flight work would exceed it)
     max_staleness: int = 2
+    #: the collapse alarm (thresholds, patience, action)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collapse, CollapseConfig):  # a plain group (a dict, an OmegaConf node)
+            self.collapse = CollapseConfig(**as_dict(self.collapse))
 
 
 @dataclass

@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.schema import (
+    COLLAPSE_ACTIONS,
     LAUNCHERS,
     MODES,
     PLACEMENT_STRATEGIES,
@@ -197,6 +198,13 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             problems.append(f"trainer.mode: '{trainer.mode}' is not one of {', '.join(TRAINER_MODES)}")
         if trainer.max_staleness < 0:
             problems.append(f"trainer.max_staleness: must be >= 0, got {trainer.max_staleness}")
+        collapse = trainer.collapse
+        if collapse.action not in COLLAPSE_ACTIONS:
+            problems.append(f"trainer.collapse.action: '{collapse.action}' is not one of {', '.join(COLLAPSE_ACTIONS)}")
+        if collapse.patience < 1:
+            problems.append(f"trainer.collapse.patience: must be >= 1, got {collapse.patience}")
+        if not 0 < collapse.lr_factor <= 1:
+            problems.append(f"trainer.collapse.lr_factor: must be in (0, 1], got {collapse.lr_factor}")
     optim = result.get("optim")
     if optim is not None:
         for key in ("lr", "sft_lr"):

@@ -258,6 +258,28 @@ class SamplePool:
             self._rebuild()
             return cur.rowcount
 
+    def retire_after(self, step: int) -> tuple[int, int]:
+        """A rollback to the weights of step ``step``: every episode consumed at a later step, and
+        every untrained episode sampled by later weights (``policy_version > step``, not reserved),
+        is retired (status ``filtered``) at ``step``. They stay in the journal; a resume from a
+        checkpoint at ``step`` or later does not put them back. Returns (consumed, waiting) counts."""
+        with self._lock:
+            reserved = set(self._reserved)
+            now = time.time()
+            with self._transaction():
+                consumed = self._db.execute(
+                    "UPDATE episodes SET status=?, trained_step=? WHERE status!=? AND trained_step>?",
+                    (FILTERED, int(step), UNTRAINED, int(step))).rowcount
+                waiting_ids = [eid for (eid,) in self._db.execute(
+                    "SELECT episode_id FROM episodes WHERE status=? AND policy_version>?", (UNTRAINED, int(step)))
+                    if eid not in reserved]
+                self._db.executemany(
+                    "UPDATE episodes SET status=?, trained_step=?, consumed_at=? WHERE episode_id=?",
+                    [(FILTERED, int(step), now, eid) for eid in waiting_ids])
+            self._rebuild()
+            self._reserved.update(reserved & set(self._untrained))
+            return consumed, len(waiting_ids)
+
     # ------------------------------------------------------------------ reading
     def view(self) -> list[PoolEpisode]:
         """What policies see: untrained, not reserved episodes, oldest first."""

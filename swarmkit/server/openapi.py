@@ -386,6 +386,12 @@ def _controller_paths() -> dict[str, Schema]:
             responses={"200": answer("where it was saved", obj({"path": string(), "global_step": integer(),
                                                                 "weights": BOOL}, ("path", "global_step"))),
                        **errors(401, 403, 409)})},
+        "/api/v1/admin/resume_training": {"post": op(
+            "Resume training paused by the collapse alarm (trainer.collapse.action=pause)", tag, ADMIN,
+            operation_id="resumeTraining",
+            responses={"200": answer("whether it was paused", obj({"resumed": BOOL, "global_step": integer()},
+                                                                  ("resumed", "global_step"))),
+                       **errors(401, 403)})},
         "/api/v1/episodes": {
             "get": op("Summaries of running episodes (and the last N ended ones)", tag, ADMIN,
                       operation_id="listEpisodes",

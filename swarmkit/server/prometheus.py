@@ -137,6 +137,23 @@ class _StateCollector:
                                     value=1.0 if trainer.get("training") else 0.0)
             yield GaugeMetricFamily("swarmkit_ready_batches", "Batches the batching policy could release now",
                                     value=float(trainer.get("ready_batches") or 0))
+        alarm = pool.get("alarm")
+        if isinstance(alarm, dict):
+            yield GaugeMetricFamily("swarmkit_collapse_alarm", "1 while the collapse alarm is raised (signals past "
+                                    "their thresholds, or training paused by it)", value=1.0 if alarm.get("active") else 0.0)
+            yield GaugeMetricFamily("swarmkit_training_paused", "1 while the collapse alarm holds training paused",
+                                    value=1.0 if alarm.get("paused") else 0.0)
+            yield CounterMetricFamily("swarmkit_collapse_alarms", "Collapse alarms fired",
+                                      value=float(alarm.get("fired") or 0))
+            yield CounterMetricFamily("swarmkit_collapse_rollbacks", "Rollbacks the collapse alarm made",
+                                      value=float(alarm.get("rollbacks") or 0))
+        last = pool.get("last_step") or {}
+        signals = GaugeMetricFamily("swarmkit_collapse_signal", "The last step's collapse signals (identical_groups, "
+                                    "flat_groups, entropy, sampled_nll, task/<name>)", labels=["signal"])
+        for key, value in last.items():
+            if isinstance(value, int | float) and (key.startswith(("collapse/", "task/"))) and key != "collapse/alarm":
+                signals.add_metric([key.removeprefix("collapse/")], float(value))
+        yield signals
         eps = st.get("episodes") or {}
         outcomes = CounterMetricFamily("swarmkit_episodes", "Episodes by outcome", labels=["outcome"])
         for outcome in ("registered", "finished", "eval_finished", "aborted", "reaped"):

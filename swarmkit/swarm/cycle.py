@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import TrainerConfig
+from swarmkit.config.schema import CollapseConfig, TrainerConfig
 from swarmkit.contract import PoolEpisode
 from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
+from swarmkit.swarm.collapse import Alarm, CollapseAlarm, collapse_signals
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.families import step_family_metrics
 from swarmkit.swarm.metrics import MetricsWriter, finite_or_none, step_line
@@ -170,6 +171,15 @@ class TrainingCycle:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._server: CycleHost | None = None
+        #: the collapse alarm (trainer.collapse) and what it did: this cycle is its only writer
+        self.collapse = CollapseConfig()
+        self.alarm = CollapseAlarm(self.collapse)
+        self.last_alarm: Alarm | None = None
+        #: why training is paused (the alarm's "pause"); None: it trains. Cleared by resume_training()
+        self.paused: str | None = None
+        self.rollbacks = 0
+        #: async rollback: (when, step) — an episode created before it holding tokens of later weights is retired
+        self._fence: tuple[float, int] | None = None
 
     # ------------------------------------------------------------------ the server's Cycle
     def attach(self, server: CycleHost) -> None:
@@ -200,6 +210,8 @@ class TrainingCycle:
         """
         try:
             self.pool.add(pool_record(ep))
+            if self._fence is not None and _sampled_after(ep, *self._fence):
+                self.pool.mark_filtered([ep.id], self._fence[1])  # its tokens came from weights a rollback undid
         except Exception as exc:
             self.last_error = (f"{JOURNAL_STORE_ERROR} {ep.id}: {type(exc).__name__}: {exc}; "
                                "reports are refused until it can")
@@ -218,7 +230,32 @@ class TrainingCycle:
             stats["last_error"] = self.last_error
         if self.last_metrics:
             stats["last_step"] = self.last_metrics
+        stats["alarm"] = self.alarm_status()
         return stats
+
+    def alarm_status(self) -> dict[str, Any]:
+        """The collapse alarm, for ``status()["pool"]["alarm"]``: ``active`` (signals of the last
+        alarm are still past their thresholds, or training is paused by it), ``paused`` (why),
+        ``message`` and ``last`` (the last alarm: step, window, signals, action taken), ``fired``,
+        ``rollbacks``, ``action`` (trainer.collapse.action)."""
+        last = self.last_alarm
+        return {"active": self.alarm.active is not None or self.paused is not None, "paused": self.paused,
+                "message": last.message if last is not None else None,
+                "last": last.as_dict() if last is not None else None, "fired": self.alarm.fired,
+                "rollbacks": self.rollbacks, "action": self.collapse.action, "enabled": self.collapse.enabled}
+
+    def resume_training(self) -> dict[str, Any]:
+        """Training goes on after the alarm paused it (``POST /api/v1/admin/resume_training``); the
+        alarm's counts start over, so it fires again only after ``patience`` more steps past a threshold."""
+        was = self.paused
+        self.paused = None
+        if was is not None and self.last_error == was:
+            self.last_error = None
+        self.alarm.reset()
+        self._wake.set()
+        if was is not None:
+            log.warning("training resumed by the controller at step %d (it was paused: %s)", self.global_step, was)
+        return {"resumed": was is not None, "global_step": self.global_step}
 
     async def after_boot(self) -> None:
         server = self.server
@@ -234,6 +271,9 @@ class TrainingCycle:
         self.log_trajectories = max(0, int(trainer_cfg.log_trajectories))
         self.mode = str(trainer_cfg.mode)
         self.max_staleness = int(trainer_cfg.max_staleness)
+        self.collapse = trainer_cfg.collapse
+        self.alarm = CollapseAlarm(self.collapse)
+        self.paused = None
         if self.mode == "async" and not getattr(server.backend, "reports_token_versions", False):
             log.warning("trainer.mode=async with a backend (%s) that does not report per-token policy versions: "
                         "a generation that spans a weight swap is labelled with the version it started with, "
@@ -253,11 +293,19 @@ class TrainingCycle:
                     named_tensors=self.trainer.export_weights(), version=self.trainer.global_step
                 )
                 self.global_step = self.trainer.global_step
+            if (self.collapse.enabled and self.collapse.action == "rollback" and hasattr(self.trainer, "checkpoints")
+                    and not self.trainer.checkpoints()):
+                # a rollback needs a point to go back to, also before the first periodic checkpoint
+                await asyncio.to_thread(self.trainer.save_checkpoint, None, self._checkpoint_extra())
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def _resume(self) -> None:
         extra = self.trainer.load_checkpoint()
+        if isinstance(extra.get("lr_factor"), int | float) and extra["lr_factor"] != 1 \
+                and hasattr(self.trainer, "set_lr_factor"):
+            self.trainer.set_lr_factor(float(extra["lr_factor"]))  # lowered by an earlier rollback
+        self.rollbacks = int(extra.get("rollbacks") or 0)
         step = self.trainer.global_step
         put_back = self.pool.reset_after(step)
         log.info("resumed at step %d (%d episodes consumed after it went back to the pool; %s)",
@@ -295,7 +343,7 @@ class TrainingCycle:
         async with self._trainer_lock:
             step = int(self.trainer.global_step)
             folder = await asyncio.to_thread(self.trainer.save_checkpoint, str(folder_for(step)),
-                                             {"pool": self.pool.stats()})
+                                             self._checkpoint_extra())
             return {"path": str(folder), "global_step": step}
 
     # ------------------------------------------------------------------ the loop
@@ -313,7 +361,7 @@ class TrainingCycle:
                 continue  # async: one step at a time; the pool fills meanwhile
             if (self._unrecorded or self._unsynced is not None) and not await self._catch_up():
                 continue
-            if self._limit_reached():
+            if self._limit_reached() or self.paused is not None:
                 continue
             decision = self.pool.decide(self.policy, srv.clients.all(), time.time())
             if decision.fire and decision.selected and self.mode == "async":
@@ -379,6 +427,7 @@ class TrainingCycle:
         self._applied_step = self.global_step
         filtered = list(decision.detail.get("filtered") or [])
         records = self.pool.take(decision.selected)
+        retired = self._records(filtered)  # C3's flat groups: not trained, but part of the collapse signals
         ids = [r.episode_id for r in records]
         metrics: dict[str, float] = {}
         applied = False  # the update is in the trainer: the batch is spent, whatever happens next
@@ -424,6 +473,10 @@ class TrainingCycle:
             )
             metrics.update(step_family_metrics(records))
             metrics.update(srv.eval_tally.take())
+            signals = collapse_signals([*records, *retired], metrics)
+            metrics.update(signals)
+            alarm = self.alarm.observe(step, signals)
+            metrics["collapse/alarm"] = 1.0 if alarm is not None or self.alarm.active is not None else 0.0
             self.last_metrics = finite_or_none({"step": step, **metrics})
             if not self._unrecorded and self._unsynced is None:
                 self.last_error = None
@@ -434,9 +487,11 @@ class TrainingCycle:
             if self.mode == "async":
                 # the server never left ROLLING; the step moves on once it is on record
                 self.global_step = step
+            if alarm is not None and await self._on_alarm(alarm, step):
+                return metrics  # rolled back: the step's weights are gone, nothing to checkpoint
             if self.trainer is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
-                await asyncio.to_thread(self.trainer.save_checkpoint, None, {"pool": self.pool.stats()})
-                await asyncio.to_thread(self.trainer.prune_checkpoints, self.keep_checkpoints)
+                await asyncio.to_thread(self.trainer.save_checkpoint, None, self._checkpoint_extra())
+                await asyncio.to_thread(self.trainer.prune_checkpoints, self._keep())
             return metrics
         except Exception as exc:
             self.steps_failed += 1
@@ -446,6 +501,94 @@ class TrainingCycle:
         finally:
             if not applied:
                 self.pool.release(ids)
+
+    # ------------------------------------------------------------------ the collapse alarm
+    def _records(self, ids: Sequence[str]) -> list[EpisodeRecord]:
+        """The journal records of ``ids`` (those it cannot read are left out)."""
+        out = []
+        for eid in ids:
+            try:
+                out.append(self.pool.get(eid))
+            except Exception:  # noqa: BLE001 - a signal is never worth a failed step
+                continue
+        return out
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the cycle: the pool position, the learning-rate factor and
+        rollbacks so far (a resume keeps the learning rate a rollback lowered)."""
+        return {"pool": self.pool.stats(), "lr_factor": float(getattr(self.trainer, "lr_factor", 1.0)),
+                "rollbacks": self.rollbacks}
+
+    def _keep(self) -> int:
+        """Checkpoints to keep: ``trainer.keep_checkpoints``, and with the alarm's rollback at least
+        enough to reach back past its window (``patience`` steps)."""
+        keep = self.keep_checkpoints
+        if keep and self.collapse.enabled and self.collapse.action == "rollback" and self.checkpoint_every:
+            keep = max(keep, int(self.collapse.patience) // self.checkpoint_every + 2)
+        return keep
+
+    async def _on_alarm(self, alarm: Alarm, step: int) -> bool:
+        """Say so, then act (``trainer.collapse.action``); True when the step was rolled back.
+        Runs under the trainer lock, right after the step it fired on."""
+        action = alarm.action
+        why = ""
+        if action == "rollback":
+            if self.trainer is None or not hasattr(self.trainer, "checkpoints"):
+                action, why = "pause", "no trainer that can roll back"
+            elif self.rollbacks >= int(self.collapse.max_rollbacks):
+                action, why = "pause", f"{self.rollbacks} rollbacks already (trainer.collapse.max_rollbacks)"
+            elif self._unrecorded or self._unsynced is not None:
+                action, why = "pause", "an earlier step's journal write or weight sync is still pending"
+        self.last_alarm = alarm
+        log.warning("%s", alarm.message)
+        rolled = False
+        if action == "rollback":
+            rolled, why = await self._rollback(alarm)
+            if not rolled:
+                action = "pause"
+        if action == "pause":
+            self.paused = (f"{alarm.message}{'; ' + why if why else ''}: training is paused (episodes are still "
+                           "accepted) until POST /api/v1/admin/resume_training")
+            log.warning("%s", self.paused)
+        alarm.extra["taken"] = action
+        if why:
+            alarm.extra["note"] = why
+        if self.paused:
+            self.last_error = self.paused  # training stopped: as loud as a failing journal (cleared on resume)
+        if self.metrics is not None:
+            self.metrics.write(step, {"alarm": alarm.message, **{f"{k}": v for k, v in alarm.extra.items()
+                                                                 if isinstance(v, int | float | str)}}, kind="alarm")
+        return rolled
+
+    async def _rollback(self, alarm: Alarm) -> tuple[bool, str]:
+        """Load the newest checkpoint taken before the alarm's window, lower the learning rate by
+        ``lr_factor``, retire what the undone weights trained on and sampled, serve the restored
+        weights. (ok, why not)."""
+        trainer = self.trainer
+        before = [(s, p) for s, p in await asyncio.to_thread(trainer.checkpoints) if s < alarm.window_start]
+        if not before:
+            return False, f"no checkpoint before step {alarm.window_start} to roll back to"
+        back, folder = before[-1]
+        factor = float(getattr(trainer, "lr_factor", 1.0)) * float(self.collapse.lr_factor)
+        await asyncio.to_thread(trainer.load_checkpoint, folder)
+        set_lr = getattr(trainer, "set_lr_factor", None)
+        lowered = bool(await asyncio.to_thread(set_lr, factor)) if set_lr is not None else False
+        back = int(trainer.global_step)
+        if hasattr(trainer, "discard_checkpoints_after"):
+            await asyncio.to_thread(trainer.discard_checkpoints_after, back)
+        consumed, waiting = self.pool.retire_after(back)
+        self._applied_step = self.global_step = back
+        if self.mode == "async":
+            self._fence = (time.time(), back)
+        await self._sync_weights(back)
+        self.rollbacks += 1
+        self.alarm.reset()
+        alarm.extra.update(rolled_back_to=back, lr_factor=factor if lowered else float(getattr(trainer, "lr_factor", 1.0)),
+                           retired_episodes=consumed + waiting)
+        log.warning("collapse alarm: rolled back to the checkpoint of step %d (%s); learning rate x%g%s; %d episodes "
+                    "the undone steps trained on or sampled were retired", back, folder, factor,
+                    "" if lowered else " NOT applied (the engine cannot change it at run time)", consumed + waiting)
+        return True, "" if lowered else "the engine cannot lower its learning rate at run time"
 
     # ------------------------------------------------------------------ async mode
     def _start_background_step(self, decision: Any) -> None:
@@ -643,6 +786,19 @@ class TrainingCycle:
         if self.metrics is not None:
             self.metrics.close()
         self.pool.close()
+
+
+def _sampled_after(ep: Episode, since: float, step: int) -> bool:
+    """Whether ``ep`` was created before ``since`` and holds tokens of weights later than ``step``
+    (per-token versions where the engine reports them, else the version it was registered at)."""
+    if ep.eval or ep.created >= since:
+        return False
+    newest = ep.policy_version
+    for tl in ep.timelines:
+        for b in tl.blocks:
+            if b.versions:
+                newest = max(newest, max(b.versions))
+    return newest > step
 
 
 def _trigger(policy: str | None, decision: Any) -> str:

@@ -42,7 +42,7 @@ def finite_or_none(metrics: dict[str, Any]) -> dict[str, Any]:
 def step_line(m: dict[str, Any], *, trigger: str | None = None, pool: str | None = None) -> str:
     """One console line for a training step's metrics ``m`` (with its ``step``): what fired it,
     reward (``sft`` for a step of demonstrations only), loss, samples, merge ratio, trained tokens,
-    pool fill after it, step time (and the drain before it, when it took a while) and weight-sync time."""
+    the collapse signals (share of identical and of flat groups, entropy; ``COLLAPSE ALARM`` while it is raised), pool fill after it, step time (and the drain before it, when it took a while) and weight-sync time."""
     demos = int(m.get("demonstrations") or 0)
     reward = m.get("reward_mean")
     reward_txt = "sft" if demos and demos == int(m.get("episodes") or 0) else (
@@ -56,6 +56,12 @@ def step_line(m: dict[str, Any], *, trigger: str | None = None, pool: str | None
     if isinstance(m.get("merge_ratio"), int | float):
         parts.append(f"merge {m['merge_ratio']:.2f}")
     parts.append(f"tokens {int(m.get('trained_tokens', m.get('tokens')) or 0)}")
+    collapse = [(label, m.get(key)) for label, key in (("identical", "collapse/identical_groups"),
+                                                        ("flat", "collapse/flat_groups"), ("entropy", "collapse/entropy"))]
+    if any(isinstance(v, int | float) for _, v in collapse):
+        parts.append(" ".join(f"{label} {v:.2f}" for label, v in collapse if isinstance(v, int | float)))
+    if m.get("collapse/alarm"):
+        parts.append("COLLAPSE ALARM")
     if pool:
         parts.append(f"pool {pool}")
     drain = m.get("drain_s") or 0.0

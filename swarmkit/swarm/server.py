@@ -121,6 +121,9 @@ class Cycle(Protocol):
     def waiting(self) -> list[Any]:
         """The accepted episodes waiting for a step (``task_id``, ``task_family``, ``reward``)."""
 
+    def resume_training(self) -> dict[str, Any]:
+        """Training goes on after the collapse alarm paused it (``{"resumed": bool, "global_step"}``)."""
+
     def pacing(self, task_id: str | None = None) -> tuple[str, float] | None:
         """Why a new training episode of ``task_id`` must wait and about how long (asynchronous
         training's staleness bound); None: admit it."""
@@ -162,6 +165,9 @@ class MemoryCycle:
 
     def waiting(self) -> list[Any]:
         return []
+
+    def resume_training(self) -> dict[str, Any]:
+        return {"resumed": False, "global_step": 0}
 
     def pacing(self, task_id: str | None = None) -> tuple[str, float] | None:
         return None
@@ -460,6 +466,10 @@ class SwarmServer:
         if inspect.isawaitable(result):
             result = await result
         return result
+
+    def resume_training(self) -> dict[str, Any]:
+        """Training goes on after the collapse alarm paused it (the cycle owns the pause)."""
+        return dict(self.cycle.resume_training())
 
     def start(self) -> None:
         """OFFLINE → BOOTING; the boot runs as a task and ends in ROLLING or OFFLINE."""

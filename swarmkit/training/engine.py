@@ -66,6 +66,8 @@ class TrainingEngine(OptimEngine):
     config_cls: ClassVar[type[EngineConfig]] = EngineConfig
     #: the optimizer's LR scheduler (made by :meth:`_warmup` in ``_wrap``)
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    #: × lr of every coming optimizer step, set at run time (:meth:`set_lr_factor`: the collapse alarm's rollback)
+    _lr_factor: float = 1.0
 
     def __init__(self, model_path: str | Path, model_cfg: Mapping[str, Any], optim_cfg: Mapping[str, Any],
                  algo: Algorithm):
@@ -192,13 +194,22 @@ class TrainingEngine(OptimEngine):
         per train step by :meth:`_set_lr_scale`).
         """
         warm = warmup_lambda(self.cfg.warmup_steps)
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warm(step) * self._lr_scale)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warm(step) * self._lr_scale * self._lr_factor)
 
     def _set_lr_scale(self, scale: float) -> None:
         """Multiply the learning rate of the coming optimizer steps by ``scale`` (1 = ``optim.lr``)."""
         if scale == self._lr_scale:
             return
         self._lr_scale = scale
+        sched = self.scheduler
+        for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+            group["lr"] = base * fn(sched.last_epoch)
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Multiply ``optim.lr`` (and ``optim.sft_lr``) by ``factor`` from now on, on top of the
+        warm-up schedule (the collapse alarm's rollback lowers it). Not saved in checkpoints: the
+        caller keeps it (the training cycle stores it with its checkpoints' ``extra``)."""
+        self._lr_factor = float(factor)
         sched = self.scheduler
         for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
             group["lr"] = base * fn(sched.last_epoch)

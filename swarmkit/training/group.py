@@ -248,6 +248,11 @@ class ProcessGroupEngine(OptimEngine):
     def load_checkpoint(self, path: str) -> None:
         self._call("load_checkpoint", str(path))
 
+    def set_lr_factor(self, factor: float) -> None:
+        """Every rank's :meth:`~swarmkit.training.engine.TrainingEngine.set_lr_factor`."""
+        self._call("set_lr_factor", float(factor))
+        self._lr_factor = float(factor)
+
     @property
     def alive(self) -> bool:
         """True while the group's launcher runs."""
@@ -387,6 +392,12 @@ def _run(engine: OptimEngine, name: str, arg: Any, rank: int) -> Any:
         return None
     if name == "load_checkpoint":
         engine.load_checkpoint(arg)
+        return None
+    if name == "set_lr_factor":
+        set_lr_factor = getattr(engine, "set_lr_factor", None)
+        if set_lr_factor is None:
+            raise ValueError(f"{type(engine).__name__} cannot change its learning rate at run time")
+        set_lr_factor(float(arg))
         return None
     raise ValueError(f"unknown group command {name!r}")
 

@@ -249,6 +249,43 @@ class Trainer:
         done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").exists()) if root.exists() else []
         return done[-1] if done else None
 
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """``(step, folder)`` of every complete step checkpoint under ``run_dir/checkpoints``, oldest first."""
+        root = self._ckpt_root()
+        out = []
+        for p in root.glob("step_*") if root.exists() else ():
+            if p.is_dir() and (p / "trainer_state.json").exists() and p.name[5:].isdigit():
+                out.append((int(p.name[5:]), p))
+        return sorted(out)
+
+    def discard_checkpoints_after(self, step: int) -> list[Path]:
+        """Delete the step checkpoints taken after ``step`` and point ``checkpoints/latest`` at the
+        newest one left (a rollback to ``step`` abandons them: a resume must not find them). Returns
+        the deleted folders."""
+        gone = [p for s, p in self.checkpoints() if s > step]
+        kept = [p for s, p in self.checkpoints() if s <= step]
+        if kept:
+            write_text(self._ckpt_root() / LATEST, kept[-1].name)
+        for p in gone:
+            shutil.rmtree(p, ignore_errors=True)
+        if not kept:
+            (self._ckpt_root() / LATEST).unlink(missing_ok=True)
+        return gone
+
+    @property
+    def lr_factor(self) -> float:
+        """The run-time learning-rate factor of the engine (:meth:`set_lr_factor`; 1 by default)."""
+        return float(getattr(self.engine, "_lr_factor", 1.0))
+
+    def set_lr_factor(self, factor: float) -> bool:
+        """Multiply the engine's learning rate by ``factor`` from now on (relative to ``optim.lr``,
+        not cumulative); False when the engine cannot (a third-party engine without ``set_lr_factor``)."""
+        set_lr_factor = getattr(self.engine, "set_lr_factor", None)
+        if set_lr_factor is None:
+            return False
+        set_lr_factor(float(factor))
+        return True
+
     def load_checkpoint(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Restore from ``path`` (default: the latest checkpoint); returns the saved ``extra``."""
         p = Path(path) if path is not None else self.latest_checkpoint()

@@ -1,4 +1,4 @@
-"""The controller (admin) API: configure, start, stop, restart, status, checkpoint.
+"""The controller (admin) API: configure, start, stop, restart, status, checkpoint, resume_training.
 
 Every endpoint here except ``/`` and ``/api/v1/health`` needs the admin token
 (``Authorization: Bearer <token>``): 401 without it, 403 with a wrong one.
@@ -114,6 +114,13 @@ async def restart(request: Request) -> Response:
     await srv.stop("restarted by the controller")
     srv.start()
     return JSONResponse({"state": str(srv.state.state)}, status_code=202)
+
+
+async def resume_training(request: Request) -> Response:
+    """Training goes on after the collapse alarm paused it (``trainer.collapse.action=pause``):
+    ``{"resumed": true|false, "global_step": N}``; the alarm's counts start over."""
+    srv = _admin(request)
+    return JSONResponse(srv.resume_training())
 
 
 async def checkpoint(request: Request) -> Response:

@@ -119,6 +119,9 @@ function drawCharts() {
   charts.push(lineChart("KL, entropy, clip fraction", [series("approx KL", "approx_kl", true),
     series("entropy", "entropy", true), series("clip frac", "clip_frac", true)]));
   charts.push(lineChart("Gradient norm", [series("grad norm", "grad_norm")]));
+  charts.push(lineChart("Collapse signals", [series("identical groups", "collapse/identical_groups", true),
+    series("flat groups", "collapse/flat_groups", true), series("entropy", "collapse/entropy", true),
+    ...families("task/").map(f => series(f, "task/" + f, true))]));
   const rate = [], epm = [];
   for (let i = 1; i < metrics.length; i++) {
     const a = metrics[i - 1], b = metrics[i], dt = b.time - a.time;
@@ -160,10 +163,18 @@ async function refreshOverview() {
   document.getElementById("headline").textContent =
     `${s.model || "no model"} · step ${s.global_step} · policy v${s.policy_version} · up ${secs(s.uptime_s || 0)}` +
     (s.training_finished ? " · training finished: " + s.training_finished : "") + (s.last_error ? " · error: " + s.last_error : "") +
+    (s.pool?.alarm?.active ? " · COLLAPSE ALARM" + (s.pool.alarm.paused ? " (training paused)" : "") : "") +
     (o.live ? "" : " · " + (s.source || "not live"));
   replace("states", drawStates(o.states, o.now));
   const pool = s.pool || {}, fill = pool.fill, trainer = pool.trainer || {};
   const poolBox = el("div");
+  const alarm = pool.alarm || {};
+  if (alarm.message) {  // the collapse alarm: raised now, or the last one (docs/training.md "Collapse alarm")
+    const taken = alarm.last?.taken ? ` · action taken: ${alarm.last.taken}` : "";
+    poolBox.append(el("div", { class: alarm.active ? "async bad" : "async", id: "collapse-alarm",
+      text: (alarm.active ? "" : "last alarm (cleared): ") + (alarm.paused || alarm.message) + taken +
+        (alarm.rollbacks ? ` · ${alarm.rollbacks} rollback(s)` : "") }));
+  }
   if (trainer.mode === "async") {
     poolBox.append(el("div", { class: "async", text: `async training (η = ${trainer.max_staleness}): ` +
       (trainer.training ? `step ${s.global_step + 1} training in the background` : "trainer idle") +
@@ -197,7 +208,9 @@ async function refreshOverview() {
     ["aborted", e.aborted], ["reaped", e.reaped], ["calls", s.calls], ["tokens generated", s.tokens_generated]]));
   const last = pool.last_step || {};
   replace("laststep", kv([["step", last.step], ["reward", last.reward_mean], ["loss", last.loss],
-    ["samples", last.samples], ["merge ratio", last.merge_ratio], ["step time (s)", last.cycle_time_s],
+    ["samples", last.samples], ["merge ratio", last.merge_ratio],
+    ["identical groups", last["collapse/identical_groups"]], ["flat groups", last["collapse/flat_groups"]],
+    ["entropy", last["collapse/entropy"]], ["step time (s)", last.cycle_time_s],
     ["weight sync (s)", last.weight_sync_s]]));
   drawCharts();
   replace("running", table([["episode", r => link(r)], ["task", r => r.task_id], ["kind", r => r.eval ? "eval" : "train"],

@@ -1,0 +1,256 @@
+"""The collapse alarm (issue 34): the signal maths as pure functions, the alarm's counting, and a real
+server (tiny model, real trainer) driven to collapse: the alarm fires, pauses training, or rolls back
+to the checkpoint before its window with a lower learning rate and trains on."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+from omegaconf import OmegaConf
+
+from swarmkit.apps.serve import start_server_thread
+from swarmkit.client import SwarmClient
+from swarmkit.config.schema import CollapseConfig, TrainerConfig
+from swarmkit.pool.records import EpisodeRecord
+from swarmkit.swarm.collapse import (
+    ENTROPY,
+    FLAT,
+    GROUPS,
+    IDENTICAL,
+    SAMPLED_NLL,
+    CollapseAlarm,
+    collapse_signals,
+    group_signals,
+    is_flat,
+    rollout_key,
+    sampled_nll,
+    task_metrics,
+)
+
+TOKEN = "collapse-test-token"
+
+
+def _tl(generated, logprobs=None, role=None, prompt=(1, 2, 3)):
+    blocks = [{"author": "user", "text": "q", "token_ids": list(prompt), "logprobs": [0.0] * len(prompt),
+               "loss_mask": [0] * len(prompt)}]
+    for ids in generated:
+        lps = logprobs if logprobs is not None else [-0.5] * len(ids)
+        blocks.append({"author": "llm", "text": "a", "token_ids": list(ids), "logprobs": list(lps),
+                       "loss_mask": [1] * len(ids)})
+    return {"blocks": blocks, "role": role, "meta": {}}
+
+
+def _rec(eid, task, reward, timelines, **meta):
+    return EpisodeRecord(episode_id=eid, task_id=task, client_id="c", reward=reward, timelines=timelines,
+                         policy_version=0, meta=meta)
+
+
+# ---------------------------------------------------------------------- the signal maths
+def test_rollout_key_compares_generated_tokens_only():
+    a = _rec("a", "t", 0.0, [_tl([[5, 6]], prompt=(1, 2))])
+    b = _rec("b", "t", 0.0, [_tl([[5, 6]], prompt=(9, 9, 9))])  # another prompt, same answer
+    c = _rec("c", "t", 0.0, [_tl([[5, 7]])])
+    assert rollout_key(a) == rollout_key(b) != rollout_key(c)
+    # the role and the turn structure count: one two-token turn is not two one-token turns
+    assert rollout_key(_rec("d", "t", 0.0, [_tl([[5], [6]])])) != rollout_key(a)
+    assert rollout_key(_rec("e", "t", 0.0, [_tl([[5, 6]], role="spy")])) != rollout_key(a)
+
+
+def test_group_shares_against_a_direct_count():
+    same = [[4, 4]]
+    records = [
+        # task a: identical rollouts, flat rewards
+        _rec("a1", "a", 1.0, [_tl(same)]), _rec("a2", "a", 1.0, [_tl(same)]), _rec("a3", "a", 1.0, [_tl(same)]),
+        # task b: different rollouts, flat rewards
+        _rec("b1", "b", 0.0, [_tl([[1]])]), _rec("b2", "b", 0.0, [_tl([[2]])]),
+        # task c: identical rollouts, rewards differ (a noisy reward)
+        _rec("c1", "c", 0.0, [_tl(same)]), _rec("c2", "c", 1.0, [_tl(same)]),
+        # task d: different rollouts, rewards differ
+        _rec("d1", "d", 0.0, [_tl([[1]])]), _rec("d2", "d", 0.5, [_tl([[2]])]),
+        # task e: one rollout only (not counted); a demonstration (never counted)
+        _rec("e1", "e", 0.0, [_tl(same)]),
+        _rec("a4", "a", 0.0, [_tl([[8]])], demonstration=True),
+    ]
+    out = group_signals(records)
+    assert out == {IDENTICAL: 2 / 4, FLAT: 2 / 4, GROUPS: 4.0}
+    assert group_signals(records[-2:]) == {}  # no group of two rollouts: nothing measured
+
+
+def test_flat_groups_per_role():
+    assert is_flat([1.0, 1.0, 1.0 + 1e-12])
+    assert not is_flat([1.0, 1.0, 0.9])
+    # a zero-sum game: the mean over roles is constant, but each role's reward varies: not flat
+    assert not is_flat([{"spy": 1.0, "civ": -1.0}, {"spy": -1.0, "civ": 1.0}])
+    assert is_flat([{"spy": 1.0, "civ": -1.0}, {"spy": 1.0, "civ": -1.0}])
+
+
+def test_sampled_nll_is_the_mean_negative_logprob_of_generated_tokens():
+    records = [_rec("a", "t", 0.0, [_tl([[1, 2]], logprobs=[-0.1, -0.3]), _tl([[3]], logprobs=[-2.0])]),
+               _rec("b", "t", 0.0, [_tl([[4, 5]], logprobs=[math.nan, -1.0])]),  # NaN: not recorded
+               _rec("c", "t", 0.0, [_tl([[6]], logprobs=[-9.0])], demonstration=True)]
+    records[0].timelines[0]["blocks"][1]["loss_mask"] = [1, 0]  # a masked generated token is not counted
+    expected = (0.1 + 2.0 + 1.0) / 3
+    assert sampled_nll(records) == pytest.approx(expected, abs=1e-12)
+    assert sampled_nll([records[2]]) is None
+
+
+def test_task_metrics_average_what_clients_report():
+    records = [_rec("a", "t", 0.0, [], metrics={"valid_tool_call": 1.0, "turns": 3}),
+               _rec("b", "t", 0.0, [], metrics={"valid_tool_call": False}),
+               _rec("c", "t", 0.0, [], metrics={"valid_tool_call": "yes", "bad": math.inf}),  # ignored
+               _rec("d", "t", 0.0, []),
+               _rec("e", "t", 0.0, [], metrics={"valid_tool_call": 1.0}, demonstration=True)]
+    assert task_metrics(records) == {"task/turns": 3.0, "task/valid_tool_call": 0.5}
+
+
+def test_collapse_signals_take_the_trainers_entropy_when_it_reports_one():
+    records = [_rec("a", "t", 0.0, [_tl([[1]], logprobs=[-0.2])]), _rec("b", "t", 0.0, [_tl([[1]], logprobs=[-0.4])])]
+    out = collapse_signals(records, {})
+    assert out[SAMPLED_NLL] == pytest.approx(0.3) and out[ENTROPY] == pytest.approx(0.3)
+    assert collapse_signals(records, {"entropy": 1.25})[ENTROPY] == 1.25
+    assert collapse_signals(records, {"entropy": math.nan})[ENTROPY] == pytest.approx(0.3)
+    assert out[IDENTICAL] == 1.0 and out[FLAT] == 1.0
+
+
+def test_trainer_config_takes_the_collapse_group_as_a_dict():
+    cfg = TrainerConfig(**{"collapse": {"action": "pause", "patience": 2}})
+    assert isinstance(cfg.collapse, CollapseConfig) and cfg.collapse.patience == 2 and cfg.collapse.lr_factor == 0.5
+    with pytest.raises(TypeError):
+        TrainerConfig(collapse={"nope": 1})
+
+
+# ---------------------------------------------------------------------- the alarm
+def test_the_alarm_fires_after_patience_steps_in_a_row_once_per_run():
+    alarm = CollapseAlarm(CollapseConfig(patience=3, validity_metric="valid", validity_min=0.5))
+    ok = {IDENTICAL: 0.1, FLAT: 0.2, ENTROPY: 1.0, "task/valid": 0.9}
+    bad = {**ok, FLAT: 1.0}
+    assert alarm.observe(1, ok) is None
+    assert alarm.observe(2, bad) is None and alarm.observe(3, bad) is None
+    assert alarm.observe(4, ok) is None  # the run is broken: count again
+    assert [alarm.observe(s, bad) for s in (5, 6)] == [None, None]
+    fired = alarm.observe(7, {IDENTICAL: 0.1, ENTROPY: 1.0})  # flat not measured at step 7: its run stands
+    assert fired is None
+    fired = alarm.observe(8, bad)
+    assert fired is not None and fired.step == 8 and fired.window_start == 5
+    assert [c.signal for c in fired.crossings] == [FLAT] and "flat_groups 1.000 > 0.95 for 3 steps" in fired.message
+    assert alarm.active is fired
+    assert alarm.observe(9, bad) is None and alarm.active is fired  # once per run; still raised
+    assert alarm.observe(10, ok) is None and alarm.active is None  # cleared
+    # below-thresholds: entropy and the validity metric
+    low = {**ok, ENTROPY: 0.01, "task/valid": 0.2}
+    assert alarm.observe(11, low) is None and alarm.observe(12, low) is None
+    fired = alarm.observe(13, low)
+    assert fired is not None and {c.signal for c in fired.crossings} == {ENTROPY, "task/valid"}
+    assert alarm.fired == 2
+    alarm.reset()
+    assert alarm.active is None and alarm.runs == {}
+
+
+def test_a_disabled_alarm_never_fires():
+    alarm = CollapseAlarm(CollapseConfig(enabled=False, patience=1))
+    assert alarm.observe(1, {FLAT: 1.0, IDENTICAL: 1.0, ENTROPY: 0.0}) is None
+
+
+# ---------------------------------------------------------------------- end to end (tiny model, real trainer)
+def _serve(train_cfg, run_dir, **collapse):
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.backend.device = "cpu"
+    cfg.logger = []
+    cfg.model.lora_rank = 0
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 2, 2
+    cfg.trainer.total_steps = 0
+    cfg.trainer.checkpoint_every = 1
+    cfg.trainer.keep_checkpoints = 2
+    for key, value in collapse.items():
+        cfg.trainer.collapse[key] = value
+    return start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                           "run_dir": str(run_dir)}}, config=cfg)
+
+
+def _one_step(c: SwarmClient, step_no: int, flat: bool) -> None:
+    """One batch: 2 tasks x 2 rollouts of a 3-token answer; rewards vary unless ``flat``."""
+    for task in range(2):
+        for k in range(2):
+            with c.episode(f"s{step_no}-t{task}") as ep:
+                r = httpx.post(ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
+                               json={"model": "m", "messages": [{"role": "user", "content": f"hi {task}"}],
+                                     "max_tokens": 3, "temperature": 1.0}, timeout=60)
+                assert r.status_code == 200, r.text
+                ep.report(0.5 if flat else float(k), meta={"metrics": {"valid": 1.0}})
+
+
+def _wait(pred, timeout=60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        out = pred()
+        if out:
+            return out
+        time.sleep(0.1)
+    raise AssertionError("timed out")
+
+
+def _rows(run_dir, kind="train"):
+    return [r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == kind]
+
+
+@pytest.mark.parametrize("action", ["pause", "rollback"])
+def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, tmp_path, action):
+    """Two healthy steps (rewards vary), then every group flat (a constant reward: GRPO has no signal);
+    with patience 2 the alarm fires on the second flat step (steps 3-4). pause: no further step trains
+    until the controller resumes; rollback: the server goes back to step 2's checkpoint, halves the
+    learning rate, and trains on."""
+    h = _serve(train_cfg, tmp_path, patience=2, action=action)
+    try:
+        with SwarmClient(h.url, token=TOKEN, retry_for=30) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=120)
+            for step_no, flat in ((1, False), (2, False), (3, True), (4, True)):
+                _one_step(c, step_no, flat)
+                if step_no < 4:
+                    _wait(lambda n=step_no: len(_rows(tmp_path)) >= n)
+            alarm = _wait(lambda: c.status()["pool"]["alarm"].get("message") and c.status()["pool"]["alarm"])
+            rows = _rows(tmp_path)
+            assert [r["collapse/flat_groups"] for r in rows[:4]] == [0.0, 0.0, 1.0, 1.0]
+            assert all(r["task/valid"] == 1.0 and r["collapse/entropy"] > 0 for r in rows[:4])
+            assert rows[3]["collapse/alarm"] == 1.0 and rows[2]["collapse/alarm"] == 0.0
+            assert alarm["last"]["step"] == 4 and alarm["last"]["window_start"] == 3
+            assert "collapse/flat_groups 1.000 > 0.95 for 2 steps" in alarm["message"]
+            assert alarm["last"]["taken"] == action
+            lr_before = rows[3]["lr"]
+            text = _metrics_text(h.url)
+            if action == "pause":
+                assert alarm["active"] and alarm["paused"] and "resume_training" in alarm["paused"]
+                assert "swarmkit_collapse_alarm 1.0" in text and "swarmkit_training_paused 1.0" in text
+                _one_step(c, 5, False)  # episodes are still accepted ...
+                time.sleep(1.0)
+                st = c.status()
+                assert st["global_step"] == 4 and st["pool"]["episodes"] == 4  # ... but nothing trains
+                assert httpx.post(h.url + "/api/v1/admin/resume_training",
+                                  headers={"Authorization": f"Bearer {TOKEN}"}).json()["resumed"] is True
+                _wait(lambda: c.status()["global_step"] == 5)
+                assert c.status()["pool"]["alarm"]["paused"] is None
+            else:
+                assert alarm["rollbacks"] == 1 and alarm["last"]["rolled_back_to"] == 2
+                assert alarm["last"]["lr_factor"] == 0.5 and alarm["last"]["retired_episodes"] == 8
+                st = c.status()
+                assert st["global_step"] == 2 and st["policy_version"] == 2 and not st["pool"]["alarm"]["paused"]
+                assert "swarmkit_collapse_rollbacks_total 1.0" in text
+                ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+                assert ckpts[-1] == "step_00000002"
+                _one_step(c, 5, False)  # training goes on from step 2, at half the learning rate
+                _wait(lambda: c.status()["global_step"] == 3)
+                again = _rows(tmp_path)[-1]
+                assert again["step"] == 3 and again["lr"] == pytest.approx(lr_before * 0.5)
+                assert again["collapse/alarm"] == 0.0
+            assert _rows(tmp_path, "alarm")[0]["taken"] == action
+    finally:
+        h.stop()
+
+
+def _metrics_text(url: str) -> str:
+    return httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
