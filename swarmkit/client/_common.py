@@ -15,6 +15,7 @@ import random
 import re
 import secrets
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,21 @@ class HoldsClientId:
     _client_key: str | None = None
     #: the id was given by the caller (a restarted client comes back under it: its key is kept on disk)
     _named: bool = False
+
+    def _settings(self, url: str, token: str | None, client_id: str | None, client_token: str | None,
+                  timeout: float, retry_for: float, on_retry: Any, heartbeat_s: float | None) -> None:
+        """What both clients' constructors set (their parameters are documented on
+        :class:`~swarmkit.client.SwarmClient`); the environment gives the tokens left out."""
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
+        self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
+        self._named = client_id is not None
+        self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
+        self._client_key = None
+        self.retry_for = float(retry_for)
+        self.on_retry = on_retry
+        self._timeout = float(timeout)
+        self.heartbeat_s = heartbeat_s
 
     def _key_header(self, *, create: bool = False) -> dict[str, str]:
         """The key header; with ``create``, a fresh key when this client has none yet (registrations

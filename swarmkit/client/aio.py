@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -129,18 +128,9 @@ class AsyncSwarmClient(HoldsClientId):
         transport: httpx.AsyncBaseTransport | None = None,
         heartbeat_s: float | None = HEARTBEAT_S,
     ):
-        self.url = url.rstrip("/")
-        self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
-        self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
-        self._named = client_id is not None
-        self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
-        self._client_key: str | None = None
-        self.retry_for = float(retry_for)
-        self.on_retry = on_retry
-        self._timeout = float(timeout)
+        self._settings(url, token, client_id, client_token, timeout, retry_for, on_retry, heartbeat_s)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport,
                                        headers={CLIENT_HEADER: self.client_id})
-        self.heartbeat_s = heartbeat_s
         #: episodes registered here, until they end or are dropped (the heartbeat runs while one is open)
         self._open: weakref.WeakSet[AsyncEpisode] = weakref.WeakSet()
         self._beat_task: asyncio.Task[None] | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -143,18 +142,9 @@ class SwarmClient(HoldsClientId):
         transport: httpx.BaseTransport | None = None,
         heartbeat_s: float | None = HEARTBEAT_S,
     ):
-        self.url = url.rstrip("/")
-        self.token = token if token is not None else os.environ.get("SWARMKIT_ADMIN_TOKEN")
-        self.client_id = client_id or "client-" + uuid.uuid4().hex[:16]
-        self._named = client_id is not None
-        self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
-        self._client_key: str | None = None
-        self.retry_for = float(retry_for)
-        self.on_retry = on_retry
-        self._timeout = float(timeout)
+        self._settings(url, token, client_id, client_token, timeout, retry_for, on_retry, heartbeat_s)
         self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
                                   headers={CLIENT_HEADER: self.client_id})
-        self.heartbeat_s = heartbeat_s
         #: episodes registered here, until they end or are dropped (the heartbeat runs while one is open)
         self._open: weakref.WeakSet[Episode] = weakref.WeakSet()
         self._beat_stop = threading.Event()
