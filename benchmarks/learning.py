@@ -49,7 +49,8 @@ def main() -> int:
         return proc.returncode
     peak_rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 / 1024
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [row for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
+             for row in [json.loads(line)] if row.get("kind", "train") == "train"]
     before = summary["eval_before"]
     threshold = before["mean"] + before["ci95"]
     first_better = None

@@ -36,8 +36,15 @@ def run_token_rule_job(run_dir, *overrides: str, timeout: float = 600) -> subpro
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
     out = run_token_rule_job(tmp_path, f"algo={algo}")
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    every = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in every if r["kind"] == "train"]
     assert len(rows) >= 30 and all("reward_mean" in r and "loss" in r for r in rows)
+    # each eval round is recorded at the step it ran after (the last one has no training step after it)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    evals = [r for r in every if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, rows[-1]["step"]], evals
+    assert evals[0]["eval_reward/token_rule"] == pytest.approx(summary["eval_before"]["mean"])
+    assert evals[-1]["eval_reward/token_rule"] == pytest.approx(summary["eval_after"]["mean"])
     assert (tmp_path / "tensorboard").is_dir()
     assert "eval reward before training" in out.stdout and "step  30" in out.stdout
     # piped: one whole line per step, none lost between two status polls, none cut at 80 columns

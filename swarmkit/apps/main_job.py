@@ -154,8 +154,10 @@ class ServerSession:
     def evaluate(self) -> EvalResult:
         """Greedy reward on the held-out tasks (eval episodes: never trained on)."""
         task = self.cfg.task
-        return evaluate(self.ctl, self.eval_tasks, max_tokens=int(task.max_tokens),
-                        concurrency=int(task.concurrency))
+        result = evaluate(self.ctl, self.eval_tasks, max_tokens=int(task.max_tokens),
+                          concurrency=int(task.concurrency))
+        self.handle.swarm.record_eval()  # the round's rewards go to metrics.jsonl at the step they were taken
+        return result
 
     def status(self) -> dict[str, Any]:
         return self.ctl.status()

@@ -198,6 +198,11 @@ class TrainingCycle:
         """The batching policy's active window (the server's client tracker uses it); None before boot."""
         return float(self.policy.active_window_s) if self.policy is not None else None
 
+    def record_eval(self, metrics: dict[str, float]) -> None:
+        """An eval round's rewards, as an ``eval`` row of ``metrics.jsonl`` at the current step."""
+        if self.metrics is not None:
+            self.metrics.write(self.global_step, metrics, kind="eval")
+
     def waiting(self) -> list[PoolEpisode]:
         """The accepted episodes waiting in the pool for a step."""
         return self.pool.view()

@@ -121,6 +121,9 @@ class Cycle(Protocol):
     def waiting(self) -> list[Any]:
         """The accepted episodes waiting for a step (``task_id``, ``task_family``, ``reward``)."""
 
+    def record_eval(self, metrics: dict[str, float]) -> None:
+        """Record an eval round's rewards (``eval_reward/<family>``...) at the current step."""
+
     def resume_training(self) -> dict[str, Any]:
         """Training goes on after the collapse alarm paused it (``{"resumed": bool, "global_step"}``)."""
 
@@ -165,6 +168,9 @@ class MemoryCycle:
 
     def waiting(self) -> list[Any]:
         return []
+
+    def record_eval(self, metrics: dict[str, float]) -> None:
+        pass
 
     def resume_training(self) -> dict[str, Any]:
         return {"resumed": False, "global_step": 0}
@@ -718,6 +724,15 @@ class SwarmServer:
                            "retry", 1.0, "pool_unavailable") from None
             accepted = True
         self.episodes.finish(ep, ep.reward if ep.reward is not None else 0.0, ep.rewards, accepted)
+
+    def record_eval(self) -> dict[str, float]:
+        """End an eval round: its rewards per task family (since the last step or round) are recorded at
+        the current step (an ``eval`` row of ``metrics.jsonl``), not with the next training step, which
+        for the last round never comes. Returns them."""
+        tally = self.eval_tally.take()
+        if tally:
+            self.cycle.record_eval(tally)
+        return tally
 
     def waiting(self) -> list[Any]:
         """Accepted episodes waiting in the pool for a step (``task_id``, ``task_family``, ``reward``)."""

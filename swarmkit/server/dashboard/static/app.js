@@ -97,9 +97,10 @@ function lineChart(title, series, xLabel = "step") {
   return box;
 }
 // rl: the key is a policy-gradient number, meaningless on a step of demonstrations only (supervised)
-function series(name, key, rl = false) {
+// kinds: the metrics rows it reads ("train" steps; "eval" rounds are recorded at the step they ran after)
+function series(name, key, rl = false, kinds = ["train"]) {
   const sftOnly = r => r.demonstrations > 0 && r.demonstrations === r.episodes;
-  return { name, points: metrics.filter(r => r.kind === "train" && r[key] !== undefined && !(rl && sftOnly(r)))
+  return { name, points: metrics.filter(r => kinds.includes(r.kind) && r[key] !== undefined && !(rl && sftOnly(r)))
     .map(r => [r.step, r[key]]) };
 }
 function families(prefix) {
@@ -113,7 +114,7 @@ function drawCharts() {
   const train = families("reward_mean/"), evals = families("eval_reward/");
   charts.push(lineChart("Reward per task family (train)",
     train.length ? train.map(f => series(f, "reward_mean/" + f)) : [series("all", "reward_mean")]));
-  charts.push(lineChart("Reward per task family (eval, held out)", evals.map(f => series(f, "eval_reward/" + f))));
+  charts.push(lineChart("Reward per task family (eval, held out)", evals.map(f => series(f, "eval_reward/" + f, false, ["train", "eval"]))));
   charts.push(lineChart("Loss", [series("loss", "loss", true), series("pg loss", "pg_loss", true),
     series("sft nll", "sft_nll")]));
   charts.push(lineChart("KL, entropy, clip fraction", [series("approx KL", "approx_kl", true),
