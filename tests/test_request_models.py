@@ -11,11 +11,13 @@ from swarmkit.server import fields
 from swarmkit.server.openapi import openapi_document
 from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
+from swarmkit.server.schema.responses import ResponsesRequest
 from swarmkit.server.schema.spec import Number, Refused, spec
 
 MODELS = {"/v1/chat/completions": (ChatRequest, fields.CHAT), "/v1/completions": (CompletionsRequest, fields.COMPLETIONS),
           "/v1/messages": (MessagesRequest, fields.MESSAGES),
-          "/v1/messages/count_tokens": (CountTokensRequest, fields.COUNT_TOKENS)}
+          "/v1/messages/count_tokens": (CountTokensRequest, fields.COUNT_TOKENS),
+          "/v1/responses": (ResponsesRequest, fields.RESPONSES)}
 
 
 def _body(path: str) -> dict:
@@ -80,4 +82,26 @@ def test_completions_request_to_sampling_params():
                               ({"prompt": "hi", "functions": [{}]}, "unsupported_field", "functions")]:
         with pytest.raises(ApiError) as e:
             CompletionsRequest.parse(body)
+        assert (e.value.code, e.value.param) == (code, param), body
+
+
+def test_responses_request_to_sampling_params():
+    req = ResponsesRequest.parse({"input": "hi", "max_output_tokens": 50, "temperature": 0.5, "top_logprobs": 3,
+                                  "instructions": "be brief", "text": {"format": {"type": "text"}}})
+    params = req.to_sampling_params(40, None)
+    assert (params.max_tokens, params.temperature, params.top_logprobs, params.response_format) == (40, 0.5, 3, None)
+    assert req.logprobs and req.instructions == "be brief" and req.tool_choice.mode == "none"
+    plain = ResponsesRequest.parse({"input": "hi", "include": ["message.output_text.logprobs"]})
+    assert plain.logprobs and plain.to_sampling_params(30, None).top_logprobs == 0
+    for body, code, param in [({}, "missing_field", "input"), ({"input": "hi", "truncation": "auto"},
+                                                                "unsupported_field", "truncation"),
+                              ({"input": "hi", "reasoning": {"effort": "high"}}, "unsupported_field", "reasoning"),
+                              ({"input": "hi", "include": ["x"]}, "unsupported_field", "include"),
+                              ({"input": "hi", "instructions": 3}, "invalid_value", "instructions"),
+                              ({"input": "hi", "stream": "yes"}, "invalid_value", "stream"),
+                              ({"input": "hi", "tools": [{"type": "web_search"}]}, "unsupported_field", "tools[0]"),
+                              ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "invalid_value",
+                               "text.format")]:
+        with pytest.raises(ApiError) as e:
+            ResponsesRequest.parse(body)
         assert (e.value.code, e.value.param) == (code, param), body

@@ -28,7 +28,8 @@ from swarmkit.server.schema.jsonschema import (
     ref,
     string,
 )
-from swarmkit.server.schema.openai import MAX_TOKENS, ChatRequest, CompletionsRequest
+from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
+from swarmkit.server.schema.responses import ResponsesRequest
 
 Security = list[dict[str, list[str]]]
 
@@ -215,61 +216,6 @@ def _components() -> Schema:
     }
 
 
-def _sampling() -> dict[str, Schema]:
-    """Fields the OpenAI endpoints share (``swarmkit/server/routes/openai.py::sampling_params``)."""
-    return {
-        "model": string("accepted and ignored: the server serves one model"),
-        "temperature": number(0, 2, "below 1e-5: greedy (as 0)"), "top_p": number(0, 1),
-        "max_tokens": integer(1, MAX_TOKENS, "clipped to the context left"),
-        "n": integer(1, 128), "stop": ref("Stop"), "seed": integer(-(2**63), 2**63 - 1), "stream": BOOL,
-        "stream_options": obj({"include_usage": BOOL}),
-        "logit_bias": ref("LogitBias"),
-        "frequency_penalty": number(-2, 2), "presence_penalty": number(-2, 2),
-        "top_k": integer(-1, 10**6), "min_p": number(0, 1), "repetition_penalty": number(1e-6, 10),
-        "skip_special_tokens": {**BOOL, "description": "drop special tokens from the returned text (default "
-                                "false: the text keeps every generated token, so sent back it replays them)"},
-        "user": string("ignored"),
-    }
-
-
-def _responses_body() -> Schema:
-    part = obj({"type": enum("input_text", "output_text", "text", "refusal"), "text": string(),
-                "refusal": string()}, ("type",))
-    content = {"anyOf": [string(), array(part)]}
-    item = {"anyOf": [
-        obj({"type": enum("message"), "role": enum("user", "system", "developer", "assistant"),
-             "content": content}, ("role",)),
-        obj({"type": enum("function_call"), "call_id": string(), "name": string(), "arguments": string()},
-            ("type", "call_id", "name")),
-        obj({"type": enum("function_call_output"), "call_id": string(), "output": content},
-            ("type", "call_id")),
-        obj({"type": enum("item_reference"), "id": string()}, ("type", "id")),
-        obj({"type": enum("reasoning"), "content": array(obj({"type": string(), "text": string()}, ("text",))),
-             "summary": array(obj({"type": string(), "text": string()}, ("text",)))}, ("type",)),
-    ]}
-    tool = obj({"type": enum("function"), "name": string(), "description": string(), "parameters": ANY_OBJECT,
-                "strict": {"anyOf": [{"const": False}, {"type": "null"}]}}, ("type", "name"),
-               description="a function tool (built-in tools are refused with 400)")
-    return obj({
-        "model": string("accepted and ignored"),
-        "input": {"anyOf": [string(), array(item)]},
-        "instructions": nullable(string()),
-        "tools": nullable(array(tool)),
-        "tool_choice": {"anyOf": [enum("none", "auto", "required"),
-                                  obj({"type": enum("function"), "name": string()}, ("type", "name"))]},
-        "parallel_tool_calls": nullable(BOOL),
-        "max_output_tokens": nullable(integer(1, MAX_TOKENS)),
-        "temperature": nullable(number(0, 2)), "top_p": nullable(number(0, 1)),
-        "top_logprobs": nullable(integer(0, 20)),
-        "include": nullable(array(enum("message.output_text.logprobs"))),
-        "stream": nullable(BOOL), "previous_response_id": nullable(string()), "store": nullable(BOOL),
-        "text": obj({"format": nullable(ref("ResponseFormat")), "verbosity": nullable(enum("medium"))},
-                    closed=True),
-        "truncation": nullable(enum("disabled")),
-        "metadata": ANY_OBJECT, "user": string(),
-    }, ("input",))
-
-
 # --------------------------------------------------------------------------- the paths
 def _inference_paths() -> dict[str, Schema]:
     call_errors = (400, 401, 403, 409, 410, 429, 503)
@@ -304,7 +250,7 @@ def _inference_paths() -> dict[str, Schema]:
             responses={"200": answer("the prompt length", obj({"input_tokens": integer(0)}, ("input_tokens",)),
                                      headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
         "/v1/responses": {"post": op(
-            "OpenAI Responses", tag, EPISODE, operation_id="createResponse", body=json_body(_responses_body()),
+            "OpenAI Responses", tag, EPISODE, operation_id="createResponse", body=json_body(ResponsesRequest.openapi_body()),
             responses={"200": answer("a response (its events with stream: true)", response, stream=True,
                                      headers=IGNORED_HEADERS), **errors(*call_errors)})},
         "/v1/responses/{response_id}": {"get": op(

@@ -202,6 +202,11 @@ class Refused(Spec):
         return self._schema if self._schema is not None else {"description": f"refused (400): {self.why}"}
 
 
+def not_supported(name: str) -> Refused:
+    """A field refused (400 ``'<name>' is not supported``) unless absent, empty or null."""
+    return Refused(([], {}), "not supported", message=f"'{name}' is not supported")
+
+
 def spec(s: Spec, *, listed: bool = True) -> Any:
     """The dataclass field of a request model that ``s`` describes (``listed=False``: checked, but neither
     in the field table nor in the document)."""
