@@ -10,6 +10,15 @@ from swarmkit.errors import ApiError
 from swarmkit.server import fields
 from swarmkit.server.openapi import openapi_document
 from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
+from swarmkit.server.schema.control import (
+    AbortRequest,
+    DemonstrationRequest,
+    HeartbeatRequest,
+    PrepareRequest,
+    ReadyRequest,
+    RegisterRequest,
+    ReportRequest,
+)
 from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
 from swarmkit.server.schema.responses import ResponsesRequest
 from swarmkit.server.schema.spec import Number, Refused, spec
@@ -105,3 +114,46 @@ def test_responses_request_to_sampling_params():
         with pytest.raises(ApiError) as e:
             ResponsesRequest.parse(body)
         assert (e.value.code, e.value.param) == (code, param), body
+
+
+#: the control API's bodies: their OpenAPI body is the model's, and their field errors are 422
+CONTROL = {"/api/v1/episodes": RegisterRequest, "/api/v1/episodes/{episode_id}/report": ReportRequest,
+           "/api/v1/episodes/{episode_id}/prepare": PrepareRequest,
+           "/api/v1/episodes/{episode_id}/abort": AbortRequest,
+           "/api/v1/episodes/{episode_id}/demonstration": DemonstrationRequest,
+           "/api/v1/clients/ready": ReadyRequest, "/api/v1/clients/heartbeat": HeartbeatRequest}
+
+
+@pytest.mark.parametrize("path", list(CONTROL))
+def test_the_control_bodies_come_from_their_models(path):
+    model = CONTROL[path]
+    assert model.endpoint == path and _body(path) == model.openapi_body()
+    assert set(_body(path)["properties"]) == model.table().known
+
+
+@pytest.mark.parametrize("model, body, status, code, param", [
+    (RegisterRequest, {}, 422, "missing_field", "task_id"),
+    (RegisterRequest, {"task_id": ""}, 422, "invalid_field", "task_id"),
+    (RegisterRequest, {"task_id": "t", "eval": None}, 422, "invalid_field", "eval"),
+    (RegisterRequest, {"task_id": "t", "roles": ["a", "a"]}, 422, "invalid_field", "roles"),
+    (RegisterRequest, {"task_id": "t", "meta": []}, 422, "invalid_field", "meta"),
+    (RegisterRequest, {"task_id": "t", "client_id": "x" * 129}, 422, "invalid_field", "client_id"),
+    (ReportRequest, {"meta": {}}, 422, "missing_field", "reward"),
+    (PrepareRequest, {"reward": 1, "primary": {"url": "ftp://x", "episode_id": "e", "api_key": "k"}}, 422,
+     "invalid_field", "primary.url"),
+    (AbortRequest, {"reason": None}, 422, "invalid_field", "reason"),
+    (DemonstrationRequest, {}, 400, "missing_field", "messages"),
+    (ReadyRequest, {}, 422, "invalid_field", "ready"),
+    (HeartbeatRequest, {"interval_s": 600}, 422, "invalid_field", "interval_s"),
+])
+def test_the_control_bodies_answer_422_naming_the_field(model, body, status, code, param):
+    with pytest.raises(ApiError) as e:
+        model.parse(body)
+    assert (e.value.status, e.value.code, e.value.param) == (status, code, param)
+
+
+def test_the_control_bodies_read_their_defaults():
+    reg = RegisterRequest.parse({"task_id": 7})
+    assert (reg.task_id, reg.eval, reg.meta, reg.roles, reg.client_id) == ("7", False, {}, None, None)
+    assert AbortRequest.parse({}).reason == "aborted by the client"
+    assert HeartbeatRequest.parse({}).interval_s is None and ReadyRequest.parse({"ready": True}).ready
