@@ -12,6 +12,7 @@ from swarmkit.server.openapi import openapi_document
 from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.control import (
     AbortRequest,
+    ConfigureRequest,
     DemonstrationRequest,
     HeartbeatRequest,
     PrepareRequest,
@@ -121,7 +122,8 @@ CONTROL = {"/api/v1/episodes": RegisterRequest, "/api/v1/episodes/{episode_id}/r
            "/api/v1/episodes/{episode_id}/prepare": PrepareRequest,
            "/api/v1/episodes/{episode_id}/abort": AbortRequest,
            "/api/v1/episodes/{episode_id}/demonstration": DemonstrationRequest,
-           "/api/v1/clients/ready": ReadyRequest, "/api/v1/clients/heartbeat": HeartbeatRequest}
+           "/api/v1/clients/ready": ReadyRequest, "/api/v1/clients/heartbeat": HeartbeatRequest,
+           "/api/v1/admin/configure": ConfigureRequest}
 
 
 @pytest.mark.parametrize("path", list(CONTROL))
@@ -145,6 +147,8 @@ def test_the_control_bodies_come_from_their_models(path):
     (DemonstrationRequest, {}, 400, "missing_field", "messages"),
     (ReadyRequest, {}, 422, "invalid_field", "ready"),
     (HeartbeatRequest, {"interval_s": 600}, 422, "invalid_field", "interval_s"),
+    (ConfigureRequest, {"config": {}, "yaml": "a: 1"}, 422, "missing_field", "config"),
+    (ConfigureRequest, {"overrides": "backend=hf"}, 422, "invalid_field", "overrides"),
 ])
 def test_the_control_bodies_answer_422_naming_the_field(model, body, status, code, param):
     with pytest.raises(ApiError) as e:

@@ -17,6 +17,7 @@ from swarmkit import __version__
 from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.control import (
     AbortRequest,
+    ConfigureRequest,
     DemonstrationRequest,
     HeartbeatRequest,
     PrepareRequest,
@@ -295,14 +296,6 @@ def _inference_paths() -> dict[str, Schema]:
 def _controller_paths() -> dict[str, Schema]:
     tag = "controller"
     state = obj({"state": enum("OFFLINE", "BOOTING", "ROLLING", "ROLLING_POST", "WEIGHT_SYNCING")}, ("state",))
-    configure = {
-        **obj({"config": {"type": "object", "description": "a full or partial training config (laid over the "
-                                                           "packaged defaults)"},
-               "overrides": array(string(), description="Hydra overrides, as on the command line"),
-               "yaml": string("the text of a YAML config")}),
-        "oneOf": [{"required": ["config"]}, {"required": ["overrides"]}, {"required": ["yaml"]}],
-        "description": "exactly one of config, overrides or yaml",
-    }
     status = obj({"state": string(), "since": number(), "last_error": nullable(string()), "global_step": integer(),
                   "policy_version": integer(), "configured": BOOL, "model": nullable(string()),
                   "training_finished": nullable(string()), "episodes": ANY_OBJECT, "pool": ANY_OBJECT,
@@ -322,7 +315,7 @@ def _controller_paths() -> dict[str, Schema]:
             responses={"200": answer("the status", status), **errors(401, 403)})},
         "/api/v1/admin/configure": {"post": op(
             "Set the training config (applies at the next start/restart while running)", tag, ADMIN,
-            operation_id="configure", body=json_body(configure),
+            operation_id="configure", body=json_body(ConfigureRequest.openapi_body()),
             responses={"200": answer("the config as validated (tokens redacted)",
                                      obj({"state": string(), "config": ANY_OBJECT, "note": nullable(string())},
                                          ("state", "config"))), **errors(400, 401, 403, 422)})},

@@ -1,5 +1,5 @@
 """The request models of the control API's bodies: the episode routes (register, report, prepare, abort,
-demonstration) and the client routes (ready, heartbeat).
+demonstration), the client routes (ready, heartbeat) and the controller's configure.
 
 Their field errors are 422 ``invalid_field`` (a missing field: ``missing_field``), as the control API
 answers them; what needs the server or the episode (the reward against the episode's roles, the
@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from swarmkit.config.compose import request_form
 from swarmkit.server.schema.jsonschema import Schema, array, integer, nullable, obj, ref, string
 from swarmkit.server.schema.openai import MESSAGES, TOOLS
 from swarmkit.server.schema.spec import (
     Custom,
+    FieldError,
     Flag,
     Number,
     Object,
@@ -172,3 +174,34 @@ class HeartbeatRequest(ControlRequest):
     interval_s: float | None = spec(Number(
         *BEAT_RANGE_S, None, "the seconds between this client's beats (missing three, it counts as gone)",
         message=f"'interval_s' must be a number of seconds in [{BEAT_RANGE_S[0]:g}, {BEAT_RANGE_S[1]:g}]"))
+
+
+# --------------------------------------------------------------------------- POST /api/v1/admin/configure
+_FORMS = ("config", "overrides", "yaml")
+
+
+@dataclass
+class ConfigureRequest(ControlRequest):
+    """``POST /api/v1/admin/configure``: exactly one of ``config``, ``overrides`` or ``yaml`` (the rule is the
+    config layer's :func:`~swarmkit.config.compose.request_form`, which composing the config applies too;
+    the config itself is validated by the training schemas when it is composed)."""
+
+    endpoint = "/api/v1/admin/configure"
+
+    config: dict[str, Any] | None = spec(Passed({"type": "object", "description": "a full or partial training "
+                                                 "config (laid over the packaged defaults)"}))
+    overrides: list[str] | None = spec(Passed(array(string(), description="Hydra overrides, as on the command line")))
+    yaml: str | None = spec(Passed(string("the text of a YAML config")))
+
+    def check(self) -> None:
+        try:
+            request_form({name: getattr(self, name) for name in _FORMS})
+        except ValueError as exc:
+            message, field = exc.args
+            raise FieldError(400, message, "missing_field" if field == "config" else "invalid_value",
+                             param=field) from None
+
+    @classmethod
+    def openapi_body(cls) -> Schema:
+        return {**super().openapi_body(), "oneOf": [{"required": [name]} for name in _FORMS],
+                "description": "exactly one of config, overrides or yaml"}
