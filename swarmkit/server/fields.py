@@ -20,6 +20,7 @@ from urllib.parse import quote
 from swarmkit.errors import ApiError
 from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
+from swarmkit.server.schema.responses import ResponsesRequest
 from swarmkit.server.schema.spec import FieldTable
 
 log = logging.getLogger("swarmkit.server")
@@ -27,22 +28,12 @@ log = logging.getLogger("swarmkit.server")
 IGNORED_HEADER = "X-Swarm-Ignored-Fields"
 
 
-_OPENAI_METADATA = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                    "prompt_cache_retention")
-
 #: derived from the request models (swarmkit/server/schema/): one declaration per field
 CHAT = ChatRequest.table()
 COMPLETIONS = CompletionsRequest.table()
 MESSAGES = MessagesRequest.table()
 COUNT_TOKENS = CountTokensRequest.table()
-RESPONSES = FieldTable.of(
-    "/v1/responses",
-    known=("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-           "temperature", "top_p", "stream", "previous_response_id", "include", "truncation", "text", "reasoning",
-           "top_logprobs", "conversation", "prompt", "background", "max_tool_calls", "context_management",
-           "stream_options"),
-    ignored=(*_OPENAI_METADATA, "prompt_cache_options"),
-)
+RESPONSES = ResponsesRequest.table()
 
 
 def unknown_fields(body: dict[str, object], table: FieldTable, *, strict: bool) -> list[str]:

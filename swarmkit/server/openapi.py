@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 description of a swarm server's HTTP API, served at ``GET /openapi.json``.
 
-The request bodies of the inference endpoints are derived from their request models
-(:mod:`swarmkit.server.schema`), the same declarations the handlers validate with; the
-rest is written by hand from the routes (``swarmkit/server/routes/``).
+The request bodies of the inference endpoints and of the episode and client routes are derived
+from their request models (:mod:`swarmkit.server.schema`), the same declarations the handlers
+validate with; the rest is written by hand from the routes (``swarmkit/server/routes/``).
 Unknown request fields are allowed (the server names them in ``X-Swarm-Ignored-Fields``
 unless ``server.strict_fields`` refuses them), so request objects stay open.
 ``tests/test_openapi.py`` fails when a route of ``app.py`` is not described here, and
@@ -15,6 +15,16 @@ import copy
 
 from swarmkit import __version__
 from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
+from swarmkit.server.schema.control import (
+    AbortRequest,
+    ConfigureRequest,
+    DemonstrationRequest,
+    HeartbeatRequest,
+    PrepareRequest,
+    ReadyRequest,
+    RegisterRequest,
+    ReportRequest,
+)
 from swarmkit.server.schema.jsonschema import (
     ANY_OBJECT,
     BOOL,
@@ -28,7 +38,8 @@ from swarmkit.server.schema.jsonschema import (
     ref,
     string,
 )
-from swarmkit.server.schema.openai import MAX_TOKENS, ChatRequest, CompletionsRequest
+from swarmkit.server.schema.openai import ChatRequest, CompletionsRequest
+from swarmkit.server.schema.responses import ResponsesRequest
 
 Security = list[dict[str, list[str]]]
 
@@ -215,61 +226,6 @@ def _components() -> Schema:
     }
 
 
-def _sampling() -> dict[str, Schema]:
-    """Fields the OpenAI endpoints share (``swarmkit/server/routes/openai.py::sampling_params``)."""
-    return {
-        "model": string("accepted and ignored: the server serves one model"),
-        "temperature": number(0, 2, "below 1e-5: greedy (as 0)"), "top_p": number(0, 1),
-        "max_tokens": integer(1, MAX_TOKENS, "clipped to the context left"),
-        "n": integer(1, 128), "stop": ref("Stop"), "seed": integer(-(2**63), 2**63 - 1), "stream": BOOL,
-        "stream_options": obj({"include_usage": BOOL}),
-        "logit_bias": ref("LogitBias"),
-        "frequency_penalty": number(-2, 2), "presence_penalty": number(-2, 2),
-        "top_k": integer(-1, 10**6), "min_p": number(0, 1), "repetition_penalty": number(1e-6, 10),
-        "skip_special_tokens": {**BOOL, "description": "drop special tokens from the returned text (default "
-                                "false: the text keeps every generated token, so sent back it replays them)"},
-        "user": string("ignored"),
-    }
-
-
-def _responses_body() -> Schema:
-    part = obj({"type": enum("input_text", "output_text", "text", "refusal"), "text": string(),
-                "refusal": string()}, ("type",))
-    content = {"anyOf": [string(), array(part)]}
-    item = {"anyOf": [
-        obj({"type": enum("message"), "role": enum("user", "system", "developer", "assistant"),
-             "content": content}, ("role",)),
-        obj({"type": enum("function_call"), "call_id": string(), "name": string(), "arguments": string()},
-            ("type", "call_id", "name")),
-        obj({"type": enum("function_call_output"), "call_id": string(), "output": content},
-            ("type", "call_id")),
-        obj({"type": enum("item_reference"), "id": string()}, ("type", "id")),
-        obj({"type": enum("reasoning"), "content": array(obj({"type": string(), "text": string()}, ("text",))),
-             "summary": array(obj({"type": string(), "text": string()}, ("text",)))}, ("type",)),
-    ]}
-    tool = obj({"type": enum("function"), "name": string(), "description": string(), "parameters": ANY_OBJECT,
-                "strict": {"anyOf": [{"const": False}, {"type": "null"}]}}, ("type", "name"),
-               description="a function tool (built-in tools are refused with 400)")
-    return obj({
-        "model": string("accepted and ignored"),
-        "input": {"anyOf": [string(), array(item)]},
-        "instructions": nullable(string()),
-        "tools": nullable(array(tool)),
-        "tool_choice": {"anyOf": [enum("none", "auto", "required"),
-                                  obj({"type": enum("function"), "name": string()}, ("type", "name"))]},
-        "parallel_tool_calls": nullable(BOOL),
-        "max_output_tokens": nullable(integer(1, MAX_TOKENS)),
-        "temperature": nullable(number(0, 2)), "top_p": nullable(number(0, 1)),
-        "top_logprobs": nullable(integer(0, 20)),
-        "include": nullable(array(enum("message.output_text.logprobs"))),
-        "stream": nullable(BOOL), "previous_response_id": nullable(string()), "store": nullable(BOOL),
-        "text": obj({"format": nullable(ref("ResponseFormat")), "verbosity": nullable(enum("medium"))},
-                    closed=True),
-        "truncation": nullable(enum("disabled")),
-        "metadata": ANY_OBJECT, "user": string(),
-    }, ("input",))
-
-
 # --------------------------------------------------------------------------- the paths
 def _inference_paths() -> dict[str, Schema]:
     call_errors = (400, 401, 403, 409, 410, 429, 503)
@@ -304,7 +260,7 @@ def _inference_paths() -> dict[str, Schema]:
             responses={"200": answer("the prompt length", obj({"input_tokens": integer(0)}, ("input_tokens",)),
                                      headers=IGNORED_HEADERS), **errors(*call_errors, anthropic=True)})},
         "/v1/responses": {"post": op(
-            "OpenAI Responses", tag, EPISODE, operation_id="createResponse", body=json_body(_responses_body()),
+            "OpenAI Responses", tag, EPISODE, operation_id="createResponse", body=json_body(ResponsesRequest.openapi_body()),
             responses={"200": answer("a response (its events with stream: true)", response, stream=True,
                                      headers=IGNORED_HEADERS), **errors(*call_errors)})},
         "/v1/responses/{response_id}": {"get": op(
@@ -340,14 +296,6 @@ def _inference_paths() -> dict[str, Schema]:
 def _controller_paths() -> dict[str, Schema]:
     tag = "controller"
     state = obj({"state": enum("OFFLINE", "BOOTING", "ROLLING", "ROLLING_POST", "WEIGHT_SYNCING")}, ("state",))
-    configure = {
-        **obj({"config": {"type": "object", "description": "a full or partial training config (laid over the "
-                                                           "packaged defaults)"},
-               "overrides": array(string(), description="Hydra overrides, as on the command line"),
-               "yaml": string("the text of a YAML config")}),
-        "oneOf": [{"required": ["config"]}, {"required": ["overrides"]}, {"required": ["yaml"]}],
-        "description": "exactly one of config, overrides or yaml",
-    }
     status = obj({"state": string(), "since": number(), "last_error": nullable(string()), "global_step": integer(),
                   "policy_version": integer(), "configured": BOOL, "model": nullable(string()),
                   "training_finished": nullable(string()), "episodes": ANY_OBJECT, "pool": ANY_OBJECT,
@@ -367,7 +315,7 @@ def _controller_paths() -> dict[str, Schema]:
             responses={"200": answer("the status", status), **errors(401, 403)})},
         "/api/v1/admin/configure": {"post": op(
             "Set the training config (applies at the next start/restart while running)", tag, ADMIN,
-            operation_id="configure", body=json_body(configure),
+            operation_id="configure", body=json_body(ConfigureRequest.openapi_body()),
             responses={"200": answer("the config as validated (tokens redacted)",
                                      obj({"state": string(), "config": ANY_OBJECT, "note": nullable(string())},
                                          ("state", "config"))), **errors(400, 401, 403, 422)})},
@@ -406,42 +354,25 @@ def _controller_paths() -> dict[str, Schema]:
 
 
 def _register() -> Schema:
-    body = obj({
-        "task_id": {"anyOf": [string(min_length=1, max_length=256), integer()],
-                    "description": "the task (an integer is read as its text)"},
-        "eval": BOOL,
-        "timeout_s": number(description="seconds until the server aborts it (default server.episode_timeout_s)"),
-        "roles": array(string(min_length=1, max_length=256), min_items=1, max_items=64,
-                       description="one key per role (no repeats)"),
-        "meta": {"type": "object", "description": "at most server.max_meta_bytes as JSON"},
-        "client_id": string(max_length=128, description="instead of the X-Swarm-Client header"),
-    }, ("task_id",))
     registered = obj({"episode_id": string(), "base_url": string(), "anthropic_base_url": string(),
                       "api_key": string(), "keys": nullable({"type": "object", "additionalProperties": string()}),
                       "roles": nullable(array(string())), "task_id": string(), "eval": BOOL, "deadline": number(),
                       "timeout_s": number(), "policy_version": integer(), "model": nullable(string())},
                      ("episode_id", "base_url", "api_key"))
     return op("Register an episode: its id, base URLs and keys", "episodes", CLIENT, operation_id="registerEpisode",
-              body=json_body(body), parameters=[CLIENT_HEADER],
+              body=json_body(RegisterRequest.openapi_body()), parameters=[CLIENT_HEADER],
               responses={"201": answer("registered", registered), **errors(400, 401, 403, 409, 422, 429, 503)})
 
 
 def _episode_paths() -> dict[str, Schema]:
     tag = "episodes"
     params = [EPISODE_ID, CLIENT_HEADER]
-    primary = obj({"url": string(min_length=1, max_length=2048, pattern="^https?://"),
-                   "episode_id": string(min_length=1, max_length=2048),
-                   "api_key": string(min_length=1, max_length=2048)}, ("url", "episode_id", "api_key"), closed=True,
-                  description="the episode whose commit decides this one (absent on the primary)")
     end_errors = (400, 401, 403, 404, 409, 410, 422, 503)
     prepared = obj({"episode_id": string(), "status": enum("prepared"), "reward": number(),
                     "rewards": nullable(ANY_OBJECT), "deadline": number()}, ("episode_id", "status"))
     timelines = obj({"episode_id": string(), "status": string(), "task_id": string(),
                      "timelines": array(ANY_OBJECT, description="Timeline.to_dict(): blocks, role, meta")},
                     ("episode_id", "timelines"))
-    demonstration = obj({"messages": array(ref("ChatMessage"), min_items=1,
-                                           description="a conversation ending with the assistant turns to learn"),
-                         "tools": nullable(array(ref("ChatTool")))}, ("messages",))
     e = "/api/v1/episodes/{episode_id}"
     return {
         e: {"get": op("An episode's summary", tag, EPISODE_OR_ADMIN, operation_id="getEpisode", parameters=params,
@@ -449,19 +380,18 @@ def _episode_paths() -> dict[str, Schema]:
         f"{e}/report": {"post": op(
             "End the episode with its reward (a training episode goes to the pool first)", tag, EPISODE,
             operation_id="reportEpisode", parameters=params,
-            body=json_body(obj({"reward": ref("Reward"), "meta": ANY_OBJECT}, ("reward",))),
+            body=json_body(ReportRequest.openapi_body()),
             responses={"200": answer("finished", ref("EpisodeResult")), **errors(*end_errors)})},
         f"{e}/abort": {"post": op(
             "End the episode without a sample", tag, EPISODE, operation_id="abortEpisode", parameters=params,
-            body=json_body(obj({"reason": string()}), required=False),
+            body=json_body(AbortRequest.openapi_body(), required=False),
             responses={"200": answer("aborted", obj({"episode_id": string(), "status": string(),
                                                      "reason": nullable(string())}, ("episode_id", "status"))),
                        **errors(400, 401, 403, 404, 409, 410, 422)})},
         f"{e}/prepare": {"post": op(
             "First phase of a multi-server end: keep the reward, wait for commit", tag, EPISODE,
             operation_id="prepareEpisode", parameters=params,
-            body=json_body(obj({"reward": ref("Reward"), "meta": ANY_OBJECT, "primary": nullable(primary)},
-                               ("reward",))),
+            body=json_body(PrepareRequest.openapi_body()),
             responses={"200": answer("prepared", prepared), **errors(*end_errors)})},
         f"{e}/commit": {"post": op(
             "Second phase: a prepared episode goes to the pool (a repeated commit answers the same)", tag, EPISODE,
@@ -469,7 +399,7 @@ def _episode_paths() -> dict[str, Schema]:
             responses={"200": answer("finished", ref("EpisodeResult")), **errors(401, 403, 404, 409, 410, 503)})},
         f"{e}/demonstration": {"post": op(
             "Record a demonstrated conversation; its assistant turns train with a supervised loss", tag, EPISODE,
-            operation_id="demonstration", parameters=params, body=json_body(demonstration),
+            operation_id="demonstration", parameters=params, body=json_body(DemonstrationRequest.openapi_body()),
             responses={"201": answer("recorded", obj({"episode_id": string(), "tokens": integer(0),
                                                       "trained_tokens": integer(0)}, ("tokens", "trained_tokens"))),
                        **errors(400, 401, 403, 404, 409, 410)})},
@@ -480,7 +410,7 @@ def _episode_paths() -> dict[str, Schema]:
         "/api/v1/clients/ready": {"post": op(
             "A client's vote for the batching policy (C4/C5)", tag, CLIENT, operation_id="clientReady",
             parameters=[CLIENT_HEADER, CLIENT_KEY_HEADER],
-            body=json_body(obj({"ready": BOOL, "client_id": string(max_length=128)}, ("ready",))),
+            body=json_body(ReadyRequest.openapi_body()),
             description="Speaks for the client id of X-Swarm-Client (or client_id) only with the key that holds it: "
                         "the first vote or heartbeat of an id binds it to X-Swarm-Client-Key or to a fresh key, "
                         "answered as client_key; another key is a 403 client_key_mismatch.",
@@ -490,8 +420,9 @@ def _episode_paths() -> dict[str, Schema]:
             "A client is alive (active for batching)", tag, CLIENT, operation_id="clientHeartbeat",
             parameters=[{**CLIENT_HEADER, "required": True, "schema": string(min_length=1, max_length=128)},
                         CLIENT_KEY_HEADER],
+            body=json_body(HeartbeatRequest.openapi_body(), required=False),
             responses={"200": answer("alive", obj({"client_id": string(), "state": string(), "client_key": string()},
-                                                  ("client_id", "state"))), **errors(401, 403, 422)})},
+                                                  ("client_id", "state"))), **errors(400, 401, 403, 422)})},
     }
 
 

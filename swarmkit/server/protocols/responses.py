@@ -1,16 +1,16 @@
 """OpenAI Responses ⇄ the shared chat turn: pure translations, no I/O.
 
 ``input`` (a string, or items: messages, ``function_call``,
-``function_call_output``, ``item_reference``), ``instructions``, function
-``tools`` and ``tool_choice`` become OpenAI-chat messages, function tools and a
-:class:`ToolChoice`; a finished turn becomes a ``response`` object with
+``function_call_output``, ``item_reference``) and ``instructions`` become
+OpenAI-chat messages; function ``tools`` and ``tool_choice`` become Chat's function
+tools and a :class:`ToolChoice` (read for the request model,
+:mod:`swarmkit.server.schema.responses`); a finished turn becomes a ``response`` object with
 ``message`` and ``function_call`` output items, or the streamed event sequence.
 ``previous_response_id`` continues a stored conversation of the same episode.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import Callable
@@ -124,7 +124,8 @@ def resolve_references(items: Any, find_item: Callable[[str], dict[str, Any] | N
     return out
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def read_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """``tools``: function tools only (a built-in tool is a 400 naming it), as Chat's function tools."""
     tools = body.get("tools")
     if tools is None or tools == []:
         return None
@@ -142,7 +143,8 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return parse_tools({"tools": chat_tools})
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+def read_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """``tool_choice`` (and ``parallel_tool_calls``), checked against the function tools."""
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         if choice.get("type") != "function":
@@ -153,71 +155,19 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> To
     return parse_tool_choice({"tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls")}, tools)
 
 
-def check_unsupported(body: dict[str, Any]) -> None:
-    """400 for the fields that would change the answer in ways this server cannot honour."""
-    text = body.get("text")
-    if text is not None:
-        if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or \
-                text.get("verbosity") not in (None, "medium"):
-            raise ApiError(400, f"'text' = {json.dumps(text)[:80]}: only 'format' is supported ('verbosity' "
-                           "other than medium is not)", "unsupported_field", param="text")
-    reasoning = body.get("reasoning")
-    if reasoning not in (None, {}) and not (isinstance(reasoning, dict)
-                                            and all(v is None for v in reasoning.values())):
-        raise ApiError(400, "'reasoning' is not supported by this server's model", "unsupported_field",
-                       param="reasoning")
-    if body.get("truncation") not in (None, "disabled"):
-        raise ApiError(400, "'truncation' 'auto' is not supported (a prompt longer than the context is refused)",
-                       "unsupported_field", param="truncation")
-    for name in ("conversation", "prompt", "context_management"):
-        if body.get(name) not in (None, {}, []):
-            raise ApiError(400, f"'{name}' is not supported", "unsupported_field", param=name)
-    if body.get("background"):
-        raise ApiError(400, "'background' responses are not supported", "unsupported_field", param="background")
-    if body.get("max_tool_calls") is not None:
-        raise ApiError(400, "'max_tool_calls' is not supported", "unsupported_field", param="max_tool_calls")
-    include = body.get("include")
-    if include not in (None, []):
-        if not isinstance(include, list) or any(x != "message.output_text.logprobs" for x in include):
-            raise ApiError(400, f"'include' = {json.dumps(include)[:80]}: only 'message.output_text.logprobs' is "
-                           "supported", "unsupported_field", param="include")
-
-
-def to_chat(body: dict[str, Any], history: list[dict[str, Any]],
-            find_item: Callable[[str], dict[str, Any] | None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]] | None, ToolChoice]:
-    """(messages to render, the conversation to store, function tools, tool choice).
+def to_chat(items: Any, instructions: str | None, history: list[dict[str, Any]],
+            find_item: Callable[[str], dict[str, Any] | None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(messages to render, the conversation to store) of a request's ``input`` and ``instructions``
+    (its other fields are read by :class:`~swarmkit.server.schema.responses.ResponsesRequest`).
 
     ``history``: the stored conversation of ``previous_response_id`` (``instructions`` are not
     carried over, as in OpenAI's API); ``find_item``: a stored item by id (``item_reference``).
     """
-    check_unsupported(body)
-    if "input" not in body:
-        raise ApiError(400, "missing required field 'input'", "missing_field", param="input")
-    conversation = [*history, *_items(resolve_references(body["input"], find_item))]
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise _bad("'instructions' must be a string", "instructions")
+    conversation = [*history, *_items(resolve_references(items, find_item))]
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     if not messages:
         raise _bad("'input' is empty", "input")
-    tools = _tools(body)
-    return messages, conversation, tools, _tool_choice(body, tools)
-
-
-def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's sampling fields in Chat Completions names (checked by the shared parser)."""
-    out = {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if fmt is not None:  # structured output: checked (and refused where the engine cannot) by the shared parser
-        out["response_format"] = fmt
-    if body.get("max_output_tokens") is not None:
-        out["max_tokens"] = body["max_output_tokens"]
-    if body.get("top_logprobs"):
-        out["logprobs"] = True
-        out["top_logprobs"] = body["top_logprobs"]
-    elif body.get("include"):
-        out["logprobs"] = True
-    return out
+    return messages, conversation
 
 
 def message_item(text: str, *, item_id: str, status: str = "completed",

@@ -12,8 +12,9 @@ Every endpoint here except ``/`` and ``/api/v1/health`` needs the admin token
   overrides, composed exactly as the command line does;
 - ``{"yaml": "<text of a YAML config>"}``: like ``config``.
 
-The config is validated by the same schemas as the command line; every
-problem is listed in one 422 answer. ``server.host/port/run_dir/admin_token``
+The body is read by :class:`~swarmkit.server.schema.control.ConfigureRequest`; the
+config is validated by the same schemas as the command line; every problem is listed
+in one 422 answer. ``server.host/port/run_dir/admin_token``
 always stay those of the running process.
 """
 
@@ -29,10 +30,11 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from swarmkit.config.compose import config_from_request, request_form
+from swarmkit.config.compose import config_from_request
 from swarmkit.config.validate import to_dict
 from swarmkit.errors import ApiError, ConfigError
 from swarmkit.server.requests import bearer, read_json
+from swarmkit.server.schema.control import ConfigureRequest
 from swarmkit.swarm.auth import redacted
 from swarmkit.training.trainer import checkpoint_path
 
@@ -85,11 +87,7 @@ def _build_locked(body: dict[str, Any], server_cfg: dict[str, Any]) -> Any:
 async def configure(request: Request) -> Response:
     srv = _admin(request)
     body = await read_json(request)
-    try:
-        request_form(body)
-    except ValueError as exc:
-        message, field = exc.args
-        raise ApiError(422, message, "missing_field" if field == "config" else "invalid_field", param=field) from None
+    ConfigureRequest.parse(body)
     cfg = await anyio.to_thread.run_sync(_build_locked, body, vars(srv.server_cfg))
     srv.set_config(cfg)
     state = srv.state.state

@@ -15,15 +15,15 @@
 - ``POST /api/v1/clients/ready`` ``{"ready": true}``: batching C4/C5 votes.
 
 Owner calls authenticate with any of the episode's keys (or the admin token
-for reads). Field errors are 422; the body of every error is OpenAI-style.
+for reads). Each body is read by its request model (:mod:`swarmkit.server.schema.control`),
+after the caller is authorized. Field errors are 422; the body of every error is OpenAI-style.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,12 +33,21 @@ from swarmkit.procs import is_loopback
 from swarmkit.server.chat_input import (
     check_tools_rendered,
     normalize_messages,
-    parse_tools,
     template_error,
 )
 from swarmkit.server.requests import bearer, read_json
+from swarmkit.server.schema.control import (
+    CLIENT_ID_MESSAGE,
+    MAX_CLIENT_ID,
+    AbortRequest,
+    DemonstrationRequest,
+    HeartbeatRequest,
+    PrepareRequest,
+    ReadyRequest,
+    RegisterRequest,
+    ReportRequest,
+)
 from swarmkit.swarm.episodes import FINISHED, PREPARED, RUNNING, check_reward
-from swarmkit.swarm.presence import BEAT_RANGE_S
 from swarmkit.timelines import Timeline
 from swarmkit.timelines.render import TemplateError
 
@@ -48,9 +57,6 @@ CLIENT_KEY_HEADER = "X-Swarm-Client-Key"
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.server import SwarmServer
 
-MAX_ROLES = 64
-MAX_ID_LEN = 256
-
 
 def _server(request: Request) -> SwarmServer:
     """The server (a client counts as active only once a request of its has passed authorization:
@@ -59,11 +65,11 @@ def _server(request: Request) -> SwarmServer:
     return srv
 
 
-def _client_id(request: Request, body: dict[str, Any]) -> str:
-    cid = body.get("client_id", request.headers.get("x-swarm-client", ""))
-    if not isinstance(cid, str) or len(cid) > 128:
-        raise ApiError(422, "'client_id' must be a string of at most 128 characters", "invalid_field",
-                       param="client_id")
+def _client_id(request: Request, given: str | None) -> str:
+    """The body's ``client_id`` (checked by its model), else the ``X-Swarm-Client`` header."""
+    cid = given if given is not None else request.headers.get("x-swarm-client", "")
+    if len(cid) > MAX_CLIENT_ID:
+        raise ApiError(422, CLIENT_ID_MESSAGE, "invalid_field", param="client_id")
     return cid
 
 
@@ -77,41 +83,16 @@ async def register(request: Request) -> Response:
     srv = _server(request)
     srv.check_client(bearer(request))
     srv.touch_client(request.headers.get("x-swarm-client"))
-    body = await read_json(request)
-    task_id = body.get("task_id")
-    if task_id is None:
-        raise ApiError(422, "missing required field 'task_id'", "missing_field", param="task_id")
-    if isinstance(task_id, int) and not isinstance(task_id, bool):
-        task_id = str(task_id)
-    if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_ID_LEN:
-        raise ApiError(422, f"'task_id' must be a non-empty string of at most {MAX_ID_LEN} characters",
-                       "invalid_field", param="task_id")
-    is_eval = body.get("eval", False)
-    if not isinstance(is_eval, bool):
-        raise ApiError(422, "'eval' must be true or false", "invalid_field", param="eval")
-    timeout = body.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout)):
-        raise ApiError(422, "'timeout_s' must be a number of seconds", "invalid_field", param="timeout_s")
-    roles = body.get("roles")
-    if roles is not None:
-        if (not isinstance(roles, list) or not roles or len(roles) > MAX_ROLES
-                or not all(isinstance(r, str) and r and len(r) <= MAX_ID_LEN for r in roles)):
-            raise ApiError(422, f"'roles' must be a non-empty list of at most {MAX_ROLES} non-empty strings",
-                           "invalid_field", param="roles")
-        if len(set(roles)) != len(roles):
-            raise ApiError(422, "'roles' must not repeat a role", "invalid_field", param="roles")
-    meta = body.get("meta", {})
-    if not isinstance(meta, dict):
-        raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
+    req = RegisterRequest.parse(await read_json(request))
+    task_id, is_eval, roles, meta = req.task_id, req.eval, req.roles, req.meta
     srv.check_meta(meta)
-    client_id = _client_id(request, body)
+    client_id = _client_id(request, req.client_id)
     address = request.client.host if request.client else ""
     shown = request.headers.get(CLIENT_KEY_HEADER.lower())
     if client_id and shown:  # the client claims its id at its first contact: nobody can vote in its name first
         srv.clients.claim(client_id, shown)
     srv.admit_episode(task_id, is_eval=is_eval, client_id=client_id, address=address)
-    ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=timeout, roles=roles, client_id=client_id,
+    ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=req.timeout_s, roles=roles, client_id=client_id,
                                meta=meta, policy_version=srv.policy_version, address=address)
     keys = {r: k for r, k in ep.keys.items() if r is not None}
     return JSONResponse(
@@ -143,19 +124,19 @@ def _owned(request: Request, srv: SwarmServer, *, admin_ok: bool = False):
     return ep
 
 
-async def _ended_by_client(request: Request, srv: SwarmServer) -> tuple[Any, float, dict[str, float], dict]:
-    """The episode a report / prepare names, its checked reward, and the body, once its calls returned."""
+_End = TypeVar("_End", ReportRequest, PrepareRequest)
+
+
+async def _ended_by_client(request: Request, srv: SwarmServer, model: type[_End]
+                           ) -> tuple[Any, float, dict[str, float], _End]:
+    """The episode a report / prepare names, its checked reward, and the request, once its calls returned."""
     body = await read_json(request)
     ep = _owned(request, srv)
-    if "reward" not in body:
-        raise ApiError(422, "missing required field 'reward' (a number, or an object role -> number)",
-                       "missing_field", param="reward")
-    meta = body.get("meta")
-    if meta is not None and not isinstance(meta, dict):
-        raise ApiError(422, "'meta' must be an object", "invalid_field", param="meta")
+    req = model.parse(body)
+    meta = req.meta
     if meta:
         srv.check_meta({**ep.meta, **meta})
-    reward, rewards = check_reward(body["reward"], ep.roles, srv.max_abs_reward)
+    reward, rewards = check_reward(req.reward, ep.roles, srv.max_abs_reward)
     srv.episodes.check_open(ep)
     for _ in range(100):  # a call that is returning right now gets up to 5 s to be recorded
         if not ep.in_flight:
@@ -167,7 +148,7 @@ async def _ended_by_client(request: Request, srv: SwarmServer) -> tuple[Any, flo
     srv.episodes.check_open(ep)
     if meta:
         ep.meta.update(meta)
-    return ep, reward, rewards, body
+    return ep, reward, rewards, req
 
 
 def _result(ep: Any) -> JSONResponse:
@@ -180,7 +161,7 @@ def _result(ep: Any) -> JSONResponse:
 
 async def report(request: Request) -> Response:
     srv = _server(request)
-    ep, reward, rewards, _ = await _ended_by_client(request, srv)
+    ep, reward, rewards, _ = await _ended_by_client(request, srv, ReportRequest)
     srv.episodes.prepare(ep, reward, rewards, None)
     await srv.commit(ep, on_failure=RUNNING)
     return _result(ep)
@@ -217,29 +198,20 @@ def _peer_allowed(url: str, peers: list[str]) -> bool:
     return False
 
 
-def _check_primary(value: Any, peers: list[str] | None = None) -> dict[str, str] | None:
-    if value is None:
-        return None
-    fields = ("url", "episode_id", "api_key")
-    if not isinstance(value, dict) or set(value) != set(fields) or not all(
-            isinstance(value[k], str) and 0 < len(value[k]) <= 2048 for k in fields):
-        raise ApiError(422, "'primary' must be an object with the strings url, episode_id and api_key (the "
-                       "episode whose commit decides this one)", "invalid_field", param="primary")
-    if not value["url"].startswith(("http://", "https://")):
-        raise ApiError(422, "'primary.url' must be an http(s) URL of the primary's server", "invalid_field",
-                       param="primary.url")
-    if peers is not None and not _peer_allowed(value["url"], peers):
+def _check_peer(primary: dict[str, str] | None, peers: list[str]) -> dict[str, str] | None:
+    """``primary`` (checked by its model), if its url is on the operator's peers."""
+    if primary is not None and not _peer_allowed(primary["url"], peers):
         raise ApiError(422, f"'primary.url' is not on this server's peers ({', '.join(peers) or 'none'}): it "
                        "calls no other server (server.peers lists the swarm servers a primary may live on)",
                        "invalid_field", param="primary.url")
-    return {k: value[k] for k in fields}
+    return primary
 
 
 async def prepare(request: Request) -> Response:
     """First phase of ending a multi-server episode: keep the reward, wait for ``commit`` (or an abort)."""
     srv = _server(request)
-    ep, reward, rewards, body = await _ended_by_client(request, srv)
-    srv.episodes.prepare(ep, reward, rewards, _check_primary(body.get("primary"), list(srv.server_cfg.peers)))
+    ep, reward, rewards, req = await _ended_by_client(request, srv, PrepareRequest)
+    srv.episodes.prepare(ep, reward, rewards, _check_peer(req.primary, list(srv.server_cfg.peers)))
     return JSONResponse({"episode_id": ep.id, "status": ep.status, "reward": reward, "rewards": rewards or None,
                          "deadline": ep.deadline})
 
@@ -268,11 +240,12 @@ async def demonstration(request: Request) -> Response:
     if renderer is None:
         raise ApiError(409, "the server has no model loaded; start it first", "not_serving")
     _, role = srv.episodes.by_key(bearer(request))  # the key's role (`_owned` checked it is this episode's)
-    messages = normalize_messages(body.get("messages"), developer_role=renderer.has_developer_role)
+    req = DemonstrationRequest.parse(body)
+    messages = normalize_messages(req.messages, developer_role=renderer.has_developer_role)
     if messages[-1]["role"] != "assistant":
         raise ApiError(400, "a demonstration must end with an assistant message (the turns to learn)",
                        "invalid_value", param=f"messages[{len(messages) - 1}].role")
-    tools = parse_tools(body)
+    tools = req.tools
     check_tools_rendered(renderer, tools)
     try:
         blocks = renderer.render_demonstration(messages, tools)
@@ -298,9 +271,7 @@ async def abort(request: Request) -> Response:
     srv = _server(request)
     body = await read_json(request) if await request.body() else {}
     ep = _owned(request, srv)
-    reason = body.get("reason", "aborted by the client")
-    if not isinstance(reason, str):
-        raise ApiError(422, "'reason' must be a string", "invalid_field", param="reason")
+    reason = AbortRequest.parse(body).reason
     if ep.status != PREPARED:
         srv.episodes.check_open(ep)
     srv.episodes.abort(ep, reason[:1000] or "aborted by the client")
@@ -335,14 +306,12 @@ async def list_episodes(request: Request) -> Response:
 async def client_ready(request: Request) -> Response:
     srv = _server(request)
     srv.check_client(bearer(request))
-    body = await read_json(request)
-    cid = _client_id(request, body)
+    req = ReadyRequest.parse(await read_json(request))
+    cid = _client_id(request, req.client_id)
     if not cid:
         raise ApiError(422, "missing client id: send the 'X-Swarm-Client' header or 'client_id'", "missing_field",
                        param="client_id")
-    ready = body.get("ready")
-    if not isinstance(ready, bool):
-        raise ApiError(422, "'ready' must be true or false", "invalid_field", param="ready")
+    ready = req.ready
     issued = _hold_client_id(request, srv, cid)
     srv.clients.set_ready(cid, ready)
     return JSONResponse({"client_id": cid, "ready": ready, **issued})
@@ -354,19 +323,13 @@ async def client_heartbeat(request: Request) -> Response:
     cid = request.headers.get("x-swarm-client", "")
     if not cid:
         raise ApiError(422, "missing the 'X-Swarm-Client' header", "missing_field", param="client_id")
-    if len(cid) > 128:
-        raise ApiError(422, "'X-Swarm-Client' must be at most 128 characters", "invalid_field", param="client_id")
-    body = await read_json(request) if await request.body() else {}
-    interval = body.get("interval_s")
-    if interval is not None:
-        low, high = BEAT_RANGE_S
-        if (isinstance(interval, bool) or not isinstance(interval, int | float) or not math.isfinite(interval)
-                or not low <= interval <= high):
-            raise ApiError(422, f"'interval_s' must be a number of seconds in [{low:g}, {high:g}]", "invalid_field",
-                           param="interval_s")
+    if len(cid) > MAX_CLIENT_ID:
+        raise ApiError(422, f"'X-Swarm-Client' must be at most {MAX_CLIENT_ID} characters", "invalid_field",
+                       param="client_id")
+    interval = HeartbeatRequest.parse(await read_json(request) if await request.body() else {}).interval_s
     issued = _hold_client_id(request, srv, cid)
     if interval is not None:  # missing three beats, the client counts as gone: a drain does not wait for it
-        srv.clients.declare_beat(cid, float(interval))
+        srv.clients.declare_beat(cid, interval)
     return JSONResponse({"client_id": cid, "state": str(srv.state.state), **issued})
 
 

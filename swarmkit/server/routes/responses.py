@@ -1,5 +1,8 @@
 """``POST /v1/responses`` and ``GET /v1/responses/{id}``: OpenAI's Responses API over the shared turn.
 
+The request's fields are read by :class:`~swarmkit.server.schema.responses.ResponsesRequest`; the route
+turns its ``input`` (with the conversation of ``previous_response_id`` and the items that
+``item_reference`` names) into chat messages, which needs the episode.
 Responses are stored per episode (unless ``store: false``), so
 ``previous_response_id`` and ``item_reference`` work within the episode that
 made them, and never across episodes.
@@ -24,9 +27,9 @@ from swarmkit.server.routes.openai import (
     chat_logprobs,
     served_model,
     server_of,
-    stream_flag,
-    turn_sampling,
+    turn_params,
 )
+from swarmkit.server.schema.responses import ResponsesRequest
 from swarmkit.server.turn import (
     CallDelta,
     Finished,
@@ -55,8 +58,7 @@ def _stored_item(ep: Episode, item_id: str) -> dict[str, Any] | None:
     return None
 
 
-def _history(ep: Episode, body: dict[str, Any]) -> list[dict[str, Any]]:
-    prev = body.get("previous_response_id")
+def _history(ep: Episode, prev: Any) -> list[dict[str, Any]]:
     if prev is None:
         return []
     entry = ep.responses.get(prev) if isinstance(prev, str) else None
@@ -87,13 +89,15 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request)
     ep, role = await srv.authorize_call(bearer(request))
     unknown = fields.unknown_fields(body, fields.RESPONSES, strict=srv.strict_fields)
-    messages, conversation, tools, choice = proto.to_chat(body, _history(ep, body), lambda iid: _stored_item(ep, iid))
-    turn = await prepare_turn_async(srv, ep, messages, tools, choice, endpoint="responses")
-    stream = stream_flag(body)
-    params, want_lp = turn_sampling(srv, turn, proto.sampling_body(body), aliases={"response_format": "text.format"})
+    req = ResponsesRequest.parse(body)
+    messages, conversation = proto.to_chat(req.input, req.instructions, _history(ep, req.previous_response_id),
+                                           lambda iid: _stored_item(ep, iid))
+    turn = await prepare_turn_async(srv, ep, messages, req.tools, req.tool_choice, endpoint="responses")
+    params = turn_params(srv, turn, req)
+    want_lp = req.logprobs
     rid = proto.new_id("resp")
     headers = fields.ignored_header(unknown)
-    if stream:
+    if req.stream:
         gen = _stream(srv, ep, role, turn, params, want_lp, rid, body, conversation)
         return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     (reply,) = await generate_turn(srv, ep, role, turn, params)

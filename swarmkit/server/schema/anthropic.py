@@ -36,9 +36,9 @@ from swarmkit.server.schema.spec import (
     Integer,
     Number,
     Passed,
-    Refused,
     RequestModel,
     invalid,
+    not_supported,
     spec,
 )
 
@@ -76,10 +76,6 @@ def _output_config(body: dict[str, Any], parsed: dict[str, Any]) -> Any:
         raise ApiError(400, "'output_config': only 'format' (structured output) is supported; 'effort' is not",
                        "unsupported_field", param="output_config")
     return output.get("format") if isinstance(output, dict) else None
-
-
-def _not_supported(name: str) -> Refused:
-    return Refused(([], {}), "not supported", message=f"'{name}' is not supported")
 
 
 def _tools(body: dict[str, Any], parsed: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -125,9 +121,9 @@ class _Conversation(RequestModel):
     model: str | None = spec(MODEL)
     thinking: dict[str, Any] | None = spec(THINKING)  # read as the template's variables
     output_config: Any = spec(OUTPUT_CONFIG)  # read as its format
-    container: None = spec(_not_supported("container"))
-    mcp_servers: None = spec(_not_supported("mcp_servers"))
-    context_management: None = spec(_not_supported("context_management"))
+    container: None = spec(not_supported("container"))
+    mcp_servers: None = spec(not_supported("mcp_servers"))
+    context_management: None = spec(not_supported("context_management"))
     tools: list[dict[str, Any]] | None = spec(TOOLS)
     messages: list[dict[str, Any]] = spec(MESSAGES)
     system: Any = spec(SYSTEM)
@@ -175,5 +171,5 @@ class CountTokensRequest(_Conversation):
 
     endpoint = "/v1/messages/count_tokens"
 
-    container: None = spec(_not_supported("container"), listed=False)  # checked, not in this table
+    container: None = spec(not_supported("container"), listed=False)  # checked, not in this table
 

@@ -202,6 +202,12 @@ def _template_kwargs(body: dict[str, Any], parsed: dict[str, Any]) -> dict[str, 
     return parse_template_kwargs(body)
 
 
+#: a chat's messages (each checked when the turn is prepared) and its function tools (also read by the
+#: demonstration body of the control API)
+MESSAGES = Custom(_messages, array(ref("ChatMessage"), min_items=1), required=True,
+                  missing="missing required field 'messages' (a list of chat messages)")
+TOOLS = Custom(_tools, array(ref("ChatTool")), nullable=True)
+
 _TEMPLATE_KWARGS_SCHEMA = {"type": "object", "maxProperties": 16,
                            "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
                            "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
@@ -215,9 +221,8 @@ class ChatRequest(RequestModel):
     endpoint = "/v1/chat/completions"
 
     model: str | None = spec(MODEL)
-    messages: list[Any] = spec(Custom(_messages, array(ref("ChatMessage"), min_items=1), required=True,
-                                      missing="missing required field 'messages' (a list of chat messages)"))
-    tools: list[dict[str, Any]] | None = spec(Custom(_tools, array(ref("ChatTool")), nullable=True))
+    messages: list[Any] = spec(MESSAGES)
+    tools: list[dict[str, Any]] | None = spec(TOOLS)
     tool_choice: ToolChoice = spec(Custom(_tool_choice, ref("ChatToolChoice")))
     parallel_tool_calls: bool = spec(Custom(_parallel, BOOL, nullable=True))
     chat_template_kwargs: dict[str, Any] | None = spec(Custom(_template_kwargs, _TEMPLATE_KWARGS_SCHEMA,

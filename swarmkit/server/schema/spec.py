@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from swarmkit.errors import ApiError
-from swarmkit.server.schema.jsonschema import BOOL, Schema, integer, nullable, number, obj
+from swarmkit.server.schema.jsonschema import BOOL, Schema, integer, nullable, number, obj, string
 
 HONOURED, REFUSED, IGNORED = "honoured", "refused", "ignored"
 
@@ -42,9 +42,15 @@ class FieldTable:
         return cls(endpoint, frozenset(known), frozenset(ignored))
 
 
-def invalid(message: str, param: str) -> ApiError:
+class FieldError(ApiError):
+    """A field that is missing or not what the endpoint allows: a 400 ``invalid_value`` (or the missing
+    field's code), which a model of another API answers with its own status and code
+    (:attr:`RequestModel.field_error`: the control API's 422 ``invalid_field``)."""
+
+
+def invalid(message: str, param: str) -> FieldError:
     """The 400 of a field whose value is not what the protocol allows."""
-    return ApiError(400, message, "invalid_value", param=param)
+    return FieldError(400, message, "invalid_value", param=param)
 
 
 class Spec:
@@ -52,27 +58,40 @@ class Spec:
 
     :ivar role: ``honoured``, ``refused`` (a value other than its no-op is a 400) or ``ignored``.
     :ivar required: absent (or null) is a 400 ``missing_field`` with ``missing`` as the message.
+    :ivar message: the message of a wrong value (instead of the spec's own).
+    :ivar null_absent: null reads as absent (the default); false: null is a value, checked as any other.
     """
 
     role: str = HONOURED
 
     def __init__(self, doc: str | None = None, *, required: bool = False, missing: str | None = None,
-                 missing_code: str = "missing_field", nullable: bool = False, role: str | None = None) -> None:
+                 missing_code: str = "missing_field", nullable: bool = False, role: str | None = None,
+                 message: str | None = None, null_absent: bool = True) -> None:
         if role is not None:
             self.role = role
         self.doc = doc
         self.required = required
         self.missing, self.missing_code = missing, missing_code
         self.nullable = nullable
+        self.message = message
+        self.null_absent = null_absent
 
     def read(self, body: dict[str, Any], name: str, parsed: dict[str, Any]) -> Any:
         """The checked value of ``body[name]`` (``parsed``: the fields declared before it, already read)."""
         value = body.get(name)
-        if value is None:
+        if self.is_absent(body, name):
             if self.required:
-                raise ApiError(400, self.missing or f"missing required field '{name}'", self.missing_code, param=name)
+                raise FieldError(400, self.missing or f"missing required field '{name}'", self.missing_code,
+                                 param=name)
             return self.absent()
         return self.convert(value, name, parsed)
+
+    def is_absent(self, body: dict[str, Any], name: str) -> bool:
+        return body.get(name) is None if self.null_absent else name not in body
+
+    def wrong(self, message: str, name: str) -> FieldError:
+        """The 400 of a wrong value of this field (``message`` unless the spec names its own)."""
+        return invalid(self.message or message, name)
 
     def absent(self) -> Any:
         """The value of an absent (or null) field."""
@@ -91,20 +110,23 @@ class Spec:
 
 
 class Number(Spec):
-    """A finite number in ``[lo, hi]`` (``default`` when absent)."""
+    """A finite number in ``[lo, hi]`` (None: unbounded on that side; ``default`` when absent)."""
 
-    def __init__(self, lo: float, hi: float, default: float, doc: str | None = None, **kw: Any) -> None:
+    def __init__(self, lo: float | None, hi: float | None, default: float | None, doc: str | None = None,
+                 **kw: Any) -> None:
         super().__init__(doc, **kw)
         self.lo, self.hi, self.default = lo, hi, default
 
-    def absent(self) -> float:
+    def absent(self) -> float | None:
         return self.default
 
     def convert(self, value: Any, name: str, parsed: dict[str, Any]) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise invalid(f"'{name}' must be a number, got {value!r}", name)
-        if not self.lo <= value <= self.hi:
-            raise invalid(f"'{name}' must be between {self.lo:g} and {self.hi:g}, got {value}", name)
+            raise self.wrong(f"'{name}' must be a number, got {value!r}", name)
+        lo = -math.inf if self.lo is None else self.lo
+        hi = math.inf if self.hi is None else self.hi
+        if not lo <= value <= hi:
+            raise self.wrong(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
         return float(value)
 
     def base_schema(self) -> Schema:
@@ -123,9 +145,9 @@ class Integer(Spec):
 
     def convert(self, value: Any, name: str, parsed: dict[str, Any]) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise invalid(f"'{name}' must be an integer, got {value!r}", name)
+            raise self.wrong(f"'{name}' must be an integer, got {value!r}", name)
         if not self.lo <= value <= self.hi:
-            raise invalid(f"'{name}' must be between {self.lo} and {self.hi}, got {value}", name)
+            raise self.wrong(f"'{name}' must be between {self.lo} and {self.hi}, got {value}", name)
         return value
 
     def base_schema(self) -> Schema:
@@ -140,11 +162,52 @@ class Flag(Spec):
 
     def convert(self, value: Any, name: str, parsed: dict[str, Any]) -> bool:
         if not isinstance(value, bool):
-            raise invalid(f"'{name}' must be true or false", name)
+            raise self.wrong(f"'{name}' must be true or false", name)
         return value
 
     def base_schema(self) -> Schema:
         return {**BOOL, "description": self.doc} if self.doc else dict(BOOL)
+
+
+class Text(Spec):
+    """A string of ``min_length`` to ``max_length`` characters (``default`` when absent)."""
+
+    def __init__(self, default: str | None = None, doc: str | None = None, *, min_length: int = 0,
+                 max_length: int | None = None, **kw: Any) -> None:
+        super().__init__(doc, **kw)
+        self.default, self.min_length, self.max_length = default, min_length, max_length
+
+    def absent(self) -> str | None:
+        return self.default
+
+    def convert(self, value: Any, name: str, parsed: dict[str, Any]) -> str:
+        if not isinstance(value, str) or len(value) < self.min_length or \
+                (self.max_length is not None and len(value) > self.max_length):
+            at_most = f" of at most {self.max_length} characters" if self.max_length is not None else ""
+            raise self.wrong(f"'{name}' must be a {'non-empty ' if self.min_length else ''}string{at_most}", name)
+        return value
+
+    def base_schema(self) -> Schema:
+        return string(self.doc, min_length=self.min_length or None, max_length=self.max_length)
+
+
+class Object(Spec):
+    """A JSON object (when absent: ``{}`` if ``empty``, else None)."""
+
+    def __init__(self, doc: str | None = None, *, empty: bool = False, **kw: Any) -> None:
+        super().__init__(doc, **kw)
+        self.empty = empty
+
+    def absent(self) -> dict[str, Any] | None:
+        return {} if self.empty else None
+
+    def convert(self, value: Any, name: str, parsed: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.wrong(f"'{name}' must be an object", name)
+        return value
+
+    def base_schema(self) -> Schema:
+        return {"type": "object", "description": self.doc} if self.doc else {"type": "object"}
 
 
 class Custom(Spec):
@@ -156,7 +219,7 @@ class Custom(Spec):
         self.reader, self._schema = reader, schema
 
     def read(self, body: dict[str, Any], name: str, parsed: dict[str, Any]) -> Any:
-        if self.required and body.get(name) is None:
+        if self.required and self.is_absent(body, name):
             return super().read(body, name, parsed)
         return self.reader(body, parsed)
 
@@ -187,10 +250,9 @@ class Refused(Spec):
 
     role = REFUSED
 
-    def __init__(self, noop: tuple[Any, ...], why: str, schema: Schema | None = None, *, message: str | None = None,
-                 **kw: Any) -> None:
+    def __init__(self, noop: tuple[Any, ...], why: str, schema: Schema | None = None, **kw: Any) -> None:
         super().__init__(**kw)
-        self.noop, self.why, self._schema, self.message = noop, why, schema, message
+        self.noop, self.why, self._schema = noop, why, schema
 
     def convert(self, value: Any, name: str, parsed: dict[str, Any]) -> None:
         if any(value == v and type(value) is type(v) for v in self.noop):
@@ -200,6 +262,11 @@ class Refused(Spec):
 
     def base_schema(self) -> Schema:
         return self._schema if self._schema is not None else {"description": f"refused (400): {self.why}"}
+
+
+def not_supported(name: str) -> Refused:
+    """A field refused (400 ``'<name>' is not supported``) unless absent, empty or null."""
+    return Refused(([], {}), "not supported", message=f"'{name}' is not supported")
 
 
 def spec(s: Spec, *, listed: bool = True) -> Any:
@@ -215,6 +282,9 @@ class RequestModel:
     """Base of the request models (each a dataclass of :func:`spec` fields, named as in the JSON body)."""
 
     endpoint: ClassVar[str]
+    #: the status and code of a field's error (:class:`FieldError`); the control API's models answer 422
+    #: ``invalid_field`` (a missing field keeps its own code)
+    field_error: ClassVar[tuple[int, str]] = (400, "invalid_value")
 
     @classmethod
     def specs(cls) -> list[tuple[str, Spec, bool]]:
@@ -226,10 +296,17 @@ class RequestModel:
     def parse(cls: type[_M], body: dict[str, Any]) -> _M:
         """The checked request (a 400 naming the first field that is wrong)."""
         parsed: dict[str, Any] = {}
-        for name, s, _ in cls.specs():
-            parsed[name] = s.read(body, name, parsed)
-        model = cls(**parsed)
-        model.check()
+        try:
+            for name, s, _ in cls.specs():
+                parsed[name] = s.read(body, name, parsed)
+            model = cls(**parsed)
+            model.check()
+        except FieldError as exc:
+            status, code = cls.field_error
+            if status == exc.status:
+                raise
+            raise ApiError(status, exc.message, code if exc.code == "invalid_value" else exc.code,
+                           param=exc.param) from None
         return model
 
     def check(self) -> None:
