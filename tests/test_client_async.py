@@ -204,7 +204,7 @@ def test_ready_votes_and_heartbeat_reach_the_server(handle):
 @pytest.mark.parametrize("kind", ["async", "sync"])
 def test_register_retries_while_the_server_trains_and_says_so(handle, caplog, kind):
     events: list[RetryEvent] = []
-    caplog.set_level(logging.INFO, logger="swarmkit.client")
+    caplog.set_level(logging.DEBUG, logger="swarmkit.client")
     t0 = time.monotonic()
     resumer = busy_for(handle, 1.2)
     if kind == "async":
@@ -226,10 +226,13 @@ def test_register_retries_while_the_server_trains_and_says_so(handle, caplog, ki
     assert first.attempt == 2 and first.wait_s >= 0.5 and first.waited_s < 1.0
     assert "server_busy" in first.reason
     assert [e.attempt for e in events] == list(range(2, len(events) + 2))
-    lines = [r.getMessage() for r in caplog.records if r.name == "swarmkit.client" and r.levelno == logging.INFO]
-    assert len(lines) == len(events)
-    assert lines[0].startswith("server in ROLLING_POST (503 server_busy), retrying POST /api/v1/episodes in ")
-    assert "(attempt 2, " in lines[0] and " s waited)" in lines[0]
+    retries = [r for r in caplog.records if r.name == "swarmkit.client" and "retrying" in r.getMessage()]
+    assert len(retries) == len(events)
+    # a normal weight sync: the first retry at INFO (with what it means), the others at DEBUG (issue 36)
+    assert [r.levelno for r in retries] == [logging.INFO] + [logging.DEBUG] * (len(events) - 1)
+    line = retries[0].getMessage()
+    assert line.startswith("server in ROLLING_POST (503 server_busy), retrying POST /api/v1/episodes in ")
+    assert "(attempt 2, " in line and " s waited)" in line and "training a step (normal)" in line
 
 
 def test_busy_server_gives_a_clear_error_after_the_retry_budget(handle):

@@ -129,3 +129,44 @@ def test_the_generated_client_trains_the_tiny_model(tmp_path):
     assert summary["eval_after"] >= summary["eval_before"] + 0.2, summary
     rows = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("kind") == "train"] == list(range(1, 11))
+
+
+def test_the_warm_start_sends_demonstrations_grouped_by_rollouts_per_task(tmp_path, monkeypatch):
+    """``--demonstrations N``: N demonstrations (whole steps only), ``--group`` to a task id, so batching C2
+    trains ``batch_size`` groups of different demonstrations per step; it waits for those steps."""
+    import contextlib
+    import threading
+
+    pytest.importorskip("openai")
+    write_task("scaffold_warm", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    client_mod = importlib.import_module("scaffold_warm.client")
+    task = importlib.import_module("scaffold_warm.task")
+    sent: list[tuple[str, str, list]] = []
+    lock = threading.Lock()
+
+    class FakeClient:
+        step = 3
+
+        def status(self):
+            with lock:
+                self.step += len(sent) == 16  # the server trains once the demonstrations are in
+                return {"global_step": self.step}
+
+        @contextlib.contextmanager
+        def episode(self, task_id, **kw):
+            ep = type("Ep", (), {})()
+            ep.demonstrate = lambda messages, tools=None: sent.append((task_id, messages, tools))
+            ep.report = lambda reward: {"accepted": True}
+            yield ep
+
+    items = task.make_items("demo", 20)
+    steps = client_mod.warm_start(FakeClient(), items, group=4, batch_size=2, concurrency=3, timeout=30)
+    assert steps == 2 and len(sent) == 16  # 20 rounded down to whole steps of 4 x 2
+    ids = sorted(t for t, _, _ in sent)
+    assert ids == sorted(f"scaffold_warm-demo-{k}" for k in range(4) for _ in range(4))
+    _, messages, tools = sent[0]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[2]["tool_calls"][0]["function"]["name"] == "letter_hint"
+    assert tools[0]["function"]["name"] == "letter_hint"
+    assert task.reward(items[0], messages[-1]["content"]) == 1.0  # the demonstrated answer is the best one

@@ -28,9 +28,20 @@ def run(cfg: DictConfig) -> int:
     return run_local(cfg)
 
 
+def _hydra_verbose() -> bool:
+    """Whether Hydra's ``hydra.verbose`` is set (its usual switch for DEBUG logs)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return bool(HydraConfig.get().verbose)
+    except (ImportError, ValueError):  # not under Hydra
+        return False
+
+
 def run_client(cfg: DictConfig) -> int:
-    """``mode=client``: the task client against ``http://server.host:server.port``."""
-    return client_main([
+    """``mode=client``: the task client against ``http://server.host:server.port`` (a summary line at most
+    every 30 s; ``hydra.verbose=true``: a line per episode, request and retry)."""
+    return client_main([*(["--verbose"] if _hydra_verbose() else []),
         "--url", f"http://{cfg.server.host}:{cfg.server.port}",
         "--task", str(cfg.task.name),
         "--train-size", str(cfg.task.train_size),

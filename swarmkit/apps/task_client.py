@@ -15,6 +15,7 @@ import math
 import os
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -26,6 +27,10 @@ from swarmkit.client.sdk import SwarmAPIError, SwarmClient, SwarmError
 from swarmkit.tasks import Task, cycle, demonstration, make_tasks, run_task
 
 log = logging.getLogger(__name__)
+
+#: a failed episode is logged at WARNING the first time, then at most once per this many seconds (with how
+#: many failed meanwhile, each at DEBUG): a server that stays busy does not print a line per episode
+FAILURE_NOTE_S = 60.0
 
 
 @dataclass
@@ -155,6 +160,7 @@ class EpisodeLoop:
         self.failures = 0
         self.last_error = ""
         self._thread: threading.Thread | None = None
+        self._failure_note = (-math.inf, 0)  # when a failure was last logged at WARNING, failures since
 
     def run_one(self, task: Task, http: httpx.Client) -> Any:
         raise NotImplementedError
@@ -211,7 +217,15 @@ class EpisodeLoop:
     def _failed(self, exc: Exception) -> None:
         self.failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        log.warning("episode failed: %s", self.last_error)
+        last, since = self._failure_note
+        now = time.monotonic()
+        if now - last < FAILURE_NOTE_S:
+            self._failure_note = (last, since + 1)
+            log.debug("episode failed: %s", self.last_error)
+            return
+        self._failure_note = (now, 0)
+        more = f" ({since} more failed in the last {now - last:.0f} s)" if since else ""
+        log.warning("episode failed: %s%s", self.last_error, more)
 
     def start(self) -> EpisodeLoop:
         self._thread = threading.Thread(target=self.run, name=type(self).__name__, daemon=True)
@@ -281,6 +295,65 @@ def _option(item: str) -> tuple[str, Any]:
         return key, value
 
 
+class Summary:
+    """The task client's periodic line (unless ``--verbose``): episodes per minute, mean reward and
+    failures since the last line, at most one per ``every_s`` and only when something happened."""
+
+    def __init__(self, loop: EpisodeLoop, every_s: float, *, clock: Callable[[], float] = time.monotonic,
+                 out: Callable[[str], None] = print):
+        self.loop, self.every_s, self.clock, self.out = loop, every_s, clock, out
+        self._lock = threading.Lock()
+        self._rewards: list[float] = []
+        self._since = clock()
+        self._failures = 0
+        self._stop = threading.Event()
+
+    def add(self, result: EpisodeResult) -> None:
+        with self._lock:
+            self._rewards.append(result.reward)
+
+    def line(self) -> str | None:
+        """The summary of the episodes since the last line (None when none finished or failed)."""
+        now = self.clock()
+        with self._lock:
+            rewards, self._rewards = self._rewards, []
+            since, self._since = self._since, now
+        failures, self._failures = self.loop.failures - self._failures, self.loop.failures
+        if not rewards and not failures:
+            return None
+        minutes = max(now - since, 1e-9) / 60
+        mean = f"mean reward {statistics.fmean(rewards):.3f}" if rewards else "no episode finished"
+        failed = f"; {failures} failed (last: {self.loop.last_error})" if failures else ""
+        return (f"{len(rewards)} episodes in {now - since:.0f} s ({len(rewards) / minutes:.1f}/min), {mean}"
+                f"{failed}; {self.loop.finished} in all")
+
+    def run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.flush()
+
+    def flush(self) -> None:
+        text = self.line()
+        if text:
+            self.out(text)
+
+    def start(self) -> Summary:
+        threading.Thread(target=self.run, name="task-client-summary", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.flush()
+
+
+def quiet_logs(verbose: bool) -> None:
+    """The task client's log levels: httpx's line per request only with ``--verbose``; each retry and
+    failed episode at DEBUG (the SDK and the loop say the first at INFO/WARNING, then one a minute)."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+    for name in ("swarmkit.client", __name__):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.NOTSET)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run the built-in task client against a swarm server.")
     p.add_argument("--url", required=True)
@@ -303,7 +376,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="a task option (e.g. token_rule's target=a: the reward); repeat")
     p.add_argument("--episode-log", default=None,
                    help="append one JSON line per finished episode (id, task, reward, accepted)")
+    p.add_argument("--summary-every", type=float, default=30.0, metavar="SECONDS",
+                   help="print a summary line (episodes/min, mean reward, failures) at most this often")
+    p.add_argument("--verbose", action="store_true",
+                   help="a line per episode, per HTTP request (httpx) and per retry")
     args = p.parse_args(argv)
+    quiet_logs(args.verbose)
     options = dict(_option(o) for o in args.task_option)
     client = SwarmClient(args.url, token=args.token, retry_for=900, client_id=args.client_id)
     eval_tasks = make_tasks(args.task, args.eval_size, split="eval", options=options)
@@ -316,9 +394,13 @@ def main(argv: list[str] | None = None) -> int:
                                                       options=options), group_size=args.rollouts_per_task)
         print(f"{sent} demonstrations accepted")
     log_file = open(args.episode_log, "a", buffering=1) if args.episode_log else None  # noqa: SIM115
+    summary: Summary | None = None
 
     def on_result(r: EpisodeResult) -> None:
-        print(f"{r.task_id}: reward {r.reward:.2f}", flush=True)
+        if args.verbose:
+            print(f"{r.task_id}: reward {r.reward:.2f}", flush=True)
+        elif summary is not None:
+            summary.add(r)
         if log_file is not None:  # written only once the server answered the report
             log_file.write(json.dumps({"episode_id": r.episode_id, "task_id": r.task_id, "reward": r.reward,
                                        "accepted": r.accepted}) + "\n")
@@ -327,12 +409,21 @@ def main(argv: list[str] | None = None) -> int:
                         rollouts_per_task=args.rollouts_per_task, max_tokens=args.max_tokens,
                         concurrency=args.concurrency, ready_every=args.ready_every, on_result=on_result,
                         eval_tasks=eval_tasks, eval_every=args.eval_every)
+    if not args.verbose:
+        summary = Summary(tc, args.summary_every, out=lambda text: print(text, flush=True)).start()
+    print(f"task client: {args.task} episodes against {args.url}, {args.concurrency} at a time; "
+          + ("a line per episode (--verbose)" if args.verbose else
+             f"a summary at most every {args.summary_every:g} s (--verbose: a line per episode)"), flush=True)
     try:
         tc.run()
     except KeyboardInterrupt:
         tc.stop_event.set()
+    finally:
+        if summary is not None:
+            summary.stop()
     return 0
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     raise SystemExit(main())

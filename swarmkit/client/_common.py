@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -43,8 +45,24 @@ def beat_body(interval_s: float) -> dict[str, float]:
     """The body of a periodic heartbeat: the interval the server may expect the next one in."""
     return {"interval_s": float(interval_s)}
 
-#: the logger of every retry and wait (INFO), e.g. ``logging.basicConfig(level=logging.INFO)`` shows them
+#: the logger of retries and waits: every retry at DEBUG, and at INFO the first of its kind and then at
+#: most one line per ``RETRY_NOTE_S`` (with how many retries it stands for), so
+#: ``logging.basicConfig(level=logging.INFO)`` shows what a client waits for without a line per retry
 log = logging.getLogger("swarmkit.client")
+
+#: at most one INFO line per this many seconds about retries of one kind (a server state, or unreachable)
+RETRY_NOTE_S = 60.0
+#: what a client should know about a state it keeps retrying (said with the INFO line)
+RETRY_HINTS = {
+    "OFFLINE": ("the server is up but has no model: a controller must configure and start it "
+                "(SwarmClient(url, token=ADMIN_TOKEN).configure([...overrides]) then .start(); "
+                "python -m swarmkit skills show configure-server), or run the main job "
+                "(python -m swarmkit), which serves and trains in one process"),
+    "BOOTING": "the server is loading its model",
+    "ROLLING_POST": "the server is training a step (normal)",
+    "WEIGHT_SYNCING": "the server is loading new weights after a step (normal)",
+    "unreachable": "is the server running at this URL?",
+}
 
 #: connection failures worth retrying (the request never reached a handler)
 TRANSIENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
@@ -204,6 +222,7 @@ class HoldsClientId:
         self._client_key = None
         self.retry_for = float(retry_for)
         self.on_retry = on_retry
+        self._retry_notes = RetryNotes()
         self._timeout = float(timeout)
         self.heartbeat_s = heartbeat_s
 
@@ -265,20 +284,48 @@ class RetryEvent:
 RetryCallback = Callable[[RetryEvent], object]
 
 
+class RetryNotes:
+    """Which retries a client logs at INFO: the first of each kind (a server state, or unreachable), then
+    one per :data:`RETRY_NOTE_S` saying how many it stands for; one per client, shared by its threads."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, every_s: float | None = None):
+        self.clock = clock
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._kinds: dict[str, tuple[float, int]] = {}  # kind -> (when its last INFO line was, retries since)
+
+    def log(self, event: RetryEvent) -> None:
+        kind = event.state or ("unreachable" if event.status is None else "busy")
+        now = self.clock()
+        every = RETRY_NOTE_S if self.every_s is None else self.every_s
+        with self._lock:
+            last, since = self._kinds.get(kind, (-math.inf, 0))
+            if now - last < every:
+                self._kinds[kind] = (last, since + 1)
+                log.debug(event.describe())
+                return
+            self._kinds[kind] = (now, 0)
+        hint = RETRY_HINTS.get(kind)
+        more = f"; {since} more such retries in the last {now - last:.0f} s" if since and last > -math.inf else ""
+        quiet = f"; retries are logged at DEBUG, this line at most every {every:.0f} s"
+        log.info("%s%s%s%s", event.describe(), f" - {hint}" if hint else "", more, quiet)
+
+
 class Retry:
     """The retry schedule of one request: exponential backoff with jitter, ``Retry-After`` first.
 
     The client calls :meth:`after_error` or :meth:`after_busy` after a failed
     attempt and sleeps the seconds it returns; past the budget they raise
     :class:`ServerUnavailable` naming the last answer. Each retry is logged
-    (INFO, ``swarmkit.client``) and passed to ``on_retry``.
+    (``swarmkit.client``: DEBUG, and INFO as ``notes`` allow: :class:`RetryNotes`) and passed to ``on_retry``.
     """
 
     def __init__(self, url: str, method: str, path: str, budget: float,
                  on_retry: RetryCallback | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 jitter: Callable[[], float] = random.random):
+                 jitter: Callable[[], float] = random.random, notes: RetryNotes | None = None):
         self.url, self.method, self.path, self.budget = url, method, path, budget
         self.on_retry = on_retry
+        self.notes = notes if notes is not None else RetryNotes(clock=clock)
         self.clock, self.jitter = clock, jitter
         self.start = clock()
         self.delay = FIRST_DELAY_S
@@ -303,7 +350,7 @@ class Retry:
         sleep = min(wait * (0.8 + 0.4 * self.jitter()), max(0.0, self.budget - elapsed), MAX_SLEEP_S)
         self.delay = min(self.delay * 2, MAX_DELAY_S)
         event = RetryEvent(self.method, self.path, self.attempt + 1, sleep, elapsed, reason, status, state)
-        log.info(event.describe())
+        self.notes.log(event)
         if self.on_retry is not None:
             self.on_retry(event)
         return sleep

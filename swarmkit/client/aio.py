@@ -183,7 +183,8 @@ class AsyncSwarmClient(HoldsClientId):
                        timeout: float | None = None, extra_headers: Mapping[str, str] | None = None
                        ) -> httpx.Response:
         headers = {**auth_headers(self.token if admin else key), **(extra_headers or {})}
-        retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry)
+        retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry,
+                      notes=self._retry_notes)
         while True:
             try:
                 resp = await self._http.request(method, path, json=json_body, headers=headers,

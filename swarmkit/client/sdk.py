@@ -22,8 +22,9 @@ ep.report(1.0)``).
 
 Requests are retried with exponential backoff on connection errors and on
 "server busy" answers (503 with ``Retry-After``, e.g. while the server trains
-in ``ROLLING_POST`` / ``WEIGHT_SYNCING``); every retry is logged at INFO on
-the ``swarmkit.client`` logger and passed to the client's ``on_retry``
+in ``ROLLING_POST`` / ``WEIGHT_SYNCING``); every retry is logged at DEBUG on
+the ``swarmkit.client`` logger (at INFO the first of its kind, then one a minute with a count)
+and passed to the client's ``on_retry``
 callback as a :class:`RetryEvent`; after ``retry_for`` seconds a
 :class:`ServerUnavailable` says what the server last answered. A connection
 that fails mid-request is retried for a GET and raised as :class:`TransportError`

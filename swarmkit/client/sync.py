@@ -122,8 +122,8 @@ class SwarmClient(HoldsClientId):
         ``LIFECYCLE_TIMEOUT_S``).
     :param retry_for: seconds to keep retrying connection errors and 503s.
     :param on_retry: called with a :class:`~swarmkit.client.RetryEvent` before
-        each retry's sleep (every retry is also logged at INFO on the
-        ``swarmkit.client`` logger); an exception it raises ends the retries.
+        each retry's sleep (every retry is also logged on the ``swarmkit.client``
+        logger: DEBUG, and INFO the first of its kind, then one a minute); an exception it raises ends the retries.
     :param heartbeat_s: while this client has an episode open, a background thread tells the
         server every ``heartbeat_s`` seconds that it is alive; a client that misses three (its
         process died) does not hold the next training step. None: no heartbeat.
@@ -189,7 +189,8 @@ class SwarmClient(HoldsClientId):
                  admin: bool = False, retry_for: float | None = None,
                  timeout: float | None = None, extra_headers: Mapping[str, str] | None = None) -> httpx.Response:
         headers = {**auth_headers(self.token if admin else key), **(extra_headers or {})}
-        retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry)
+        retry = Retry(self.url, method, path, self.retry_for if retry_for is None else retry_for, self.on_retry,
+                      notes=self._retry_notes)
         while True:
             try:
                 resp = self._http.request(method, path, json=json_body, headers=headers,

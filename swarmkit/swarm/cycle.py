@@ -391,7 +391,7 @@ class TrainingCycle:
         if self.training_finished is None:
             self.training_finished = (f"training finished: trainer.total_steps={self.total_steps} reached; "
                                       "training episodes are refused (eval episodes still run)")
-            log.warning("%s", self.training_finished)
+            log.info("%s", self.training_finished)  # the normal end of a run, not a problem
         return True
 
     async def train_once(self, decision: Any) -> dict[str, float]:

@@ -16,7 +16,6 @@ import asyncio
 import inspect
 import json
 import logging
-import math
 import sys
 import threading
 import time
@@ -70,6 +69,9 @@ def _depth(value: Any, limit: int = MAX_META_DEPTH + 1) -> int:
 
 
 log = logging.getLogger("swarmkit.server")
+
+#: a drain that lasts this long is logged at INFO (what it waits for); a shorter one only at DEBUG
+SLOW_DRAIN_S = 10.0
 #: the run dir's record of state moves: one ``{"time", "state"}`` JSON line per move
 STATES_FILE = "states.jsonl"
 
@@ -600,18 +602,21 @@ class SwarmServer:
         """
         deadline = time.time() + (self.drain_timeout_s if timeout_s is None else timeout_s)
         idle_aborted = 0
-        announce_at = time.time() + 1.0  # a drain that takes a while says what it waits for, once
+        # a drain that takes a while says what it waits for: at DEBUG after 1 s (most drains of a
+        # real model take seconds: the step line shows each one's time), once at INFO when it is slow
+        started = time.time()
+        announce = [(started + 1.0, logging.DEBUG), (started + SLOW_DRAIN_S, logging.INFO)]
         while time.time() < deadline:
             left = [e for e in self.episodes.running() if include_eval or not e.eval]
             if not left:
                 return idle_aborted
-            if time.time() >= announce_at:
-                announce_at = math.inf
+            if announce and time.time() >= announce[0][0]:
+                level = announce.pop(0)[1]
                 names = ", ".join(f"{e.id} ({e.task_id}, {e.client_id or 'no client'})" for e in left[:3])
                 more = f" and {len(left) - 3} more" if len(left) > 3 else ""
-                log.info("draining before the step: still waiting for %d running episode(s): %s%s; new "
-                         "registrations answer 503 until then (idle ones are aborted after %gs, the rest in %.0fs)",
-                         len(left), names, more, self.drain_idle_s, deadline - time.time())
+                log.log(level, "draining before the step for %.0fs: still waiting for %d running episode(s): %s%s; "
+                        "new registrations answer 503 until then (idle ones are aborted after %gs, the rest in %.0fs)",
+                        time.time() - started, len(left), names, more, self.drain_idle_s, deadline - time.time())
             now = time.time()
             for ep in left:  # a client that went quiet (dead, or stuck) does not hold the step
                 if ep.running and self.abandoned(ep, now):

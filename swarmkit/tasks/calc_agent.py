@@ -5,7 +5,8 @@ Each problem multiplies a 3-digit by a 2-digit number, or adds / subtracts two
 bottles in each crate..."): operands too large for a 135M model to do in its
 head, easy with the ``calculator`` tool. An episode is up to ``max_turns``
 chat calls with ``tools=[CALCULATOR_TOOL]``: the agent calls the calculator, the
-client runs it (:func:`calculator`, a safe evaluator) and sends the result back
+client runs it (:func:`calculator`, a small evaluator of its own that never calls
+``ast`` or ``compile``, so it is safe and deterministic from any thread) and sends the result back
 as a ``tool`` message, and the agent ends with ``<answer>N</answer>``.
 
 Reward (:func:`grade`): 1.0 for the right answer, plus ``TOOL_CREDIT`` (0.1)
@@ -22,7 +23,6 @@ Needs only httpx.
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib
 import importlib.util
@@ -68,8 +68,18 @@ _STORIES = [
     ("-", "A stadium has {a} seats and {b} are taken. How many seats are free?"),
 ]
 _ANSWER_RE = re.compile(r"<answer>\s*(-?[\d,]+)\s*</answer>")
-_BINOPS: dict[type, Any] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-                            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+#: the calculator's binary operators: symbol -> (precedence, right-associative, function)
+_BINOPS: dict[str, tuple[int, bool, Callable[[Any, Any], Any]]] = {
+    "+": (1, False, operator.add), "-": (1, False, operator.sub),
+    "*": (2, False, operator.mul), "/": (2, False, operator.truediv),
+    "//": (2, False, operator.floordiv), "%": (2, False, operator.mod),
+    "**": (4, True, operator.pow),
+}
+_UNARY_PRECEDENCE = 3  # binds tighter than * and looser than **: -2**2 == -4, as in Python
+_TOKEN_RE = re.compile(r"\s*(?:(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)|(\*\*|//|[-+*/%()]))")
+_MAX_NESTING = 32
+_MAX_EXPONENT = 64
+_MAX_MAGNITUDE = 10**30
 
 
 def make_calc_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> list[Task]:
@@ -95,24 +105,95 @@ def make_calc_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> l
     return tasks
 
 
-def _eval(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        v = _eval(node.operand)
-        return -v if isinstance(node.op, ast.USub) else v
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        return _BINOPS[type(node.op)](_eval(node.left), _eval(node.right))
-    raise ValueError(f"unsupported expression element {type(node).__name__}")
+def _tokens(text: str) -> list[str]:
+    out, pos = [], 0
+    while pos < len(text):
+        m = _TOKEN_RE.match(text, pos)
+        if m is None or m.end() == pos:
+            if not text[pos:].strip():
+                break
+            raise ValueError(f"unexpected {text[pos:].strip()[:10]!r}")
+        out.append(m.group(1) or m.group(2))
+        pos = m.end()
+    return out
+
+
+class _Parser:
+    """Precedence climbing over :func:`_tokens`: numbers, unary + -, + - * / // % ** and parentheses,
+    with Python's precedence and associativity; nesting, exponents and magnitudes are bounded."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens, self.pos, self.depth = tokens, 0, 0
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self) -> str:
+        tok = self.peek()
+        if tok is None:
+            raise ValueError("incomplete expression")
+        self.pos += 1
+        return tok
+
+    def expression(self, min_precedence: int = 1) -> int | float:
+        left = self.unary()
+        while (op := self.peek()) in _BINOPS:
+            precedence, right_assoc, fn = _BINOPS[op]
+            if precedence < min_precedence:
+                break
+            self.pos += 1
+            right = self.expression(precedence if right_assoc else precedence + 1)
+            if op == "**" and (abs(right) > _MAX_EXPONENT or abs(left) > _MAX_MAGNITUDE):
+                raise ValueError("exponent too large")
+            left = fn(left, right)
+            if isinstance(left, complex):
+                raise ValueError("complex result")
+            if abs(left) > _MAX_MAGNITUDE:
+                raise ValueError("result too large")
+        return left
+
+    def unary(self) -> int | float:
+        if self.peek() in ("-", "+"):
+            sign = -1 if self.take() == "-" else 1
+            return sign * self.expression(_UNARY_PRECEDENCE)
+        return self.atom()
+
+    def atom(self) -> int | float:
+        tok = self.take()
+        if tok == "(":
+            self.depth += 1
+            if self.depth > _MAX_NESTING:
+                raise ValueError("too deeply nested")
+            value = self.expression()
+            if self.take() != ")":
+                raise ValueError("expected ')'")
+            self.depth -= 1
+            return value
+        if tok[0].isdigit() or tok[0] == ".":
+            return float(tok) if any(c in tok for c in ".eE") else int(tok)
+        raise ValueError(f"unexpected {tok!r}")
+
+
+def _evaluate(text: str) -> int | float:
+    parser = _Parser(_tokens(text))
+    value = parser.expression()
+    if parser.peek() is not None:
+        raise ValueError(f"unexpected {parser.peek()!r}")
+    return value
 
 
 def calculator(expression: str) -> str:
-    """Evaluate ``expression`` (numbers, + - * / // %, parentheses); an ``error: ...`` string when it cannot."""
+    """Evaluate ``expression`` (numbers, + - * / // % **, parentheses); an ``error: ...`` string when it cannot.
+
+    A tokenizer and a precedence-climbing parser of its own (no ``ast``, no ``compile``): CPython
+    3.11's AST constructor keeps its recursion depth in per-interpreter state, so ``ast.parse`` run
+    from several threads at once can fail with ``SystemError: AST constructor recursion depth
+    mismatch`` — the calculator runs in client worker threads."""
     if not isinstance(expression, str) or not expression.strip() or len(expression) > 200:
         return "error: expected a short arithmetic expression"
     try:
-        value = _eval(ast.parse(expression.replace(",", "").replace("x", "*").strip(), mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, TypeError) as exc:
+        value = _evaluate(expression.replace(",", "").replace("x", "*").strip())
+    except (ValueError, ZeroDivisionError, OverflowError) as exc:
         return f"error: {exc}"
     if isinstance(value, float) and value.is_integer():
         value = int(value)

@@ -1,0 +1,77 @@
+"""A normal run's console is quiet (issue 36): no WARNING on a normal end, no drain line per step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+from swarmkit.swarm import server as server_mod
+
+
+class _Episodes:
+    """One running episode that ends ``seconds`` after the drain starts."""
+
+    def __init__(self, seconds: float):
+        self.until = time.time() + seconds
+        self.ep = SimpleNamespace(id="ep-1", task_id="t-0", client_id="c-1", eval=False, running=True)
+
+    def running(self):
+        return [self.ep] if time.time() < self.until else []
+
+
+def _drain(seconds: float) -> int:
+    fake = SimpleNamespace(drain_timeout_s=60.0, drain_idle_s=30.0, episodes=_Episodes(seconds),
+                           abandoned=lambda ep, now: False)
+    return asyncio.run(server_mod.SwarmServer.drain(fake))  # type: ignore[arg-type]
+
+
+def test_a_drain_of_a_few_seconds_is_logged_at_debug_only(caplog):
+    with caplog.at_level(logging.DEBUG, logger="swarmkit.server"):
+        assert _drain(1.3) == 0
+    drains = [r for r in caplog.records if "draining before the step" in r.getMessage()]
+    assert [r.levelno for r in drains] == [logging.DEBUG]
+
+
+def test_an_unusually_long_drain_says_at_info_what_it_waits_for(caplog, monkeypatch):
+    monkeypatch.setattr(server_mod, "SLOW_DRAIN_S", 1.2)
+    with caplog.at_level(logging.DEBUG, logger="swarmkit.server"):
+        _drain(1.5)
+    drains = [r for r in caplog.records if "draining before the step" in r.getMessage()]
+    assert [r.levelno for r in drains] == [logging.DEBUG, logging.INFO]
+    assert "ep-1 (t-0, c-1)" in drains[-1].getMessage()
+
+
+def test_the_main_job_console_has_no_warning_on_a_normal_run(tmp_path):
+    """The tiny model on a task it learns (the default one gives it reward 0 everywhere: a collapse alarm
+    is right there) to its step limit, output piped: no WARNING line (the normal end, ``training
+    finished``, is INFO), no drain line."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmkit", "model=tiny", "task=token_rule", "task.eval_size=4",
+         "task.max_tokens=8", "batching.batch_size=4", "batching.rollouts_per_task=8", "optim.lr=1e-2",
+         "trainer.total_steps=6", "server.port=0",
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "step   6" in out.stdout
+    assert not [line for line in console.splitlines() if "WARNING" in line]
+    assert "draining before the step" not in console
+    log = (tmp_path / "cli.log").read_text()
+    assert "[WARNING]" not in log
+
+
+def test_training_finished_is_info(caplog):
+    from swarmkit.swarm.cycle import TrainingCycle
+
+    fake = SimpleNamespace(total_steps=2, global_step=2, training_finished=None)
+    with caplog.at_level(logging.DEBUG):
+        assert TrainingCycle._limit_reached(fake)  # type: ignore[arg-type]
+    [record] = [r for r in caplog.records if "training finished" in r.getMessage()]
+    assert record.levelno == logging.INFO
