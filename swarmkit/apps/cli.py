@@ -20,6 +20,8 @@ from swarmkit.config.compose import (
     compose_checked,
     hydra_argv,
     missing_engines,
+    override_value,
+    server_training_overrides,
     validated,
 )
 from swarmkit.errors import ConfigError, SwarmkitError
@@ -42,6 +44,49 @@ def make_private(run_dir: Path, hydra_subdir: str | None, secrets: Sequence[str]
         os.chmod(path, 0o600)
 
 
+#: the training overrides of this process's ``mode=server`` command line (set by :func:`main`): a server
+#: given some configures itself from the composed config and starts; one given none waits OFFLINE
+_SERVER_TRAINING: list[str] = []
+
+#: modes that run something in a run folder (the others print, or talk to a server elsewhere)
+RUN_MODES = ("local", "server")
+
+
+def hydra_output_overrides(cfg: DictConfig, args: Sequence[str]) -> list[str]:
+    """Where Hydra puts its own output (``.hydra/``, ``cli.log``): in the run folder, or nowhere.
+
+    A run (``mode=local``, ``mode=server``) with ``server.run_dir=auto`` runs in Hydra's run dir
+    (``runs/<date>``); one given a ``server.run_dir`` gets Hydra's output there. ``mode=plan`` and
+    ``mode=client`` run nothing here: no folder, no log file (the console only). A ``hydra.run.dir``,
+    ``hydra.output_subdir`` or ``hydra/job_logging`` on the command line is left as given.
+    """
+    if any(a.lstrip("+~").startswith(("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=",
+                                       "hydra.job_logging")) for a in args):
+        return []
+    if cfg.mode in RUN_MODES:
+        run_dir = str(cfg.server.run_dir)
+        return [] if run_dir == "auto" else [f"hydra.run.dir={override_value(run_dir)}"]
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "~hydra.job_logging.handlers.file",
+            "hydra.job_logging.root.handlers=[console]"]
+
+
+def _sweeps(args: Sequence[str]) -> list[str]:
+    """The overrides that list several values (``optim.lr=1e-4,3e-4``), which only ``--multirun`` runs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    found = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            if parser.parse_overrides([arg])[0].is_sweep_override():
+                found.append(arg)
+        except Exception:  # noqa: BLE001 - a grammar error: compose_checked reports it
+            continue
+    return found
+
+
 def _hydra_entry(cfg: DictConfig) -> None:
     try:
         checked = validated(cfg)
@@ -50,17 +95,19 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(2)
     from hydra.core.hydra_config import HydraConfig
 
-    if checked.mode == "local":
+    configure_server = checked.mode == "server" and bool(_SERVER_TRAINING)
+    if checked.mode == "local" or configure_server:
         missing = missing_engines(checked)
         if missing:
             print("error: " + "; ".join(missing), file=sys.stderr)
             sys.exit(2)
-    if checked.server.run_dir == "auto":
-        checked.server.run_dir = HydraConfig.get().runtime.output_dir
     hc = HydraConfig.get()
-    make_private(Path(hc.runtime.output_dir), hc.output_subdir,
-                 [t for t in (checked.server.admin_token, checked.server.client_token) if t])
-    status = run(checked)
+    if checked.mode in RUN_MODES and checked.server.run_dir == "auto":
+        checked.server.run_dir = hc.runtime.output_dir
+    if checked.mode in RUN_MODES or hc.output_subdir is not None:  # never the working directory of plan/client
+        make_private(Path(hc.runtime.output_dir), hc.output_subdir,
+                     [t for t in (checked.server.admin_token, checked.server.client_token) if t])
+    status = run(checked, server_overrides=_SERVER_TRAINING if configure_server else ())
     if status:
         sys.exit(status)
 
@@ -125,7 +172,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         hargs = hydra_argv(args)
         if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith(("--cfg", "-c"))
                    for a in args):
-            compose_checked(args)  # every problem of the overrides at once, before Hydra runs
+            multirun = any(a in ("--multirun", "-m") for a in args)
+            sweeps = [] if multirun else _sweeps(args)
+            if sweeps:
+                raise ConfigError([f"{a}: several values sweep, which needs --multirun (a list: key=[a,b]; "
+                                   "a string with commas: key='a,b')" for a in sweeps])
+            checked = compose_checked(args)  # every problem of the overrides at once, before Hydra runs
+            if not multirun:
+                hargs += hydra_output_overrides(checked, args)
+                if checked.mode == "server":
+                    _SERVER_TRAINING[:] = server_training_overrides(args)
     except SwarmkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
