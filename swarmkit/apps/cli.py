@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from swarmkit.apps.runner import run
+from swarmkit.apps.usage import LIGHT_COMMANDS, USAGE, run_command
 from swarmkit.config.compose import (
     CONFIG_MODULE,
     compose_checked,
@@ -112,46 +113,11 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(status)
 
 
-def _monitor(args: list[str]) -> int:
-    from swarmkit.apps.monitor import monitor_main
-
-    return monitor_main(args)
-
-
-def _status(args: list[str]) -> int:
-    from swarmkit.apps.monitor import status_main
-
-    return status_main(args)
-
-
-def _skills(args: list[str]) -> int:
-    from swarmkit.apps.skills import main as skills_main
-
-    return skills_main(args)
-
-
-def _new_task(args: list[str]) -> int:
-    from swarmkit.apps.new_task import main as new_task_main
-
-    return new_task_main(args)
-
-
-def _research(args: list[str]) -> int:
-    from swarmkit.research.cli import main as research_main
-
-    return research_main(args)
-
-
-def _join(args: list[str]) -> int:
-    from swarmkit.apps.join import main as join_main
-
-    return join_main(args)
-
-
-#: ``python -m swarmkit NAME ...``: the commands that are not a Hydra job (each parses its own arguments)
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "monitor": _monitor, "status": _status, "skills": _skills, "new-task": _new_task,
-    "research": _research, "join": _join,
+#: ``python -m swarmkit NAME ...``: the commands that are not a Hydra job (``module:function``, each parses its
+#: own arguments); the light ones run on the base install too (:mod:`swarmkit.apps.usage`)
+SUBCOMMANDS: dict[str, str] = {
+    **LIGHT_COMMANDS, "monitor": "swarmkit.apps.monitor:monitor_main", "research": "swarmkit.research.cli:main",
+    "join": "swarmkit.apps.join:main",
 }
 
 
@@ -163,11 +129,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:  # the commands that are not a Hydra job
-        try:
-            sys.exit(SUBCOMMANDS[args[0]](args[1:]))
-        except BrokenPipeError:  # `| head` closed the pipe: not an error (and no traceback at exit)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(0)
+        sys.exit(run_command(SUBCOMMANDS[args[0]], args[1:]))
+    # the help's header (conf/config.yaml: ${swarmkit_usage:}); "$" escaped for Hydra's help template
+    OmegaConf.register_new_resolver("swarmkit_usage", lambda: USAGE.replace("$", "$$"), replace=True)
     try:
         hargs = hydra_argv(args)
         if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith(("--cfg", "-c"))
