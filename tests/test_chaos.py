@@ -179,7 +179,7 @@ def test_chaos_sigkilled_clients_lose_nothing_and_never_stall_training(server):
     reasons = {e["abort_reason"] for e in listing["ended"] if e["status"] == "aborted" and e["created"] >= t_start}
     assert reasons <= {"deadline", "drain deadline"}, reasons
     metrics = [json.loads(x) for x in (server["proc"].run_dir / "metrics.jsonl").read_text().splitlines()]
-    chaos_steps = [m for m in metrics if m["step"] > step0]
+    chaos_steps = [m for m in metrics if m.get("kind", "train") == "train" and m["step"] > step0]
     assert chaos_steps and max(m["drain_s"] for m in chaos_steps) <= DRAIN_TIMEOUT_S + 1.0
     journal = _journal(server)
     acknowledged = _accepted(logs)
@@ -220,13 +220,21 @@ def test_a_server_that_reached_its_step_limit_says_so_and_refuses_training_episo
 
 
 @pytest.mark.parametrize("request_body, steps", [
-    ({"overrides": ["model=tiny"]}, 0),
+    ({"overrides": ["model=tiny"]}, None),
     ({"overrides": ["model=tiny", "trainer.total_steps=7"]}, 7),
-    ({"config": {"model": "tiny"}}, 0),
+    ({"overrides": ["model=tiny", "trainer.total_steps=0"]}, 0),
+    ({"config": {"model": "tiny"}}, None),
+    ({"yaml": "model: tiny"}, None),
     ({"config": {"model": "tiny", "trainer": {"total_steps": 7}}}, 7),
 ])
-def test_a_configured_server_trains_until_stopped_unless_a_limit_is_given(request_body, steps):
-    from swarmkit.config.compose import config_from_request
+def test_a_configured_server_has_the_schema_default_step_limit(request_body, steps):
+    """One default wherever a server is configured: the schema's (as on the command line), unless the
+    request sets a limit (0: until stopped)."""
+    from swarmkit.config.compose import compose_checked, config_from_request
+    from swarmkit.config.schema import TrainerConfig
 
     cfg = config_from_request(request_body, {"host": "127.0.0.1", "port": 8000})
-    assert cfg.trainer.total_steps == steps
+    default = TrainerConfig().total_steps
+    assert compose_checked(["model=tiny"]).trainer.total_steps == default
+    assert compose_checked(["mode=server", "model=tiny"]).trainer.total_steps == default
+    assert cfg.trainer.total_steps == (default if steps is None else steps)

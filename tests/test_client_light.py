@@ -198,3 +198,49 @@ def test_the_swarmkit_script_names_the_server_extra(light_env):
         pytest.skip("no swarmkit console script next to this interpreter")
     r = subprocess.run([str(script), "mode=plan"], env=light_env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and EXTRA_HINT in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------- (d) issue 36: what the light install runs
+def test_help_on_the_light_install_lists_the_modes_commands_and_extras(light_env):
+    r = subprocess.run([sys.executable, "-m", "swarmkit", "--help"], env=light_env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("mode=server", "mode=client", "mode=plan", "status [RUN_DIR]", "monitor RUN_DIR", "skills",
+                 "new-task", "research", "join", EXTRA_HINT, "swarmkit[research]", "the base install"):
+        assert line in r.stdout, (line, r.stdout)
+
+
+def test_every_command_is_in_the_help():
+    from swarmkit.apps.cli import SUBCOMMANDS
+    from swarmkit.apps.usage import USAGE
+
+    assert all(f"\n  {name} " in USAGE for name in SUBCOMMANDS), USAGE
+
+
+def test_status_of_a_run_folder_on_the_light_install(server, light_env, tmp_path):
+    """``python -m swarmkit status RUN_DIR`` as README writes it: the URL from RUN_DIR/server.json, the token
+    from RUN_DIR/admin_token (it needed --token or $SWARMKIT_ADMIN_TOKEN, and the server on port 8000)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "server.json").write_text(json.dumps({"url": server.url}))
+    (run_dir / "admin_token").write_text(TOKEN + "\n")
+    status = [sys.executable, "-m", "swarmkit", "status"]
+    r = subprocess.run([*status, str(run_dir)], env=light_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("ROLLING"), r.stdout + r.stderr
+    r = subprocess.run([*status, "--url", server.url, "--token-file", str(run_dir / "admin_token"), "--json"],
+                       env=light_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["state"] == "ROLLING", r.stdout + r.stderr
+    r = subprocess.run([*status, "--token", str(run_dir / "admin_token")], env=light_env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--token takes the token itself" in r.stderr, r.stderr
+    r = subprocess.run(status, env=light_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "status RUN_DIR" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_monitor_and_a_server_do_not_share_a_default_port():
+    from swarmkit.apps.monitor import MONITOR_PORT, SERVER_PORT
+    from swarmkit.config.schema import ServerConfig
+
+    assert SERVER_PORT == ServerConfig().port and MONITOR_PORT != SERVER_PORT
+    docs = (ROOT / "README.md").read_text() + (ROOT / "docs" / "dashboard.md").read_text()
+    assert "8765" not in docs and f":{MONITOR_PORT}/dashboard" in docs

@@ -238,3 +238,127 @@ def test_a_bad_chat_template_is_a_config_error(value):
 
     with pytest.raises(ConfigError, match="model.chat_template"):
         validate_config(compose(["model=tiny", f"model.chat_template={value}"]), get_registry())
+
+
+# --------------------------------------------------------------------------- issue 36: the first hour of a new user
+@pytest.mark.parametrize("args, choices", [
+    (["model=tinyy"], "unknown model 'tinyy'; model options: smollm2, tiny"),
+    (["task=arith"], "unknown task 'arith'; task options: arithmetic, calc_agent, token_rule"),
+    (["--multirun", "model=tiny,tinyy"], "unknown model 'tinyy'; model options: smollm2, tiny"),
+    (["hydra/launcher=nosuch"], "Could not find 'hydra/launcher/nosuch'; options: "),
+])
+def test_an_unknown_option_of_any_group_is_one_clean_line_with_the_choices(tmp_path, args, choices):
+    """Every group typo reads like ``backend=foo``'s: one line with the choices, exit 2 (not Hydra's traceback)."""
+    out = subprocess.run([sys.executable, "-m", "swarmkit", *args, "mode=plan"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert choices in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 2, out.stderr
+
+
+def test_a_sweep_without_multirun_is_a_clean_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "swarmkit", "mode=plan", "optim.lr=1e-4,3e-4"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "needs --multirun" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_plan_leaves_nothing_in_the_working_directory(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "swarmkit", "mode=plan", "model=tiny"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_output_goes_to_the_run_folder_or_nowhere():
+    """Run folders only where a run happens: mode=local/server with run_dir=auto use Hydra's run dir; a given
+    server.run_dir gets Hydra's record; plan and client write nothing (no folder, no cli.log)."""
+    from swarmkit.apps.cli import hydra_output_overrides
+    from swarmkit.config.compose import compose_checked
+
+    assert hydra_output_overrides(compose_checked([]), []) == []
+    assert hydra_output_overrides(compose_checked(["mode=server"]), []) == []
+    assert hydra_output_overrides(compose_checked(["mode=server", "server.run_dir=/x/y"]), []) == [
+        "hydra.run.dir='/x/y'"]
+    for mode in ("plan", "client"):
+        extra = hydra_output_overrides(compose_checked([f"mode={mode}"]), [])
+        assert "hydra.output_subdir=null" in extra and "~hydra.job_logging.handlers.file" in extra
+    assert hydra_output_overrides(compose_checked(["mode=plan"]), ["hydra.run.dir=/z"]) == []
+
+
+def test_a_server_with_a_run_dir_makes_no_folder_in_the_working_directory(tmp_path):
+    import socket
+
+    cwd, run_dir = tmp_path / "cwd", tmp_path / "run"
+    cwd.mkdir()
+    with socket.socket() as taken:  # the port is taken: the server exits at once (after Hydra made its folders)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "swarmkit", "mode=server", f"server.port={port}",
+                              f"server.run_dir={run_dir}"], capture_output=True, text=True, cwd=cwd)
+    assert out.returncode == 2 and "cannot listen" in out.stderr, out.stderr
+    assert list(cwd.iterdir()) == []
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+def test_which_overrides_a_server_applies():
+    from swarmkit.config.compose import server_training_overrides
+
+    assert server_training_overrides(["mode=server", "server.port=1", "hydra.run.dir=x", "--multirun"]) == []
+    assert server_training_overrides(["mode=server", "model=tiny", "+optim.lr=1e-3", "seed=2", "server.port=1"]) == [
+        "model=tiny", "+optim.lr=1e-3", "seed=2"]
+    with pytest.raises(ConfigError, match="task=token_rule: a server runs no tasks"):
+        server_training_overrides(["mode=server", "model=tiny", "task=token_rule"])
+
+
+def test_a_server_refuses_loudly_what_it_cannot_apply(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "swarmkit", "mode=server", "model=tiny", "task.max_tokens=4",
+                          "launcher=ray"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "task.max_tokens=4: a server runs no tasks" in out.stderr and "launcher=ray" in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path):
+    """``mode=server model=tiny`` serves the tiny model (it was OFFLINE with model=tiny dropped); a server given
+    no training override still waits OFFLINE and says how to configure it."""
+    import os
+    import socket
+
+    from swarmkit.client import SwarmClient
+    from swarmkit.config.schema import TrainerConfig
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    token = "first-hour-" + "t" * 20
+    env = dict(os.environ, SWARMKIT_ADMIN_TOKEN=token, SWARMKIT_TORCH_THREADS="1", HF_HUB_OFFLINE="1")
+    procs = []
+    try:
+        p1, p2 = port(), port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={p1}", "model=tiny",
+             "optim.lr=1e-3", "logger=[]", f"server.run_dir={tmp_path / 'a'}"],
+            env=env, stdout=open(tmp_path / "a.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={p2}", f"server.run_dir={tmp_path / 'b'}"],
+            env=env, stdout=open(tmp_path / "b.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path))
+        with SwarmClient(f"http://127.0.0.1:{p1}", token=token, retry_for=90) as c:
+            c.wait_for_state("ROLLING", timeout=120)
+            st = c.status()
+            assert st["configured"] and st["model"] == "tiny-qwen2", st
+        with SwarmClient(f"http://127.0.0.1:{p2}", token=token, retry_for=90) as c:
+            assert c.wait_for_state("OFFLINE", timeout=60)["state"] == "OFFLINE"
+            assert not c.status()["configured"]
+        a, b = (tmp_path / "a.out").read_text(), (tmp_path / "b.out").read_text()
+        assert "configured from the command line (model=tiny optim.lr=1e-3 'logger=[]')" in a, a
+        assert "not configured (OFFLINE)" in b and ".configure([" in b and "mode=server model=tiny" in b, b
+        cfg = OmegaConf.load(tmp_path / "a" / ".hydra" / "config.yaml")
+        assert cfg.trainer.total_steps == TrainerConfig().total_steps and cfg.optim.lr == 1e-3
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)

@@ -288,7 +288,8 @@ def test_local_and_ray_drivers_write_the_same_summary_keys(monkeypatch, tmp_path
     assert set(local_summary["clients"][0]) == set(ray_summary["clients"][0]) == {
         "slot", "name", "replacements", "finished", "nodes"}
     for summary in (local_summary, ray_summary):
-        assert set(summary["eval_before"]) == set(summary["eval_after"]) == {"mean", "ci95", "n", "failures"}
+        assert set(summary["eval_before"]) == set(summary["eval_after"]) == {"mean", "ci95", "n", "failures",
+                                                                            "full_credit"}
         assert summary["train_episodes"] == 3 * 8  # three sampling spans of the one client
     assert (local_summary["node_id"], ray_summary["node_id"]) == (None, "node-0")
     assert (local_summary["namespace"], ray_summary["namespace"]) == (None, "swarmkit-ray")
@@ -314,3 +315,21 @@ def test_a_server_that_goes_offline_stops_the_job_and_tears_down(monkeypatch, tm
     _, (server,) = _run_ray(monkeypatch, cfg, rc=1)
     assert "error: the server went OFFLINE: engine lost" in capsys.readouterr().err
     assert server.events[-1] == ("shutdown",) and not (tmp_path / "summary.json").exists()
+
+
+def test_the_summary_says_what_the_tasks_reward_means(monkeypatch, tmp_path, capsys):
+    """Issue 36: arithmetic's partial credit (0.5 for the right number after "=") made a mean of 0.469 read as
+    47% right; the console and summary.json now give the task's reward legend and the share fully right."""
+    from swarmkit.tasks.rewards import reward_scale
+
+    rewards = [1.0, 0.5, 0.5, 0.0]
+    monkeypatch.setattr(FakeServer, "evaluate", lambda self: EvalResult(0.5, 0.4, 4, rewards=list(rewards)))
+    cfg = compose_checked(["model=tiny", "task=arithmetic", f"server.run_dir={tmp_path}", "trainer.total_steps=2",
+                           "batching.batch_size=2", "batching.rollouts_per_task=2"])
+    summary, _ = _run_local(monkeypatch, cfg)
+    scale = reward_scale("arithmetic")
+    assert scale is not None and "0.5" in scale.legend and "<answer>" in scale.legend
+    assert summary["reward_scale"] == {"task": "arithmetic", "legend": scale.legend, "full": 1.0}
+    assert summary["eval_before"]["full_credit"] == summary["eval_after"]["full_credit"] == 0.25
+    out = capsys.readouterr().out
+    assert "fully right 1/4 (25%)" in out and "reward of arithmetic: 1.0 = the right number" in out, out

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from swarmkit.apps.runner import run
+from swarmkit.apps.usage import LIGHT_COMMANDS, USAGE, run_command
 from swarmkit.config.compose import (
     CONFIG_MODULE,
     compose_checked,
     hydra_argv,
     missing_engines,
+    override_value,
+    server_training_overrides,
     validated,
 )
 from swarmkit.errors import ConfigError, SwarmkitError
@@ -42,6 +45,49 @@ def make_private(run_dir: Path, hydra_subdir: str | None, secrets: Sequence[str]
         os.chmod(path, 0o600)
 
 
+#: the training overrides of this process's ``mode=server`` command line (set by :func:`main`): a server
+#: given some configures itself from the composed config and starts; one given none waits OFFLINE
+_SERVER_TRAINING: list[str] = []
+
+#: modes that run something in a run folder (the others print, or talk to a server elsewhere)
+RUN_MODES = ("local", "server")
+
+
+def hydra_output_overrides(cfg: DictConfig, args: Sequence[str]) -> list[str]:
+    """Where Hydra puts its own output (``.hydra/``, ``cli.log``): in the run folder, or nowhere.
+
+    A run (``mode=local``, ``mode=server``) with ``server.run_dir=auto`` runs in Hydra's run dir
+    (``runs/<date>``); one given a ``server.run_dir`` gets Hydra's output there. ``mode=plan`` and
+    ``mode=client`` run nothing here: no folder, no log file (the console only). A ``hydra.run.dir``,
+    ``hydra.output_subdir`` or ``hydra/job_logging`` on the command line is left as given.
+    """
+    if any(a.lstrip("+~").startswith(("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=",
+                                       "hydra.job_logging")) for a in args):
+        return []
+    if cfg.mode in RUN_MODES:
+        run_dir = str(cfg.server.run_dir)
+        return [] if run_dir == "auto" else [f"hydra.run.dir={override_value(run_dir)}"]
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "~hydra.job_logging.handlers.file",
+            "hydra.job_logging.root.handlers=[console]"]
+
+
+def _sweeps(args: Sequence[str]) -> list[str]:
+    """The overrides that list several values (``optim.lr=1e-4,3e-4``), which only ``--multirun`` runs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    found = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            if parser.parse_overrides([arg])[0].is_sweep_override():
+                found.append(arg)
+        except Exception:  # noqa: BLE001 - a grammar error: compose_checked reports it
+            continue
+    return found
+
+
 def _hydra_entry(cfg: DictConfig) -> None:
     try:
         checked = validated(cfg)
@@ -50,61 +96,28 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(2)
     from hydra.core.hydra_config import HydraConfig
 
-    if checked.mode == "local":
+    configure_server = checked.mode == "server" and bool(_SERVER_TRAINING)
+    if checked.mode == "local" or configure_server:
         missing = missing_engines(checked)
         if missing:
             print("error: " + "; ".join(missing), file=sys.stderr)
             sys.exit(2)
-    if checked.server.run_dir == "auto":
-        checked.server.run_dir = HydraConfig.get().runtime.output_dir
     hc = HydraConfig.get()
-    make_private(Path(hc.runtime.output_dir), hc.output_subdir,
-                 [t for t in (checked.server.admin_token, checked.server.client_token) if t])
-    status = run(checked)
+    if checked.mode in RUN_MODES and checked.server.run_dir == "auto":
+        checked.server.run_dir = hc.runtime.output_dir
+    if checked.mode in RUN_MODES or hc.output_subdir is not None:  # never the working directory of plan/client
+        make_private(Path(hc.runtime.output_dir), hc.output_subdir,
+                     [t for t in (checked.server.admin_token, checked.server.client_token) if t])
+    status = run(checked, server_overrides=_SERVER_TRAINING if configure_server else ())
     if status:
         sys.exit(status)
 
 
-def _monitor(args: list[str]) -> int:
-    from swarmkit.apps.monitor import monitor_main
-
-    return monitor_main(args)
-
-
-def _status(args: list[str]) -> int:
-    from swarmkit.apps.monitor import status_main
-
-    return status_main(args)
-
-
-def _skills(args: list[str]) -> int:
-    from swarmkit.apps.skills import main as skills_main
-
-    return skills_main(args)
-
-
-def _new_task(args: list[str]) -> int:
-    from swarmkit.apps.new_task import main as new_task_main
-
-    return new_task_main(args)
-
-
-def _research(args: list[str]) -> int:
-    from swarmkit.research.cli import main as research_main
-
-    return research_main(args)
-
-
-def _join(args: list[str]) -> int:
-    from swarmkit.apps.join import main as join_main
-
-    return join_main(args)
-
-
-#: ``python -m swarmkit NAME ...``: the commands that are not a Hydra job (each parses its own arguments)
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "monitor": _monitor, "status": _status, "skills": _skills, "new-task": _new_task,
-    "research": _research, "join": _join,
+#: ``python -m swarmkit NAME ...``: the commands that are not a Hydra job (``module:function``, each parses its
+#: own arguments); the light ones run on the base install too (:mod:`swarmkit.apps.usage`)
+SUBCOMMANDS: dict[str, str] = {
+    **LIGHT_COMMANDS, "monitor": "swarmkit.apps.monitor:monitor_main", "research": "swarmkit.research.cli:main",
+    "join": "swarmkit.apps.join:main",
 }
 
 
@@ -116,16 +129,23 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:  # the commands that are not a Hydra job
-        try:
-            sys.exit(SUBCOMMANDS[args[0]](args[1:]))
-        except BrokenPipeError:  # `| head` closed the pipe: not an error (and no traceback at exit)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(0)
+        sys.exit(run_command(SUBCOMMANDS[args[0]], args[1:]))
+    # the help's header (conf/config.yaml: ${swarmkit_usage:}); "$" escaped for Hydra's help template
+    OmegaConf.register_new_resolver("swarmkit_usage", lambda: USAGE.replace("$", "$$"), replace=True)
     try:
         hargs = hydra_argv(args)
         if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith(("--cfg", "-c"))
                    for a in args):
-            compose_checked(args)  # every problem of the overrides at once, before Hydra runs
+            multirun = any(a in ("--multirun", "-m") for a in args)
+            sweeps = [] if multirun else _sweeps(args)
+            if sweeps:
+                raise ConfigError([f"{a}: several values sweep, which needs --multirun (a list: key=[a,b]; "
+                                   "a string with commas: key='a,b')" for a in sweeps])
+            checked = compose_checked(args)  # every problem of the overrides at once, before Hydra runs
+            if not multirun:
+                hargs += hydra_output_overrides(checked, args)
+                if checked.mode == "server":
+                    _SERVER_TRAINING[:] = server_training_overrides(args)
     except SwarmkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

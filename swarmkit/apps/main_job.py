@@ -41,8 +41,10 @@ folder of its own: ``server_<k>/`` under Ray):
 
 - ``server``: its index; ``url``: the URL its clients used; ``node_id``: its Ray
   node (null locally); ``run_dir``: its run folder;
-- ``eval_before``, ``eval_after``: ``{mean, ci95, n, failures}`` of the held-out
-  reward; ``eval_metrics_before``, ``eval_metrics_after``: ``{metric: {mean, ci95}}``
+- ``eval_before``, ``eval_after``: ``{mean, ci95, n, failures, full_credit}`` of the held-out
+  reward (``full_credit``: the share of episodes with a fully right answer, where the task has a
+  reward scale; null otherwise); ``reward_scale``: ``{task, legend, full}``, what the task's reward
+  means (:mod:`swarmkit.tasks.rewards`; null for a task without one); ``eval_metrics_before``, ``eval_metrics_after``: ``{metric: {mean, ci95}}``
   (``correct``, ``valid_tool_call``, where the task reports them);
   ``improvement``: after − before;
 - ``eval_midway``: ``{step: {mean, ci95, n, failures, <metric>: {mean, ci95}}}``,
@@ -87,6 +89,7 @@ from swarmkit.config.validate import to_dict
 from swarmkit.procs import port_free
 from swarmkit.swarm.metrics import read_metrics, step_line
 from swarmkit.tasks import make_tasks
+from swarmkit.tasks.rewards import full_credit, reward_scale
 
 #: the job's console (soft wrap: a line piped to a file is never cut at 80 columns); drivers print through it
 console = Console(soft_wrap=True)
@@ -395,7 +398,10 @@ def run_main_job(driver: Driver, cfg: DictConfig) -> int:
             before = _each(runs, driver.evaluate)
         for r, result in zip(runs, before, strict=True):
             r.before = result
-            say(f"{r.prefix}eval reward before training: {result}")
+            say(f"{r.prefix}eval reward before training: {result}{_full_credit_text(r.cfg, result)}")
+        legend = reward_scale(str(cfg.task.name))
+        if legend is not None:
+            say(f"reward of {cfg.task.name}: {legend.legend}")
         if any(int(r.cfg.task.demonstrations) > 0 for r in runs):
             with console.status("supervised warm start: sending demonstrations..."):
                 demos = _each(runs, driver.warm_start)
@@ -412,7 +418,7 @@ def run_main_job(driver: Driver, cfg: DictConfig) -> int:
         for r, result in zip(runs, after, strict=True):
             r.after = result
             if len(runs) > 1:
-                say(f"{r.prefix}eval reward after training: {result}")
+                say(f"{r.prefix}eval reward after training: {result}{_full_credit_text(r.cfg, result)}")
         statuses = _each(runs, driver.status)
         clients = [driver.clients(r.index) for r in runs]
     finally:
@@ -502,8 +508,26 @@ def _start_clients(driver: Driver, r: _Run, seed: int, eval_every: int) -> None:
 
 
 # --------------------------------------------------------------------------- the summary
-def _eval(result: EvalResult) -> dict[str, Any]:
-    return {"mean": result.mean, "ci95": result.ci95, "n": result.n, "failures": result.failures}
+def _full_credit(cfg: Any, result: EvalResult) -> tuple[int, int] | None:
+    """Episodes of ``result`` with a fully right answer, of how many (None: no scale, or no rewards kept)."""
+    scale = reward_scale(str(cfg.task.name))
+    return full_credit(result.rewards, scale) if scale is not None and result.rewards else None
+
+
+def _full_credit_text(cfg: Any, result: EvalResult) -> str:
+    fc = _full_credit(cfg, result)
+    return "" if fc is None else f"; fully right {fc[0]}/{fc[1]} ({fc[0] / max(1, fc[1]):.0%})"
+
+
+def _eval(result: EvalResult, cfg: Any) -> dict[str, Any]:
+    fc = _full_credit(cfg, result)
+    return {"mean": result.mean, "ci95": result.ci95, "n": result.n, "failures": result.failures,
+            "full_credit": None if fc is None else fc[0] / max(1, fc[1])}
+
+
+def _reward_scale(cfg: Any) -> dict[str, Any] | None:
+    scale = reward_scale(str(cfg.task.name))
+    return None if scale is None else {"task": str(cfg.task.name), "legend": scale.legend, "full": scale.full}
 
 
 def _eval_metrics(result: EvalResult) -> dict[str, dict[str, float]]:
@@ -520,12 +544,13 @@ def server_record(r: _Run, status: dict[str, Any], checkpoint: dict[str, Any], c
         "url": r.info.url,
         "node_id": r.info.node_id,
         "run_dir": str(r.cfg.server.run_dir),
-        "eval_before": _eval(r.before),
-        "eval_after": _eval(r.after),
+        "eval_before": _eval(r.before, r.cfg),
+        "eval_after": _eval(r.after, r.cfg),
+        "reward_scale": _reward_scale(r.cfg),
         "improvement": r.after.mean - r.before.mean,
         "eval_metrics_before": _eval_metrics(r.before),
         "eval_metrics_after": _eval_metrics(r.after),
-        "eval_midway": {str(step): {**_eval(v), **_eval_metrics(v)} for step, v in r.midway.items()},
+        "eval_midway": {str(step): {**_eval(v, r.cfg), **_eval_metrics(v)} for step, v in r.midway.items()},
         "demonstrations": r.demos,
         "global_step": status["global_step"],
         "replicas": status.get("replicas"),
@@ -563,6 +588,11 @@ def summary_table(records: list[dict[str, Any]], after: list[EvalResult], before
 
     row("eval reward before", [str(b) for b in before])
     row("eval reward after", [str(a) for a in after])
+    if any(rec["reward_scale"] for rec in records):
+        row("reward scale", [rec["reward_scale"]["legend"] if rec["reward_scale"] else "-" for rec in records])
+        row("eval fully right (before -> after)", [
+            "-" if rec["eval_before"]["full_credit"] is None or rec["eval_after"]["full_credit"] is None else
+            f"{rec['eval_before']['full_credit']:.0%} -> {rec['eval_after']['full_credit']:.0%}" for rec in records])
     for key in dict.fromkeys(k for a in after for k in a.metrics):
         cells = []
         for a, b in zip(after, before, strict=True):

@@ -9,6 +9,7 @@ running elsewhere), read-only, from its ``metrics.jsonl``, ``states.jsonl`` and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import stat
@@ -19,7 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from swarmkit.config.schema import ServerConfig
 from swarmkit.swarm.auth import ADMIN_TOKEN_FILE, ENV_ADMIN_TOKEN
+
+#: a server's default port (the schema's: dataclasses and the standard library, so ``status`` stays light)
+SERVER_PORT = ServerConfig.port
+#: the monitor's default port, apart from a server's (a monitor next to a running server)
+MONITOR_PORT = 8780
 
 
 def monitor_main(argv: Sequence[str]) -> int:
@@ -29,7 +36,8 @@ def monitor_main(argv: Sequence[str]) -> int:
                     "from its metrics.jsonl, states.jsonl and journal.sqlite.")
     parser.add_argument("run_dir", help="the run folder (server.run_dir of the run)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8765, help="port (0: any free one; default 8765)")
+    parser.add_argument("--port", type=int, default=MONITOR_PORT,
+                        help=f"port (0: any free one; default {MONITOR_PORT}, apart from a server's {SERVER_PORT})")
     parser.add_argument("--model", default=None,
                         help="model folder (or builtin:NAME) whose tokenizer splits tokens; default: the model "
                              "named in the run's newest checkpoint")
@@ -82,24 +90,30 @@ def status_main(argv: Sequence[str]) -> int:
         prog="python -m swarmkit status",
         description="Print a swarm server's status; --watch keeps a live view (a terminal) or prints a line "
                     "per refresh (a pipe).")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
-    parser.add_argument("--token", default=None, help=f"admin token (default: ${ENV_ADMIN_TOKEN})")
+    parser.add_argument("run_dir", nargs="?", default=None,
+                        help="a server's run folder: its URL (RUN_DIR/server.json) and admin token "
+                             "(RUN_DIR/admin_token) come from there")
+    parser.add_argument("--url", default=None,
+                        help=f"the server (default: RUN_DIR's server, else http://127.0.0.1:{SERVER_PORT}, a "
+                             "server's default)")
+    parser.add_argument("--token", default=None, help=f"the admin token itself (default: ${ENV_ADMIN_TOKEN}, "
+                                                      "else RUN_DIR/admin_token)")
+    parser.add_argument("--token-file", default=None, help="a file holding the admin token (e.g. RUN_DIR/admin_token)")
     parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     parser.add_argument("--json", action="store_true", help="print the raw status JSON once")
     args = parser.parse_args(list(argv))
-    token = args.token or os.environ.get(ENV_ADMIN_TOKEN)
-    if not token:
-        print(f"error: give the admin token with --token or ${ENV_ADMIN_TOKEN}", file=sys.stderr)
+    try:
+        url, token = _status_target(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     from swarmkit.client import SwarmClient
     from swarmkit.errors import SwarmkitError
 
-    with SwarmClient(args.url, token=token, retry_for=0) as client:
+    with SwarmClient(url, token=token, retry_for=0) as client:
         try:
             if args.json:
-                import json
-
                 print(json.dumps(client.status(), indent=2))
                 return 0
             if not args.watch:
@@ -109,6 +123,47 @@ def status_main(argv: Sequence[str]) -> int:
         except SwarmkitError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the admin token from {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
+
+
+def _status_target(args: argparse.Namespace) -> tuple[str, str]:
+    """The server's URL and admin token from ``--url``/``--token``/``--token-file``, ``$SWARMKIT_ADMIN_TOKEN``
+    and a run folder (its ``server.json`` and ``admin_token``), in that order.
+
+    :raises ValueError: no token anywhere, or one that cannot be read (the message says where to give it).
+    """
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is not None and not run_dir.is_dir():
+        raise ValueError(f"{run_dir} is not a folder (give a server's run folder, or --url)")
+    url = args.url
+    if url is None and run_dir is not None:
+        try:
+            url = json.loads((run_dir / "server.json").read_text())["url"]
+        except (OSError, ValueError, KeyError, TypeError):
+            url = None
+    url = url or f"http://127.0.0.1:{SERVER_PORT}"
+    if args.token and Path(args.token).is_file():
+        raise ValueError(f"--token takes the token itself; {args.token} is a file: --token-file {args.token}")
+    if args.token:
+        return url, args.token
+    if args.token_file:
+        return url, _read_token(Path(args.token_file))
+    env = os.environ.get(ENV_ADMIN_TOKEN)
+    if env:
+        return url, env
+    if run_dir is not None:
+        return url, _read_token(run_dir / ADMIN_TOKEN_FILE)
+    raise ValueError(f"no admin token: give the server's run folder (python -m swarmkit status RUN_DIR reads "
+                     f"RUN_DIR/{ADMIN_TOKEN_FILE}), --token-file FILE, --token TOKEN or ${ENV_ADMIN_TOKEN}")
 
 
 def status_line(st: dict[str, Any]) -> str:
@@ -159,7 +214,11 @@ def status_text(st: dict[str, Any]) -> str:
 def _watch(client: Any, interval: float) -> int:
     from swarmkit.errors import SwarmkitError
 
-    if not sys.stdout.isatty():
+    try:
+        import rich  # noqa: F401 - the live panel; without it (the base install) a line per refresh
+    except ImportError:
+        rich = None
+    if not sys.stdout.isatty() or rich is None:
         try:
             while True:
                 try:

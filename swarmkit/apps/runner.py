@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
@@ -12,13 +13,17 @@ from swarmkit.apps.task_client import main as client_main
 from swarmkit.config.validate import to_dict
 
 
-def run(cfg: DictConfig) -> int:
-    """Run the validated config's ``mode``; returns the exit status."""
+def run(cfg: DictConfig, *, server_overrides: Sequence[str] = ()) -> int:
+    """Run the validated config's ``mode``; returns the exit status.
+
+    :param server_overrides: ``mode=server``'s training overrides from its command line: given, the
+        server configures itself from ``cfg`` and starts; none, it waits OFFLINE for the admin API.
+    """
     if cfg.mode == "plan":
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     if cfg.mode == "server":
-        return serve(cfg)
+        return serve(cfg, command_line=server_overrides)
     if cfg.mode == "client":
         return run_client(cfg)
     if cfg.get("launcher", "local") == "ray":

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from swarmkit.config.schema import ModelConfig, SubprocessLauncherConfig, SwarmkitConfig, TaskConfig
 from swarmkit.config.validate import validate_config
-from swarmkit.errors import ConfigError
+from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins import get_hooks, get_registry
 from swarmkit.plugins.registry import KINDS
 
@@ -98,7 +98,7 @@ def store_schema_options(search_paths: Sequence[str]) -> None:
     """Put every schema's defaults where Hydra finds them, so no YAML repeats a default.
 
     - ``swarmkit_base``: the defaults of the core groups ``server``, ``trainer``
-      and ``ray`` (and ``mode``, ``launcher``, ``seed``), which ``conf/config.yaml`` extends.
+      and ``ray`` (and ``mode``, ``launcher``, ``seed``, ``logger``), which ``conf/config.yaml`` extends.
     - ``model/defaults``, ``task/defaults`` and ``<kind>/<name>_defaults`` for a
       component that ships a YAML option: the schema defaults that the YAML
       extends (``defaults: [fsdp_defaults, _self_]``), so it sets only what differs.
@@ -115,7 +115,8 @@ def store_schema_options(search_paths: Sequence[str]) -> None:
     cs = ConfigStore.instance()
     cs.store(group="hydra/launcher", name="swarmkit_subprocess", node=SubprocessLauncherConfig, provider="swarmkit")
     base = _defaults_node(SwarmkitConfig)
-    cs.store(name="swarmkit_base", node={k: base[k] for k in ("mode", "launcher", "seed", "server", "trainer", "ray")})
+    cs.store(name="swarmkit_base", node={k: base[k] for k in ("mode", "launcher", "seed", "server", "trainer", "ray",
+                                                             "logger")})
     for group, schema in CORE_GROUPS.items():
         cs.store(group=group, name=defaults_option(group, ""), node=_defaults_node(schema))
     for component in get_registry():
@@ -152,16 +153,52 @@ def hydra_argv(args: Sequence[str]) -> list[str]:
     return args
 
 
-def compose(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose the config as the command line would (without running anything)."""
+def compose(overrides: Sequence[str] = (), *, sweeps: Sequence[str] = ()) -> DictConfig:
+    """Compose the config as the command line would (without running anything).
+
+    :param sweeps: group selections of a sweep (``model=tiny,smollm2``), checked too (each value an option).
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     args = hydra_argv(overrides)
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=args)
+        check_group_options([*args, *sweeps], GlobalHydra.instance().config_loader().get_group_options)
+        try:
+            return hydra_compose(config_name="config", overrides=args)
+        except (HydraException, OmegaConfBaseException) as exc:  # what no check above foresaw: one clean line
+            options = getattr(exc, "options", None)  # Hydra's MissingConfigException lists the group's options
+            raise ConfigError([_first_line(exc) + (f"; options: {', '.join(options)}" if options else "")]) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def check_group_options(args: Sequence[str], group_options: Any) -> None:
+    """Fail, with the options there are, when ``model=`` or ``task=`` (the core's YAML groups) names an
+    unknown one, in the one form :func:`check_component_choices` uses for component groups; a sweep
+    (``model=tiny,smollm2``) checks every value.
+
+    :param group_options: ``(group, overrides=...) -> option names`` (Hydra's config loader's
+        ``get_group_options``: the packaged options, a plugin's search path, the config store).
+    """
+    for arg in args:
+        m = _GROUP_RE.match(arg)
+        if not m or m.group(1) == "~" or m.group(2) not in CORE_GROUPS:
+            continue
+        group = m.group(2)
+        options = [o for o in group_options(group, overrides=list(args)) if o != "defaults"]
+        for name in (n.strip() for n in m.group(3).split(",")):
+            if name not in options and name != "defaults":
+                extra = " (or model.path=/a/local/hf/model/folder)" if group == "model" else ""
+                raise UnknownComponentError(f"unknown {group} '{name}'; {group} options: "
+                                            f"{', '.join(sorted(options))}{extra}")
 
 
 def validated(cfg: DictConfig) -> DictConfig:
@@ -195,7 +232,8 @@ def _split(overrides: Sequence[str]) -> tuple[list[str], list[Any]]:
             continue
         if arg.startswith(("hydra.", "-")):
             continue  # Hydra's own settings and flags
-        if arg.startswith("hydra/"):
+        if arg.lstrip("+~").startswith("hydra/"):  # Hydra's own groups: composed, so a typo there is caught too
+            selections.append(arg)
             continue
         try:
             parsed = OverridesParser.create().parse_overrides([arg])
@@ -216,7 +254,7 @@ def compose_checked(overrides: Sequence[str] = ()) -> DictConfig:
     :raises ConfigError: every problem (unknown keys, wrong types, unknown components).
     """
     selections, keys = _split(overrides)
-    base = compose(selections)
+    base = compose(selections, sweeps=[o for o in overrides if _GROUP_RE.match(o) and "," in o])
     base = OmegaConf.create(OmegaConf.to_container(base, resolve=False))
     base.pop("hydra", None)
     sweeps = [o for o in keys if o.is_sweep_override()]
@@ -247,7 +285,40 @@ def compose_checked(overrides: Sequence[str] = ()) -> DictConfig:
     return result
 
 
-_TOTAL_STEPS_RE = re.compile(r"^\+*trainer\.total_steps=")
+#: what ``mode=server`` cannot apply from its command line, and where it belongs instead
+NOT_FOR_A_SERVER = {
+    "task": "a server runs no tasks: give the task to its clients (mode=client task=..., or the main job)",
+    "launcher": "the main job's launcher (mode=local): a server is one process",
+    "ray": "the main job's Ray settings (mode=local launcher=ray): a server is one process",
+}
+#: the first key of the overrides a server applies to itself whether configured or not (its process settings)
+SERVER_PROCESS_GROUPS = ("mode", "server", "hydra")
+
+
+def override_group(arg: str) -> str | None:
+    """The top-level key or group an override sets (``optim`` of ``+optim.lr=1``, ``hydra`` of
+    ``hydra/launcher=x``); None for a flag (``--multirun``)."""
+    if arg.startswith("-"):
+        return None
+    key = arg.lstrip("~+").split("=", 1)[0]
+    return re.split(r"[./]", key, maxsplit=1)[0] or None
+
+
+def server_training_overrides(args: Sequence[str]) -> list[str]:
+    """The training overrides of a ``mode=server`` command line: what such a server configures itself
+    from (and then starts), as the admin API's configure would; none = a bare server, configured over the
+    admin API. ``server.*``, ``mode`` and Hydra's own settings are not training overrides.
+
+    :raises ConfigError: the overrides a server cannot apply (the task client's and the main job's
+        settings), each with where it belongs.
+    """
+    problems = [f"{arg}: {NOT_FOR_A_SERVER[g]}" for arg in args
+                if (g := override_group(arg)) in NOT_FOR_A_SERVER]
+    if problems:
+        problems[-1] += (" (mode=server applies model, backend, optim, algo, match, batching, trainer, seed, "
+                         "logger and server.* overrides)")
+        raise ConfigError(problems)
+    return [arg for arg in args if (g := override_group(arg)) is not None and g not in SERVER_PROCESS_GROUPS]
 
 #: ``server`` keys that always stay those of the running process
 PROCESS_KEYS = ("host", "port", "run_dir", "admin_token")
@@ -277,18 +348,15 @@ def config_from_request(body: dict[str, Any], server_cfg: dict[str, Any]) -> Dic
     defaults; a group given by name selects that option first), ``overrides``
     (command-line style, checked like the command line) or ``yaml`` (text, like
     ``config``). ``server.host/port/run_dir/admin_token`` stay those of
-    ``server_cfg``. A request that does not set ``trainer.total_steps`` gets 0: a
-    server trains until it is stopped (the main job's 20 is a job length).
+    ``server_cfg``. A key not given has its schema default, as on the command line
+    (``trainer.total_steps``: :class:`~swarmkit.config.schema.TrainerConfig`'s; 0 trains until stopped).
 
     :raises ConfigError: every problem of the config, or what is wrong with the request.
     """
     given = request_form(body)
     if given == "overrides":
-        overrides = body["overrides"]
-        if not any(_TOTAL_STEPS_RE.match(o) for o in overrides):  # a server trains until stopped by default
-            overrides = [*overrides, "trainer.total_steps=0"]
-        overrides = [*overrides, "mode=server",
-                     *(f"server.{k}={_override_value(server_cfg[k])}" for k in PROCESS_KEYS if k in server_cfg)]
+        overrides = [*body["overrides"], "mode=server",
+                     *(f"server.{k}={override_value(server_cfg[k])}" for k in PROCESS_KEYS if k in server_cfg)]
         return compose_checked(overrides)
     if given == "yaml":
         user = OmegaConf.to_container(OmegaConf.create(body["yaml"]), resolve=False)
@@ -308,11 +376,8 @@ def config_from_request(body: dict[str, Any], server_cfg: dict[str, Any]) -> Dic
             selects.append(f"{kind}={node['name']}")
     base = OmegaConf.create(OmegaConf.to_container(compose(selects), resolve=False))
     base.pop("hydra", None)
-    explicit_steps = isinstance(user.get("trainer"), dict) and "total_steps" in user["trainer"]
     cfg = OmegaConf.merge(base, OmegaConf.create(user))
     cfg.mode = "server"
-    if not explicit_steps:  # a server trains until stopped unless the request sets a limit
-        cfg.trainer.total_steps = 0
     if "server" in cfg:
         for key in PROCESS_KEYS:
             if key in server_cfg:
@@ -320,7 +385,7 @@ def config_from_request(body: dict[str, Any], server_cfg: dict[str, Any]) -> Dic
     return validate_config(cfg, get_registry())
 
 
-def _override_value(value: Any) -> str:
+def override_value(value: Any) -> str:
     """A value as a Hydra override value (``null`` for None, quoted strings)."""
     if value is None:
         return "null"

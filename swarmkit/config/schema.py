@@ -154,8 +154,9 @@ COLLAPSE_ACTIONS = ("warn", "pause", "rollback")
 
 @dataclass
 class TrainerConfig:
-    #: optimizer steps to train; 0 = until stopped (a server configured without it trains until stopped;
-    #: one that reaches its limit refuses training episodes with 409 training_finished)
+    #: optimizer steps to train; 0 = until stopped. The one default of the main job and of every server,
+    #: configured on its command line or over the admin API; a server that reaches its limit refuses
+    #: training episodes with 409 training_finished
     total_steps: int = 20
     #: save a checkpoint every this many steps (0 = only at the end)
     checkpoint_every: int = 10

@@ -52,9 +52,11 @@ def token_hint(srv: SwarmServer) -> str:
     }.get(srv.admin_token_source, f"in {srv.admin_token_source}")
 
 
-def _announce(srv: SwarmServer, file: Any = None) -> None:
+def _announce(srv: SwarmServer, file: Any = None, hint: str | None = None) -> None:
     file = file or sys.stdout
     print(f"swarmkit server listening on {srv.url} (state {srv.state.state})", file=file, flush=True)
+    if hint:
+        print(f"  {hint}", file=file, flush=True)
     print(f"  OpenAI-compatible endpoint: {srv.url}/v1 (one api_key per episode)", file=file, flush=True)
     print(f"  dashboard: {srv.url}/dashboard (log in with the token below)", file=file, flush=True)
     print(f"  admin token: {token_hint(srv)}", file=file, flush=True)
@@ -84,8 +86,9 @@ def serve_app(app: Starlette, host: str, port: int, announce: Callable[[str], No
     return 0
 
 
-def run_forever(srv: SwarmServer, app: Starlette) -> int:
-    """Run a server in the foreground until interrupted; returns the exit status."""
+def run_forever(srv: SwarmServer, app: Starlette, *, hint: str | None = None) -> int:
+    """Run a server in the foreground until interrupted; returns the exit status. ``hint``: a line
+    printed under the URL (whether it is configured, and how to configure it)."""
     try:
         sock = _bind(srv.host, srv.port)
     except OSError as exc:
@@ -94,7 +97,7 @@ def run_forever(srv: SwarmServer, app: Starlette) -> int:
     srv.port = sock.getsockname()[1]
     _configure_torch_threads()
     server = _uvicorn_server(app)
-    _announce(srv)
+    _announce(srv, hint=hint)
     _write_server_json(srv)
     server.run(sockets=[sock])
     return 0
