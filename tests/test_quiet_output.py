@@ -71,7 +71,8 @@ def test_training_finished_is_info(caplog):
     from swarmkit.swarm.cycle import TrainingCycle
 
     fake = SimpleNamespace(total_steps=2, global_step=2, training_finished=None)
-    with caplog.at_level(logging.DEBUG):
+    # the logger's own level too: the main job run in-process earlier (tests/test_main_job.py) quiets it
+    with caplog.at_level(logging.DEBUG, logger="swarmkit.cycle"):
         assert TrainingCycle._limit_reached(fake)  # type: ignore[arg-type]
     [record] = [r for r in caplog.records if "training finished" in r.getMessage()]
     assert record.levelno == logging.INFO
