@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -78,11 +79,14 @@ def t_interval(values: list[float]) -> tuple[float, float]:
 
 
 def collapse_reasons(warm: dict[str, float] | None, before: dict[str, float], after: dict[str, float],
-                     steps: list[dict[str, Any]], alarms: int) -> list[str]:
-    """Why a seed counts as collapsed (empty: it did not); the rule is the module docstring's."""
+                     steps: list[dict[str, Any]], alarms: list[str]) -> list[str]:
+    """Why a seed counts as collapsed (empty: it did not); the rule is the module docstring's. ``alarms``:
+    the signals the alarm rows named (``collapse/flat_groups``: every group scored alike, e.g. a warm start
+    that never taught the tool format, so RL had no signal at all)."""
     reasons = []
     if alarms or any(float(r.get("collapse/alarm") or 0) > 0 for r in steps):
-        reasons.append("alarm")
+        named = sorted({a.split("/", 1)[-1] for a in alarms})
+        reasons.append(f"alarm ({', '.join(named)})" if named else "alarm")
     ref = warm or before
     gap = math.hypot(ref["ci95"] or 0.0, after["ci95"] or 0.0)
     if ref["mean"] - after["mean"] > gap:
@@ -107,11 +111,13 @@ def sft_step(row: dict[str, Any]) -> bool:
     return float(row.get("demonstrations") or 0) >= float(row.get("episodes") or 0) > 0
 
 
-def read_rows(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
-    """(training-step rows, alarm rows) of a run folder's ``metrics.jsonl``."""
+def read_rows(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(training-step rows, the signals each alarm row names) of a run folder's ``metrics.jsonl``."""
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return [r for r in rows if r.get("kind", "train") == "train"], sum(r.get("kind") == "alarm" for r in rows)
+    alarms = [name for r in rows if r.get("kind") == "alarm"
+              for name in re.findall(r"(?:collapse|task)/[\w.]+", str(r.get("alarm", ""))) or ["alarm"]]
+    return [r for r in rows if r.get("kind", "train") == "train"], alarms
 
 
 def model_overrides(model: str) -> list[str]:
@@ -148,8 +154,20 @@ def _wilson(d: dict[str, Any] | None) -> dict[str, float] | None:
 
 
 def run_seed(task: str, seed: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one (task, seed) job in its own process; its numbers, curves and collapse verdict."""
+    """Run one (task, seed) job in its own process (``--collect``: read the one already in ``work``);
+    its numbers, curves and collapse verdict."""
     run_dir = work / f"{task}_seed{seed}"
+    if args.collect:
+        job = run_dir / "job.json"
+        summary = run_dir / ("spy_summary.json" if task == SPY else "summary.json")
+        cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args)
+        record = json.loads(job.read_text()) if job.exists() else {  # a job run before job.json was written
+            "task": task, "seed": seed, "command": " ".join(cmd), "run_dir": str(run_dir), "returncode": 0,
+            "wall_s": round(float(json.loads(summary.read_text()).get("wall_time_s" if task != SPY else "wall_s", 0))
+                            if summary.exists() else 0.0, 1)}
+        if not summary.exists():
+            return {**record, "returncode": record["returncode"] or -1, "error": f"no {summary}"}
+        return read_seed(task, run_dir, record)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args)
@@ -165,6 +183,12 @@ def run_seed(task: str, seed: int, work: Path, args: argparse.Namespace) -> dict
         tail = (run_dir / "job.log").read_text()[-3000:]
         print(f"[{task} seed {seed}] FAILED (exit {proc.returncode}):\n{tail}", flush=True)
         return {**record, "error": tail}
+    (run_dir / "job.json").write_text(json.dumps(record))
+    return read_seed(task, run_dir, record)
+
+
+def read_seed(task: str, run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """A finished job's numbers (``summary.json`` or the spy run's summary, ``metrics.jsonl``) and verdict."""
     if task == SPY:
         s = json.loads((run_dir / "spy_summary.json").read_text())
         before, warm, after = _wilson(s["eval_before"]), _wilson(s["eval_after_warm_start"]), _wilson(s["eval_after"])
@@ -248,6 +272,8 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=1, help="jobs at once, each its own process")
     p.add_argument("--work-dir", default=None, help="run folders (default: a temp folder)")
     p.add_argument("--out", default="benchmarks/results/learning_robustness.json")
+    p.add_argument("--collect", action="store_true",
+                   help="run nothing: read the jobs already in --work-dir (e.g. to apply a changed collapse rule)")
     p.add_argument("--override", action="append", default=[], help="extra config override for every job")
     p.add_argument("--smoke", action="store_true", help="tiny model, multi_calc, seeds 0,1, 1 warm + 2 RL steps "
                    "of 2x2 episodes, 4 held-out items, no JSON (about a minute on the CPU)")
@@ -261,6 +287,8 @@ def main() -> int:
     if unknown:
         p.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(ALL_TASKS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.collect and not args.work_dir:
+        p.error("--collect reads --work-dir")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="swarmkit-robustness-")).resolve()
     t0 = time.time()
     jobs = [(t, s) for t in tasks for s in seeds]
@@ -269,8 +297,8 @@ def main() -> int:
     runs = {t: [r for r in results if r["task"] == t] for t in tasks}
     summaries = [summarize(t, runs[t]) for t in tasks]
     print_tables(summaries, runs)
-    wall = time.time() - t0
-    print(f"\n{len(jobs)} jobs in {wall:.0f} s; run folders in {work}")
+    wall = sum(r["wall_s"] for r in results) if args.collect else time.time() - t0
+    print(f"\n{len(jobs)} jobs {'took' if args.collect else 'in'} {wall:.0f} s; run folders in {work}")
     failed = sum(s["failed"] for s in summaries)
     if args.smoke:
         shutil.rmtree(work, ignore_errors=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -31,19 +32,29 @@ def _e(mean, ci=0.1):
 
 def test_the_collapse_rule():
     healthy = [{"step": 9, "collapse/identical_groups": 0.25, "collapse/alarm": 0.0}]
-    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.62), healthy, 0) == []
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.62), healthy, []) == []
     # a fall inside the two intervals' combined width is noise, beyond it a collapse
-    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.5), healthy, 0) == []
-    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.4), healthy, 0)[0].startswith("held-out fell")
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.5), healthy, []) == []
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.4), healthy, [])[0].startswith("held-out fell")
     # without a warm start the reference is the reward before training
-    assert lr.collapse_reasons(None, _e(0.6), _e(0.4), healthy, 0)[0].startswith("held-out fell")
-    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), healthy, 1) == ["alarm"]
-    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), [{**healthy[0], "collapse/alarm": 1.0}], 0) == ["alarm"]
+    assert lr.collapse_reasons(None, _e(0.6), _e(0.4), healthy, [])[0].startswith("held-out fell")
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), healthy, ["collapse/flat_groups"]) == [
+        "alarm (flat_groups)"]
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), [{**healthy[0], "collapse/alarm": 1.0}], []) == ["alarm"]
     same = [{"step": 9, "collapse/identical_groups": 0.95}]
-    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), same, 0) == ["identical_groups 0.95 at the end"]
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), same, []) == ["identical_groups 0.95 at the end"]
 
 
 def test_warm_start_steps_are_told_apart_from_rl_steps():
     assert lr.sft_step({"demonstrations": 8.0, "episodes": 8.0})
     assert not lr.sft_step({"demonstrations": 0.0, "episodes": 8.0})
     assert not lr.sft_step({"demonstrations": 2.0, "episodes": 8.0})
+
+
+def test_alarm_rows_name_their_signals(tmp_path):
+    rows = [{"kind": "train", "step": 8, "reward_mean": 0.0},
+            {"kind": "alarm", "step": 8, "alarm": "collapse alarm at step 8: collapse/flat_groups 1.000 > 0.95 "
+                                                  "for 3 steps (steps 6..8; trainer.collapse.action=warn)"}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    steps, alarms = lr.read_rows(tmp_path)
+    assert [r["step"] for r in steps] == [8] and alarms == ["collapse/flat_groups"]
