@@ -7,7 +7,9 @@ episode of an item against an episode's ``base_url``/``api_key``
 
 - single-call tasks (:mod:`.single`): ``arithmetic``, ``token_rule``;
 - agent tasks: ``calc_agent`` (:mod:`.calc_agent`: multi-turn with a
-  calculator tool; it also writes demonstrations for the supervised warm start).
+  calculator tool; it also writes demonstrations for the supervised warm start),
+  ``multi_calc`` (:mod:`.multi_calc`: two or three chained calculator calls per
+  episode, one operation per call; demonstrations too).
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import httpx
 from swarmkit.tasks.base import Outcome, Task, chat, cycle
 from swarmkit.tasks.calc_agent import demonstration as _calc_demonstration
 from swarmkit.tasks.calc_agent import grade, load_agent, make_calc_tasks, run_calc_episode
+from swarmkit.tasks.multi_calc import demonstration as _multi_demonstration
+from swarmkit.tasks.multi_calc import make_multi_tasks, run_multi_episode
 from swarmkit.tasks.single import SINGLE_TASKS, score_single
 
 __all__ = ["TASKS", "Outcome", "Task", "cycle", "demonstration", "make_tasks", "run_task", "score"]
 
 #: task name -> (n, seed, split, options) -> tasks
 TASKS: dict[str, Callable[[int, int, str, dict[str, Any]], list[Task]]] = {**SINGLE_TASKS,
-                                                                          "calc_agent": make_calc_tasks}
+                                                                          "calc_agent": make_calc_tasks,
+                                                                          "multi_calc": make_multi_tasks}
 
 
 def make_tasks(name: str, n: int, seed: int = 0, split: str = "train", options: dict | None = None) -> list[Task]:
@@ -55,6 +60,9 @@ def run_task(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max
                                     max_turns=max_turns))
         return run_calc_episode(http, base_url, api_key, task, max_tokens=max_tokens, temperature=temperature,
                                 max_turns=max_turns, seed=seed)
+    if task.family == "multi_calc":
+        return run_multi_episode(http, base_url, api_key, task, max_tokens=max_tokens, temperature=temperature,
+                                 seed=seed)
     body: dict[str, Any] = {"messages": task.messages, "max_tokens": max_tokens, "temperature": temperature}
     if seed is not None:
         body["seed"] = seed
@@ -64,4 +72,8 @@ def run_task(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max
 
 def demonstration(task: Task) -> dict[str, Any] | None:
     """The demonstrated conversation of ``task`` for the supervised warm start, if the family has one."""
-    return _calc_demonstration(task) if task.family == "calc_agent" else None
+    if task.family == "calc_agent":
+        return _calc_demonstration(task)
+    if task.family == "multi_calc":
+        return _multi_demonstration(task)
+    return None

@@ -1,0 +1,317 @@
+"""Learning-robustness benchmark (issue 34): does a warm start followed by RL hold, across seeds and tasks?
+
+For each task × seed it runs one whole training job in its own process with its
+own run folder, and reads back the held-out reward before training, after the
+supervised warm start and after RL, the held-out curve (every
+``--eval-every`` steps) and the per-step training curve with the collapse
+signals (``metrics.jsonl``: ``reward_mean``, ``collapse/identical_groups``,
+``collapse/flat_groups``, ``collapse/entropy``, ``collapse/alarm``).
+
+Tasks:
+
+- ``calc_agent``: the tool calculator (one call per problem), through the main
+  job (``python -m swarmkit task=calc_agent seed=S ...``);
+- ``multi_calc``: two or three chained calculator calls per problem, one
+  operation per call (``swarmkit/tasks/multi_calc.py``), through the main job;
+- ``who_is_spy``: the spy game (``examples/who_is_spy/run.py adversarial``: the
+  civilians learn on server A, the spies play frozen on server B); its "reward"
+  is the civilians' held-out win rate (Wilson interval) and its warm start
+  is the example's scripted clue player. Two servers per seed: heavy on a CPU.
+
+A seed **collapsed** when any of these holds:
+
+1. the collapse alarm fired (a ``collapse/alarm`` step or an alarm row in ``metrics.jsonl``);
+2. held-out reward after RL is below after the warm start (before training, without one) by more
+   than the 95% interval of that difference, ``sqrt(ci_warm² + ci_after²)`` (the seed's own intervals);
+3. ``collapse/identical_groups`` ≥ 0.9 on the last training step.
+
+Per task it prints the mean over seeds with a 95% t-interval over seeds of before / after the warm
+start / after RL, and "k of n" collapsed; per seed one line; and writes JSON (``--out``) with every
+seed's numbers, held-out curve and per-step curve.
+
+    python benchmarks/learning_robustness.py                                   # 3 tasks x 5 seeds, SmolLM2
+    python benchmarks/learning_robustness.py --tasks calc_agent,multi_calc --seeds 0,1 --steps 6 --warm-steps 4
+    python benchmarks/learning_robustness.py --parallel 4                      # 4 jobs at once (a GPU box)
+    python benchmarks/learning_robustness.py --smoke                           # tiny model, 1 task, 2 seeds, 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN_JOB_TASKS = ("calc_agent", "multi_calc")
+SPY = "who_is_spy"
+ALL_TASKS = (*MAIN_JOB_TASKS, SPY)
+#: identical_groups at or above this on the last step counts as collapsed
+IDENTICAL_MAX = 0.9
+
+#: two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); above 30 the normal 1.96
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042]
+
+
+def t_interval(values: list[float]) -> tuple[float, float]:
+    """Mean and 95% half-interval of the mean over ``values`` (Student's t; nan with fewer than two)."""
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return math.nan, math.nan
+    mean = statistics.fmean(vals)
+    if len(vals) < 2:
+        return mean, math.nan
+    df = len(vals) - 1
+    t = _T95[df - 1] if df <= len(_T95) else 1.96
+    return mean, t * statistics.stdev(vals) / math.sqrt(len(vals))
+
+
+def collapse_reasons(warm: dict[str, float] | None, before: dict[str, float], after: dict[str, float],
+                     steps: list[dict[str, Any]], alarms: list[str]) -> list[str]:
+    """Why a seed counts as collapsed (empty: it did not); the rule is the module docstring's. ``alarms``:
+    the signals the alarm rows named (``collapse/flat_groups``: every group scored alike, e.g. a warm start
+    that never taught the tool format, so RL had no signal at all)."""
+    reasons = []
+    if alarms or any(float(r.get("collapse/alarm") or 0) > 0 for r in steps):
+        named = sorted({a.split("/", 1)[-1] for a in alarms})
+        reasons.append(f"alarm ({', '.join(named)})" if named else "alarm")
+    ref = warm or before
+    gap = math.hypot(ref["ci95"] or 0.0, after["ci95"] or 0.0)
+    if ref["mean"] - after["mean"] > gap:
+        reasons.append(f"held-out fell {ref['mean'] - after['mean']:.3f} > {gap:.3f}")
+    rl = [r for r in steps if "collapse/identical_groups" in r]
+    if rl and float(rl[-1]["collapse/identical_groups"]) >= IDENTICAL_MAX:
+        reasons.append(f"identical_groups {float(rl[-1]['collapse/identical_groups']):.2f} at the end")
+    return reasons
+
+
+_CURVE_KEYS = ("reward_mean", "episodes", "loss", "entropy", "collapse/identical_groups", "collapse/flat_groups",
+               "collapse/entropy", "collapse/alarm", "sft_nll", "demonstrations", "task/valid_tool_call")
+
+
+def step_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-step curve: step and the keys above that the row has."""
+    return [{"step": int(r["step"]), **{k: r[k] for k in _CURVE_KEYS if r.get(k) is not None}} for r in rows]
+
+
+def sft_step(row: dict[str, Any]) -> bool:
+    """A warm-start step: every episode it trained on was a demonstration."""
+    return float(row.get("demonstrations") or 0) >= float(row.get("episodes") or 0) > 0
+
+
+def read_rows(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(training-step rows, the signals each alarm row names) of a run folder's ``metrics.jsonl``."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    alarms = [name for r in rows if r.get("kind") == "alarm"
+              for name in re.findall(r"(?:collapse|task)/[\w.]+", str(r.get("alarm", ""))) or ["alarm"]]
+    return [r for r in rows if r.get("kind", "train") == "train"], alarms
+
+
+def model_overrides(model: str) -> list[str]:
+    return [f"model={model}"] if model in ("tiny", "smollm2") else [f"model.path={model}"]
+
+
+# ----------------------------------------------------------------------------- one seed
+def main_job_command(task: str, seed: int, run_dir: Path, args: argparse.Namespace) -> list[str]:
+    demos = args.demonstrations if args.demonstrations is not None else \
+        args.warm_steps * args.batch_size * args.rollouts
+    warm = demos // (args.batch_size * args.rollouts)
+    return [sys.executable, "-m", "swarmkit", f"task={task}", f"seed={seed}", *model_overrides(args.model),
+            f"task.demonstrations={demos}", f"task.eval_size={args.eval_size}",
+            f"batching.batch_size={args.batch_size}", f"batching.rollouts_per_task={args.rollouts}",
+            f"trainer.total_steps={warm + args.steps}", f"trainer.eval_every={args.eval_every}",
+            f"optim.sft_lr={args.sft_lr}", f"optim.lr={args.lr}", "trainer.checkpoint_every=0", "server.port=0",
+            f"server.run_dir={run_dir}", f"hydra.run.dir={run_dir}", *args.override]
+
+
+def spy_command(seed: int, run_dir: Path, args: argparse.Namespace) -> list[str]:
+    model = {"builtin:smollm2": "smollm2", "builtin:tiny": "tiny"}.get(args.model, args.model)
+    return [sys.executable, str(ROOT / "examples/who_is_spy/run.py"), "adversarial", "--train", "civilian",
+            "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--warm-start", str(args.warm_steps),
+            "--eval-games", str(args.eval_size), "--batch-size", str(args.batch_size), "--rollouts",
+            str(args.rollouts), "--lr", str(args.lr), "--sft-lr", str(args.sft_lr), "--work-dir", str(run_dir),
+            "--out", str(run_dir / "spy_summary.json"), *[f"--override={o}" for o in args.override]]
+
+
+def _wilson(d: dict[str, Any] | None) -> dict[str, float] | None:
+    if not d:
+        return None
+    lo, hi = d["ci95"]
+    return {"mean": float(d["civilian_win_rate"]), "ci95": (hi - lo) / 2, "n": int(d["games"])}
+
+
+def run_seed(task: str, seed: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one (task, seed) job in its own process (``--collect``: read the one already in ``work``);
+    its numbers, curves and collapse verdict."""
+    run_dir = work / f"{task}_seed{seed}"
+    if args.collect:
+        job = run_dir / "job.json"
+        summary = run_dir / ("spy_summary.json" if task == SPY else "summary.json")
+        cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args)
+        record = json.loads(job.read_text()) if job.exists() else {  # a job run before job.json was written
+            "task": task, "seed": seed, "command": " ".join(cmd), "run_dir": str(run_dir), "returncode": 0,
+            "wall_s": round(float(json.loads(summary.read_text()).get("wall_time_s" if task != SPY else "wall_s", 0))
+                            if summary.exists() else 0.0, 1)}
+        if not summary.exists():
+            return {**record, "returncode": record["returncode"] or -1, "error": f"no {summary}"}
+        return read_seed(task, run_dir, record)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    print(f"[{task} seed {seed}] {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    with open(run_dir / "job.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
+    wall = time.time() - t0
+    record: dict[str, Any] = {"task": task, "seed": seed, "command": " ".join(cmd), "run_dir": str(run_dir),
+                              "wall_s": round(wall, 1), "returncode": proc.returncode}
+    if proc.returncode != 0:
+        tail = (run_dir / "job.log").read_text()[-3000:]
+        print(f"[{task} seed {seed}] FAILED (exit {proc.returncode}):\n{tail}", flush=True)
+        return {**record, "error": tail}
+    (run_dir / "job.json").write_text(json.dumps(record))
+    return read_seed(task, run_dir, record)
+
+
+def read_seed(task: str, run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """A finished job's numbers (``summary.json`` or the spy run's summary, ``metrics.jsonl``) and verdict."""
+    if task == SPY:
+        s = json.loads((run_dir / "spy_summary.json").read_text())
+        before, warm, after = _wilson(s["eval_before"]), _wilson(s["eval_after_warm_start"]), _wilson(s["eval_after"])
+        rows, alarms = read_rows(run_dir / "server_a")
+        held_out: dict[str, float] = {}
+    else:
+        s = json.loads((run_dir / "summary.json").read_text())
+        before, after = s["eval_before"], s["eval_after"]
+        midway = {int(k): v for k, v in s["eval_midway"].items()}
+        warm = midway[min(midway)] if s["demonstrations"] and midway else None
+        held_out = {str(k): round(v["mean"], 4) for k, v in sorted(midway.items())}
+        held_out[str(s["global_step"])] = round(after["mean"], 4)
+        rows, alarms = read_rows(run_dir)
+    assert before is not None and after is not None
+    rl_rows = [r for r in rows if not sft_step(r) and "collapse/identical_groups" in r]
+    reasons = collapse_reasons(warm, before, after, rl_rows, alarms)
+    pick = ("mean", "ci95", "n")
+    return {**record, "before": {k: before[k] for k in pick}, "warm": {k: warm[k] for k in pick} if warm else None,
+            "after": {k: after[k] for k in pick}, "held_out_curve": held_out, "steps": step_curve(rows),
+            "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons}
+
+
+# ----------------------------------------------------------------------------- the table
+def fmt(mean: float, ci: float) -> str:
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:.3f}" if math.isnan(ci) else f"{mean:.3f} ± {ci:.3f}"
+
+
+def summarize(task: str, seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in seeds if "error" not in r]
+    phase = {p: t_interval([r[p]["mean"] for r in ok if r.get(p)]) for p in ("before", "warm", "after")}
+    gain = t_interval([r["after"]["mean"] - (r["warm"] or r["before"])["mean"] for r in ok])
+    return {"task": task, "seeds": len(seeds), "failed": len(seeds) - len(ok),
+            "collapsed": sum(r["collapsed"] for r in ok),
+            **{p: {"mean": m, "ci95": c} for p, (m, c) in phase.items()}, "gain": {"mean": gain[0], "ci95": gain[1]}}
+
+
+def print_tables(summaries: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> None:
+    print("\nheld-out reward, mean over seeds ± 95% t-interval over seeds (who_is_spy: civilians' win rate)")
+    print("| task | seeds | before | after warm start | after RL | RL − warm start | collapsed |")
+    print("|---|---|---|---|---|---|---|")
+    for s in summaries:
+        n = s["seeds"] - s["failed"]
+        failed = f" ({s['failed']} failed)" if s["failed"] else ""
+        print(f"| {s['task']} | {n}{failed} | "
+              f"{fmt(s['before']['mean'], s['before']['ci95'])} | {fmt(s['warm']['mean'], s['warm']['ci95'])} | "
+              f"{fmt(s['after']['mean'], s['after']['ci95'])} | {fmt(s['gain']['mean'], s['gain']['ci95'])} | "
+              f"{s['collapsed']} of {n} |")
+    print("\nper seed (each seed's own 95% interval over its held-out items)")
+    print("| task | seed | before | after warm start | after RL | train reward per step | collapsed | wall |")
+    print("|---|---|---|---|---|---|---|---|")
+    for task, seeds in runs.items():
+        for r in seeds:
+            if "error" in r:
+                print(f"| {task} | {r['seed']} | failed (exit {r['returncode']}) | | | | | {r['wall_s']:.0f} s |")
+                continue
+            curve = " ".join(f"{x['reward_mean']:.2f}" for x in r["steps"] if "reward_mean" in x and not sft_step(x))
+            warm = fmt(r["warm"]["mean"], r["warm"]["ci95"]) if r["warm"] else "-"
+            print(f"| {task} | {r['seed']} | {fmt(r['before']['mean'], r['before']['ci95'])} | {warm} | "
+                  f"{fmt(r['after']['mean'], r['after']['ci95'])} | {curve} | "
+                  f"{'yes: ' + '; '.join(r['reasons']) if r['collapsed'] else 'no'} | {r['wall_s']:.0f} s |")
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default=",".join(ALL_TASKS), help=f"comma-separated, of {', '.join(ALL_TASKS)}")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated run seeds (the held-out items stay fixed)")
+    p.add_argument("--steps", type=int, default=20, help="RL steps after the warm start")
+    p.add_argument("--warm-steps", type=int, default=8, help="supervised warm-start steps (0: none)")
+    p.add_argument("--demonstrations", type=int, default=None,
+                   help="demonstration episodes (default: warm steps x batch size x rollouts)")
+    p.add_argument("--model", default="builtin:smollm2", help="model.path, or tiny / smollm2 (the model option)")
+    p.add_argument("--eval-size", type=int, default=48, help="held-out items (spy: held-out games)")
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only the three)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--rollouts", type=int, default=4, help="batching.rollouts_per_task")
+    p.add_argument("--lr", type=float, default=1e-3, help="optim.lr (RL)")
+    p.add_argument("--sft-lr", type=float, default=2e-3, help="optim.sft_lr (the warm start)")
+    p.add_argument("--parallel", type=int, default=1, help="jobs at once, each its own process")
+    p.add_argument("--work-dir", default=None, help="run folders (default: a temp folder)")
+    p.add_argument("--out", default="benchmarks/results/learning_robustness.json")
+    p.add_argument("--collect", action="store_true",
+                   help="run nothing: read the jobs already in --work-dir (e.g. to apply a changed collapse rule)")
+    p.add_argument("--override", action="append", default=[], help="extra config override for every job")
+    p.add_argument("--smoke", action="store_true", help="tiny model, multi_calc, seeds 0,1, 1 warm + 2 RL steps "
+                   "of 2x2 episodes, 4 held-out items, no JSON (about a minute on the CPU)")
+    args = p.parse_args()
+    if args.smoke:
+        args.tasks, args.seeds, args.model, args.steps, args.warm_steps = "multi_calc", "0,1", "tiny", 2, 1
+        args.eval_size, args.batch_size, args.rollouts, args.out = 4, 2, 2, None
+        args.override = ["task.max_tokens=8", "task.train_size=8", "task.concurrency=4", *args.override]
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in ALL_TASKS]
+    if unknown:
+        p.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(ALL_TASKS)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.collect and not args.work_dir:
+        p.error("--collect reads --work-dir")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="swarmkit-robustness-")).resolve()
+    t0 = time.time()
+    jobs = [(t, s) for t in tasks for s in seeds]
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        results = list(pool.map(lambda job: run_seed(job[0], job[1], work, args), jobs))
+    runs = {t: [r for r in results if r["task"] == t] for t in tasks}
+    summaries = [summarize(t, runs[t]) for t in tasks]
+    print_tables(summaries, runs)
+    wall = sum(r["wall_s"] for r in results) if args.collect else time.time() - t0
+    print(f"\n{len(jobs)} jobs {'took' if args.collect else 'in'} {wall:.0f} s; run folders in {work}")
+    failed = sum(s["failed"] for s in summaries)
+    if args.smoke:
+        shutil.rmtree(work, ignore_errors=True)
+        return 1 if failed else 0
+    result = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "settings": vars(args), "wall_s": wall,
+              "collapse_rule": "alarm fired; or held-out after RL < after warm start by more than "
+                               "sqrt(ci_warm^2 + ci_after^2); or identical_groups >= 0.9 on the last step",
+              "tasks": {s["task"]: {"summary": s, "seeds": runs[s["task"]]} for s in summaries}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

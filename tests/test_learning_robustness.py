@@ -1,0 +1,60 @@
+"""The learning-robustness benchmark's arithmetic: the t-interval over seeds and the collapse rule
+(its ``--smoke`` runs in .ci/run with every benchmark's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "learning_robustness", Path(__file__).resolve().parents[1] / "benchmarks" / "learning_robustness.py")
+assert _spec is not None and _spec.loader is not None
+lr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lr)
+
+
+def test_the_t_interval_over_seeds():
+    mean, ci = lr.t_interval([0.5, 0.7])
+    assert mean == pytest.approx(0.6)
+    assert ci == pytest.approx(12.706 * math.sqrt(0.02) / math.sqrt(2))  # t(0.975, 1 df) x sd / sqrt(n)
+    mean, ci = lr.t_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert ci == pytest.approx(2.776 * math.sqrt(2.5) / math.sqrt(5))
+    assert math.isnan(lr.t_interval([0.3])[1]) and math.isnan(lr.t_interval([])[0])
+
+
+def _e(mean, ci=0.1):
+    return {"mean": mean, "ci95": ci}
+
+
+def test_the_collapse_rule():
+    healthy = [{"step": 9, "collapse/identical_groups": 0.25, "collapse/alarm": 0.0}]
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.62), healthy, []) == []
+    # a fall inside the two intervals' combined width is noise, beyond it a collapse
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.5), healthy, []) == []
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.4), healthy, [])[0].startswith("held-out fell")
+    # without a warm start the reference is the reward before training
+    assert lr.collapse_reasons(None, _e(0.6), _e(0.4), healthy, [])[0].startswith("held-out fell")
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), healthy, ["collapse/flat_groups"]) == [
+        "alarm (flat_groups)"]
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), [{**healthy[0], "collapse/alarm": 1.0}], []) == ["alarm"]
+    same = [{"step": 9, "collapse/identical_groups": 0.95}]
+    assert lr.collapse_reasons(_e(0.6), _e(0.0), _e(0.6), same, []) == ["identical_groups 0.95 at the end"]
+
+
+def test_warm_start_steps_are_told_apart_from_rl_steps():
+    assert lr.sft_step({"demonstrations": 8.0, "episodes": 8.0})
+    assert not lr.sft_step({"demonstrations": 0.0, "episodes": 8.0})
+    assert not lr.sft_step({"demonstrations": 2.0, "episodes": 8.0})
+
+
+def test_alarm_rows_name_their_signals(tmp_path):
+    rows = [{"kind": "train", "step": 8, "reward_mean": 0.0},
+            {"kind": "alarm", "step": 8, "alarm": "collapse alarm at step 8: collapse/flat_groups 1.000 > 0.95 "
+                                                  "for 3 steps (steps 6..8; trainer.collapse.action=warn)"}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    steps, alarms = lr.read_rows(tmp_path)
+    assert [r["step"] for r in steps] == [8] and alarms == ["collapse/flat_groups"]
