@@ -61,10 +61,13 @@ def test_the_main_job_console_has_no_warning_on_a_normal_run(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     console = out.stdout + out.stderr
     assert "step   6" in out.stdout
-    assert not [line for line in console.splitlines() if "WARNING" in line]
+    # swarmkit's own lines (a library imported along the way may warn in its own format: DeepSpeed, when
+    # installed, says at import that it set its accelerator to CPU)
+    ours = [line for line in console.splitlines() if "WARNING" in line and "[swarmkit" in line]
+    assert not ours
     assert "draining before the step" not in console
     log = (tmp_path / "cli.log").read_text()
-    assert "[WARNING]" not in log
+    assert not [line for line in log.splitlines() if "[WARNING]" in line and "[swarmkit" in line]
 
 
 def test_training_finished_is_info(caplog):
