@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from swarmkit.tasks import calc_agent
+from swarmkit.tasks import calc_agent, multi_calc
 from swarmkit.tasks.calc_agent import calculator
 
 
@@ -37,8 +37,9 @@ def _reference(expression: str) -> str:
     return str(value)
 
 
-def test_the_calculator_does_not_use_ast_or_compile():
-    source = open(calc_agent.__file__).read()
+@pytest.mark.parametrize("module", [calc_agent, multi_calc], ids=["calc_agent", "multi_calc"])
+def test_the_calculators_do_not_use_ast_or_compile(module):
+    source = open(module.__file__).read()
     assert "import ast" not in source and not re.search(r"(?<!re\.)\bcompile\(|\beval\(", source)
 
 

@@ -1,9 +1,9 @@
-"""What every built-in task shares: the task item, an episode's outcome, the chat call."""
+"""What every built-in task shares: the task item, an episode's outcome, the chat call, the tool loop."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,51 @@ def chat(http: httpx.Client, base_url: str, api_key: str, body: dict[str, Any]) 
                      json={"model": "swarm", **body})
     resp.raise_for_status()
     return dict(resp.json()["choices"][0]["message"])
+
+
+#: runs one tool call: (name, arguments as the model wrote them) -> (result text, well formed)
+ToolRunner = Callable[[str, "str | dict[str, Any]"], tuple[str, bool]]
+
+
+@dataclass
+class ToolLoop:
+    """What :func:`run_tool_loop` saw: the final reply, the whole conversation, each tool call's
+    ``(result, well_formed)`` in order, and the number of chat calls."""
+
+    final: str
+    messages: list[dict[str, Any]]
+    results: list[tuple[str, bool]]
+    turns: int
+
+
+def run_tool_loop(http: httpx.Client, base_url: str, api_key: str, task: Task, *, tool: dict[str, Any],
+                  run_tool: ToolRunner, max_turns: int, max_tokens: int = 48, temperature: float = 1.0,
+                  seed: int | None = None) -> ToolLoop:
+    """The agent loop of the tool tasks over the raw OpenAI chat protocol: call with ``tools=[tool]``,
+    run each tool call with ``run_tool`` and send its result back, until a reply without tool calls
+    (the final one) or ``max_turns`` chat calls."""
+    messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
+    final, results, turns = "", [], 0
+    for _ in range(max_turns):
+        body: dict[str, Any] = {"messages": messages, "tools": [tool], "max_tokens": max_tokens,
+                                "temperature": temperature}
+        if seed is not None:
+            body["seed"] = seed
+        msg = chat(http, base_url, api_key, body)
+        turns += 1
+        calls = msg.get("tool_calls") or []
+        reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+        if calls:
+            reply["tool_calls"] = calls
+        messages.append(reply)
+        if not calls:
+            final = msg.get("content") or ""
+            break
+        for c in calls:
+            result = run_tool(c["function"]["name"], c["function"].get("arguments", "{}"))
+            results.append(result)
+            messages.append({"role": "tool", "tool_call_id": c.get("id", ""), "content": result[0]})
+    return ToolLoop(final=final, messages=messages, results=results, turns=turns)
 
 
 def cycle(tasks: list[Task], seed: int = 0) -> Iterator[Task]:

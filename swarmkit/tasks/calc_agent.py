@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from swarmkit.tasks.base import Outcome, Task, chat
+from swarmkit.tasks.base import Outcome, Task, run_tool_loop
 
 __all__ = ["CALCULATOR_TOOL", "SYSTEM_PROMPT", "TOOL_CREDIT", "calculator", "call_calculator", "demonstration", "grade", "load_agent",
            "make_calc_tasks", "parse_answer", "run_calc_episode", "run_tool_call"]
@@ -240,31 +240,11 @@ def grade(task: Task, final_text: str, valid_tool_calls: int, tool_calls: int = 
 
 def run_calc_episode(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max_tokens: int = 48,
                      temperature: float = 1.0, max_turns: int = 3, seed: int | None = None) -> Outcome:
-    """The agent loop over the raw OpenAI chat protocol: call, run tools, repeat, grade."""
-    messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
-    final, valid, n_calls, turns = "", 0, 0, 0
-    for _ in range(max_turns):
-        body: dict[str, Any] = {"messages": messages, "tools": [CALCULATOR_TOOL], "max_tokens": max_tokens,
-                                "temperature": temperature}
-        if seed is not None:
-            body["seed"] = seed
-        msg = chat(http, base_url, api_key, body)
-        turns += 1
-        calls = msg.get("tool_calls") or []
-        reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
-        if calls:
-            reply["tool_calls"] = calls
-        messages.append(reply)
-        if not calls:
-            final = msg.get("content") or ""
-            break
-        for c in calls:
-            result, ok = run_tool_call(c["function"]["name"], c["function"].get("arguments", "{}"))
-            n_calls += 1
-            valid += ok
-            messages.append({"role": "tool", "tool_call_id": c.get("id", ""), "content": result})
-    outcome = grade(task, final, valid, n_calls, turns)
-    outcome.messages = messages
+    """The agent loop over the raw OpenAI chat protocol (:func:`~swarmkit.tasks.base.run_tool_loop`), graded."""
+    loop = run_tool_loop(http, base_url, api_key, task, tool=CALCULATOR_TOOL, run_tool=run_tool_call,
+                         max_turns=max_turns, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    outcome = grade(task, loop.final, sum(ok for _, ok in loop.results), len(loop.results), loop.turns)
+    outcome.messages = loop.messages
     return outcome
 
 

@@ -36,14 +36,14 @@ only httpx.
 
 from __future__ import annotations
 
-import ast
 import json
 import random
+import re
 from typing import Any
 
 import httpx
 
-from swarmkit.tasks.base import Outcome, Task, chat
+from swarmkit.tasks.base import Outcome, Task, run_tool_loop
 from swarmkit.tasks.calc_agent import calculator, parse_answer
 
 __all__ = ["CALCULATOR_TOOL", "STEP_CREDIT", "SYSTEM_PROMPT", "TOOL_CREDIT", "demonstration", "grade",
@@ -82,6 +82,11 @@ _STORIES: list[tuple[str, str]] = [
     ("+*-", "A train carries {a} passengers in the morning and {b} in the evening, every day for {c} days. "
             "{d} tickets were refunded. How many tickets were kept?"),
 ]
+_NUM = r"[-+]?\s*(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+#: one operation on two (optionally signed) numbers: ``a op b``
+_ONE_STEP_RE = re.compile(rf"\s*{_NUM}\s*(?://|[-+*/%])\s*{_NUM}\s*")
+_NUMBER_RE = re.compile(r"\d")
+_BAD_CHAR_RE = re.compile(r"[^\d\s.eE+\-*/%()]")
 _OPS = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
 
 
@@ -127,21 +132,14 @@ def make_multi_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> 
 
 def one_step_calculator(expression: str) -> str:
     """Evaluate ``a op b`` (two numbers, one of + - * / // %); an ``error: ...`` string for anything else,
-    a longer expression included (this task's tool does one step per call)."""
+    a longer expression included (this task's tool does one step per call). A pattern match, then
+    :func:`~swarmkit.tasks.calc_agent.calculator`: no ``ast``, so it is safe from any thread."""
     if not isinstance(expression, str) or not expression.strip() or len(expression) > 60:
         return "error: expected one operation on two numbers, e.g. 347 * 86"
     text = expression.replace(",", "").replace("x", "*").strip()
-    try:
-        node = ast.parse(text, mode="eval").body
-    except SyntaxError as exc:
-        return f"error: {exc.msg}"
-
-    def number(n: ast.AST) -> bool:
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            n = n.operand
-        return isinstance(n, ast.Constant) and isinstance(n.value, int | float) and not isinstance(n.value, bool)
-
-    if not (isinstance(node, ast.BinOp) and number(node.left) and number(node.right)):
+    if not _ONE_STEP_RE.fullmatch(text):
+        if not _NUMBER_RE.search(text) or _BAD_CHAR_RE.search(text):
+            return "error: expected one operation on two numbers, e.g. 347 * 86"
         return "error: one operation per call (a op b); call again for the next step"
     return calculator(text)
 
@@ -177,32 +175,12 @@ def grade(task: Task, final_text: str, results: list[str], tool_calls: int = 0, 
 
 def run_multi_episode(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max_tokens: int = 48,
                       temperature: float = 1.0, max_turns: int | None = None, seed: int | None = None) -> Outcome:
-    """The agent loop over the raw OpenAI chat protocol: call, run the tool calls, repeat; grade the end."""
-    messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
-    final, results, n_calls, turns = "", [], 0, 0
-    for _ in range(max_turns or int(task.meta.get("max_turns", 4))):
-        body: dict[str, Any] = {"messages": messages, "tools": [CALCULATOR_TOOL], "max_tokens": max_tokens,
-                                "temperature": temperature}
-        if seed is not None:
-            body["seed"] = seed
-        msg = chat(http, base_url, api_key, body)
-        turns += 1
-        calls = msg.get("tool_calls") or []
-        reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
-        if calls:
-            reply["tool_calls"] = calls
-        messages.append(reply)
-        if not calls:
-            final = msg.get("content") or ""
-            break
-        for c in calls:
-            result, ok = run_tool_call(c["function"]["name"], c["function"].get("arguments", "{}"))
-            n_calls += 1
-            if ok:
-                results.append(result)
-            messages.append({"role": "tool", "tool_call_id": c.get("id", ""), "content": result})
-    outcome = grade(task, final, results, n_calls, turns)
-    outcome.messages = messages
+    """The agent loop over the raw OpenAI chat protocol (:func:`~swarmkit.tasks.base.run_tool_loop`), graded."""
+    loop = run_tool_loop(http, base_url, api_key, task, tool=CALCULATOR_TOOL, run_tool=run_tool_call,
+                         max_turns=max_turns or int(task.meta.get("max_turns", 4)), max_tokens=max_tokens,
+                         temperature=temperature, seed=seed)
+    outcome = grade(task, loop.final, [r for r, ok in loop.results if ok], len(loop.results), loop.turns)
+    outcome.messages = loop.messages
     return outcome
 
 
