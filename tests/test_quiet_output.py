@@ -79,3 +79,23 @@ def test_training_finished_is_info(caplog):
         assert TrainingCycle._limit_reached(fake)  # type: ignore[arg-type]
     [record] = [r for r in caplog.records if "training finished" in r.getMessage()]
     assert record.levelno == logging.INFO
+
+
+def test_the_main_jobs_quiet_loggers_get_their_levels_back():
+    """run_local quiets httpx & co. for the job only: a program that runs a main job in-process (a test,
+    a notebook) keeps its own logging levels afterwards."""
+    import logging
+
+    from swarmkit.apps.quiet import QUIET_LOGGERS, quiet_loggers
+
+    loggers = [logging.getLogger(n) for n in QUIET_LOGGERS]
+    before = [lg.level for lg in loggers]
+    try:
+        loggers[0].setLevel(logging.DEBUG)
+        with quiet_loggers():
+            assert all(lg.level == logging.WARNING for lg in loggers)
+        assert loggers[0].level == logging.DEBUG
+        assert [lg.level for lg in loggers[1:]] == before[1:]
+    finally:
+        for lg, lvl in zip(loggers, before, strict=True):
+            lg.setLevel(lvl)

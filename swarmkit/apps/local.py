@@ -13,19 +13,18 @@ summary. Everything lands in the run folder: ``metrics.jsonl``,
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from swarmkit.apps.main_job import Sampler, ServerInfo, ServerSession, console, run_main_job
+from swarmkit.apps.quiet import quiet_loggers
 from swarmkit.apps.task_client import EvalResult
 from swarmkit.server.run import token_hint
 
 #: one line per request is noise next to the per-step lines; the client's retry lines too (the status bar
 #: shows the state), and the server's own step lines (the job prints its step lines with the pool's fill)
-_QUIET = ("httpx", "httpcore", "httpx2", "swarmkit.client", "swarmkit.cycle")
 
 
 class LocalDriver:
@@ -95,6 +94,5 @@ class LocalDriver:
 
 def run_local(cfg: DictConfig) -> int:
     """``mode=local``: the main job on this machine; the exit status."""
-    for name in _QUIET:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    return run_main_job(LocalDriver(cfg), cfg)
+    with quiet_loggers():
+        return run_main_job(LocalDriver(cfg), cfg)

@@ -42,6 +42,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from swarmkit.apps.main_job import JobError, Sampler, ServerInfo, ServerSession, run_main_job, say
+from swarmkit.apps.quiet import QUIET_LOGGERS
 from swarmkit.apps.task_client import EpisodeResult, EvalResult
 from swarmkit.client import SwarmClient, SwarmError
 from swarmkit.config.compose import DEFAULT_CHOICES, validated
@@ -58,7 +59,6 @@ INSTALL_HINT = "pip install 'swarmkit[ray]'"
 #: environment variables the driver hands to its actors (Ray workers start from the raylet's environment)
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM")
 #: loggers whose per-request lines are noise in a Ray worker's log
-_QUIET = ("httpx", "httpcore", "swarmkit.client", "swarmkit.cycle", "swarmkit.apps.task_client")
 
 
 class RayMissing(RuntimeError):
@@ -79,8 +79,9 @@ def import_ray() -> Any:
 
 
 def _quiet() -> None:
-    """A Ray worker's output goes to the driver's terminal, prefixed: keep it to warnings."""
-    for name in _QUIET:
+    """A Ray worker's output goes to the driver's terminal, prefixed: keep it to warnings (for the
+    actor's whole life: its process is the worker's own)."""
+    for name in (*QUIET_LOGGERS, "swarmkit.apps.task_client"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:  # weight loading / shard writing bars, once per boot and per checkpoint
         from transformers.utils import logging as hf_logging
