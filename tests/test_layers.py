@@ -57,7 +57,9 @@ SHIMS = {"swarmkit.interfaces", "swarmkit.trainer"}
 CLIENT_MAY_IMPORT = ("swarmkit.errors", "swarmkit.timelines", "swarmkit.runfiles")
 #: what a built-in plugin may import from the core
 PLUGIN_MAY_IMPORT = ("swarmkit.errors", "swarmkit.chat_templates", "swarmkit.models", "swarmkit.contract", "swarmkit.hookspecs", "swarmkit.config.schema",
-                     "swarmkit.training", "swarmkit.timelines", "swarmkit.weights", "swarmkit.procs")
+                     "swarmkit.training", "swarmkit.timelines", "swarmkit.weights", "swarmkit.procs",
+                     # the scripted test model, which the ``scripted`` backend serves from a script file
+                     "swarmkit.testing.scripted")
 
 
 def module_name(path: Path) -> str:
