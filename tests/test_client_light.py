@@ -186,8 +186,10 @@ def test_a_client_without_the_heavy_packages_runs_episodes(server, light_env):
     assert out["tokens"] >= 1 and out["timeline_tokens"] == out["tokens"]
     assert out["env"]["accepted"] is True and out["env"]["reward"] == 1.0
     assert out["async"]["accepted"] is True and out["async"]["reward"] == 0.5
-    # besides its own package, only pure standard-library core modules (swarmkit.runfiles: the client key file)
-    loaded = [m for m in out["loaded"] if not m.startswith("swarmkit.client") and m not in ("swarmkit", "swarmkit.runfiles")]
+    # besides its own packages (the SDK, the environment loop), only pure standard-library core modules
+    # (swarmkit.runfiles: the client key file)
+    loaded = [m for m in out["loaded"] if not m.startswith(("swarmkit.client", "swarmkit.envs"))
+              and m not in ("swarmkit", "swarmkit.runfiles")]
     assert not loaded, f"the client loaded server-side modules: {loaded}"
     # the parent's server has both episodes, finished with their rewards
     for res in (out["sync"], out["async"]):

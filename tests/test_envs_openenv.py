@@ -14,11 +14,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
 from test_envs import scripted_swarm
 
 ROOT = Path(__file__).resolve().parents[1]
