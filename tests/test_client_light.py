@@ -150,6 +150,17 @@ CHILD = textwrap.dedent("""
             out["sync"] = ep.report(1.0)
         out["timeline_tokens"] = len(ep.timelines()[0]["blocks"][-1]["token_ids"])
 
+        from swarmkit.envs import run_env_episode  # the environment loop is light too
+
+        class OneTurn:
+            def reset(self, *, seed=None, options=None):
+                return "hi", {}
+
+            def step(self, action):
+                return "", 1.0, True, False, {}
+
+        out["env"] = run_env_episode(client, OneTurn(), task_id="light-env", sampling={"max_tokens": 4}).report
+
     async def run_async():
         async with AsyncSwarmClient(url, retry_for=10) as client:
             async with client.episode(task_id="light-async") as ep:
@@ -173,9 +184,12 @@ def test_a_client_without_the_heavy_packages_runs_episodes(server, light_env):
     assert out["health"] == "ROLLING"
     assert out["sync"]["accepted"] is True and out["sync"]["reward"] == 1.0
     assert out["tokens"] >= 1 and out["timeline_tokens"] == out["tokens"]
+    assert out["env"]["accepted"] is True and out["env"]["reward"] == 1.0
     assert out["async"]["accepted"] is True and out["async"]["reward"] == 0.5
-    # besides its own package, only pure standard-library core modules (swarmkit.runfiles: the client key file)
-    loaded = [m for m in out["loaded"] if not m.startswith("swarmkit.client") and m not in ("swarmkit", "swarmkit.runfiles")]
+    # besides its own packages (the SDK, the environment loop), only pure standard-library core modules
+    # (swarmkit.runfiles: the client key file)
+    loaded = [m for m in out["loaded"] if not m.startswith(("swarmkit.client", "swarmkit.envs"))
+              and m not in ("swarmkit", "swarmkit.runfiles")]
     assert not loaded, f"the client loaded server-side modules: {loaded}"
     # the parent's server has both episodes, finished with their rewards
     for res in (out["sync"], out["async"]):

@@ -189,6 +189,10 @@ class InferenceBackend(ABC):
     reports_token_versions: bool = False
     #: whether several instances may serve side by side in one process (``backend.replicas`` > 1)
     replicable: bool = True
+    #: whether the engine serves the trained model's weights; False for one without a model (``scripted``):
+    #: the training cycle then runs its steps without a trainer (no model loaded, no weights changed), each
+    #: step only moving the policy version on
+    trainable: bool = True
 
     @property
     @abstractmethod

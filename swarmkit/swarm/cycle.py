@@ -178,6 +178,8 @@ class TrainingCycle:
         #: why training is paused (the alarm's "pause"); None: it trains. Cleared by resume_training()
         self.paused: str | None = None
         self.rollbacks = 0
+        #: steps run without a trainer: the backend serves no trainable model (InferenceBackend.trainable)
+        self.noop_steps = False
         #: async rollback: (when, step) — an episode created before it holding tokens of later weights is retired
         self._fence: tuple[float, int] | None = None
 
@@ -288,7 +290,13 @@ class TrainingCycle:
         self.pool.set_quota(server.max_journal_bytes, server.min_free_disk_bytes)
         if self.metrics is None:
             self.metrics = MetricsWriter(self.run_dir)
-        if self.custom_step is None:
+        #: a backend with no model (``scripted``): steps run without a trainer and change no weights
+        self.noop_steps = self.custom_step is None and not server.backend.trainable
+        if self.noop_steps:
+            log.warning("backend %s serves no trainable model: training steps are no-ops (the pool, the "
+                        "batching policy and the state machine run; no model is loaded, no weights change; "
+                        "each step only moves the policy version on)", type(server.backend).__name__)
+        elif self.custom_step is None:
             assert self.trainer_factory is not None
             self.trainer = await asyncio.to_thread(self.trainer_factory, cfg, self.run_dir)
             if trainer_cfg.resume and self.trainer.latest_checkpoint() is not None:
@@ -438,14 +446,19 @@ class TrainingCycle:
         applied = False  # the update is in the trainer: the batch is spent, whatever happens next
         try:
             t0 = time.perf_counter()
-            if self.custom_step is not None:
-                result = self.custom_step(records, step)
-                if asyncio.iscoroutine(result):
-                    result = await result
+            if self.custom_step is not None or self.noop_steps:
+                if self.custom_step is not None:
+                    result = self.custom_step(records, step)
+                    if asyncio.iscoroutine(result):
+                        result = await result
+                else:
+                    result = {"noop_step": 1.0}
                 metrics = dict(result or {})
                 applied = True
                 self._applied_step = step
                 await self._journal_step(ids, filtered, step)
+                if self.noop_steps:  # no weights: the engine only takes the new version
+                    await srv.backend.update_weights(version=step)
                 sync_s = 0.0
             else:
                 if self.mode == "async":  # tokens staler than the bound are left out of the loss

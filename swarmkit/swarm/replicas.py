@@ -149,6 +149,7 @@ class ReplicaSet(InferenceBackend):
         self.policy_version = int(first.policy_version)
         self.sampling_fields = frozenset.intersection(*(frozenset(b.sampling_fields) for b in backends))
         self.reports_token_versions = all(b.reports_token_versions for b in backends)
+        self.trainable = all(b.trainable for b in backends)
 
     # ------------------------------------------------------------------ engine interface
     @property
