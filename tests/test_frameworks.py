@@ -50,11 +50,17 @@ FRAMEWORKS: dict[str, list[str]] = {
     "openai_responses": ["openai"],
     "openai_agents_responses": ["agents"],
     "pydantic_ai_responses": ["pydantic_ai"],
+    "crewai_agent": ["crewai"],
 }
 NAMES = list(FRAMEWORKS)
+#: frameworks outside the `agents` extra: CrewAI pins openai<3 and pydantic<2.13, below the other frameworks'
+INSTALL = {"crewai_agent": "pip install -e '.[crewai]' in a venv of its own (examples/frameworks/README.md)"}
 #: the agents that speak Chat Completions (the others: Anthropic Messages, OpenAI Responses)
 CHAT_NAMES = [n for n in NAMES if n not in ("anthropic_sdk", "openai_responses", "openai_agents_responses",
-                                            "pydantic_ai_responses")]
+                                            "pydantic_ai_responses", "crewai_agent")]
+#: agents that write a system prompt of their own (CrewAI: from role, goal and backstory): their prompts are
+#: not the reference's, their generated tokens are
+OWN_PROMPT = ["crewai_agent"]
 
 #: what each framework puts on the wire beyond the reference (asserted, and listed in the README)
 WIRE: dict[str, dict[str, Any]] = {
@@ -107,7 +113,7 @@ def load(name: str) -> ModuleType:
     """An example module (skipped when its framework is not installed)."""
     for package in FRAMEWORKS[name]:
         pytest.importorskip(package, reason=f"examples/frameworks/{name}.py needs {package}: "
-                                            "pip install -e '.[agents]'")
+                                            + INSTALL.get(name, "pip install -e '.[agents]'"))
     return _load_file(name)
 
 
@@ -319,6 +325,9 @@ def test_the_timelines_are_token_identical_to_raw_httpx(runs, server, name):
     reference = runs("raw_httpx").timelines
     mine = runs(name).timelines
     assert [tl.blocks[-1].token_ids for tl in mine] == [tl.blocks[-1].token_ids for tl in reference]
+    if name in OWN_PROMPT:
+        assert [tl.token_ids() for tl in mine] != [tl.token_ids() for tl in reference]
+        return
     if name not in DIFFERS:
         assert [tl.token_ids() for tl in mine] == [tl.token_ids() for tl in reference]
         return
@@ -352,10 +361,17 @@ def test_the_agent_stops_after_three_turns(runs, name):
         assert (valid, calls) == (2, 2) and final == CALL % LOOP.meta["expression"]
         assert run.bodies[-1]["tool_choice"] == "none"
         assert "maximum of 2 reasoning-acting iterations" in _text(run.bodies[-1]["messages"][-1]["content"])
+    elif name == "crewai_agent":
+        # CrewAI's too: after max_iter it asks for a final answer and offers no tools, so the call is text
+        assert (valid, calls) == (2, 2) and final == CALL % LOOP.meta["expression"]
+        assert "tools" not in run.bodies[-1]
+        assert "MUST give your absolute best final answer" in _text(run.bodies[-1]["messages"][-1]["content"])
     else:
         assert (final, valid, calls) == ("", 3, 3)
     assert run.reward == pytest.approx(0.1)
-    assert len(merge_timelines(run.timelines, "token")) == 1
+    # CrewAI's forced last call sends no tools, so its prompt (the template renders the tools first) is not
+    # an extension of the others: a sample of its own
+    assert len(merge_timelines(run.timelines, "token")) == (2 if name == "crewai_agent" else 1)
 
 
 @pytest.mark.parametrize("name", NAMES)

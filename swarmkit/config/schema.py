@@ -25,7 +25,11 @@ class ModelConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    max_context: int = 2048
+    #: the longest prompt + generation served; None (the default) = the model's trained context, its
+    #: config's max_position_embeddings (SmolLM2-135M-Instruct: 8192, room for an agent framework's long
+    #: system prompt; the hf engine's cache grows with the longest request, not with this limit). The vllm
+    #: engine, which reserves its KV cache for it, uses backend.max_model_len (4096) when it is None
+    max_context: int | None = None
     #: HF trust_remote_code for local models
     trust_remote_code: bool = False
     #: transformers attention implementation ("sdpa", "eager", "flash_attention_2")

@@ -9,19 +9,27 @@ Frameworks differ in small ways that a chat template does not forgive:
   Agents SDK, pydantic-ai, AutoGen...): becomes ``""``;
 - the ``developer`` role (newer OpenAI clients): sent as ``system`` when the
   template has no developer role of its own (Qwen-style templates would drop it);
-- ``tool_choice`` and ``parallel_tool_calls``: parsed into :class:`ToolChoice`.
+- ``tool_choice`` and ``parallel_tool_calls``: parsed into :class:`ToolChoice`;
+- ``strict`` on a tool (CrewAI always sends ``true``, the Agents SDK ``false``): the
+  flag is kept out of the prompt; a strict tool's schema goes into
+  :attr:`ToolChoice.strict` and every call of it is checked against the schema once
+  generated (:func:`strict_violations`): no engine here constrains tool-call
+  decoding yet, so a violation is reported with the answer, not prevented, and the
+  request is not refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from swarmkit.errors import ApiError
 from swarmkit.timelines.render import TemplateError
 
 __all__ = ["ToolChoice", "check_tools_rendered", "normalize_messages", "parse_template_kwargs", "parse_tool_choice",
-           "parse_tools", "template_error"]
+           "parse_tools", "strict_schemas", "strict_violations", "template_error"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -107,7 +115,8 @@ def normalize_messages(messages: Any, *, developer_role: bool) -> list[dict[str,
 
 
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """``tools`` for the template (None when absent or empty); ``strict: false`` is dropped, ``true`` refused."""
+    """``tools`` for the template (None when absent or empty); ``strict`` is dropped (the prompt is the
+    same with it or without it): :func:`strict_schemas` reads it."""
     tools = body.get("tools")
     if tools is None or tools == []:
         return None
@@ -120,13 +129,57 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise _bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
                        f"tools[{j}]")
         if "strict" in f:
-            if f["strict"] not in (None, False):
-                raise ApiError(400, f"tools[{j}].function.strict: strict function calling (arguments constrained "
-                               "to the schema) is not supported; set strict to false", "unsupported_field",
-                               param=f"tools[{j}].function.strict")
-            # a no-op flag the Agents SDK always sends: dropped, so the prompt is the same as without it
+            if f["strict"] not in (None, False, True):
+                raise _bad(f"tools[{j}].function.strict must be true or false", f"tools[{j}].function.strict")
+            if f["strict"] and not isinstance(f.get("parameters", {}), dict):
+                raise _bad(f"tools[{j}].function.strict needs 'parameters' to be a JSON schema object",
+                           f"tools[{j}].function.parameters")
+            # the Agents SDK (false) and CrewAI (true) send it with every tool: the template never sees it
             t = {**t, "function": {k: v for k, v in f.items() if k != "strict"}}
         out.append(t)
+    return out
+
+
+def strict_schemas(tools: Any) -> dict[str, dict[str, Any]]:
+    """Tool name -> parameters schema of the ``strict: true`` tools of a request's raw ``tools`` (Chat's
+    ``{"function": {...}}`` or the flat Responses / Anthropic shape; checked by the caller's parser)."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in tools if isinstance(tools, list) else []:
+        f = t.get("function") if isinstance(t, dict) and isinstance(t.get("function"), dict) else t
+        if isinstance(f, dict) and f.get("strict") is True and isinstance(f.get("name"), str):
+            schema = f.get("parameters", f.get("input_schema", {}))
+            out[f["name"]] = schema if isinstance(schema, dict) else {}
+    return out
+
+
+def strict_violations(calls: list[dict[str, Any]], strict: Mapping[str, dict[str, Any]]) -> list[str]:
+    """How the generated ``calls`` of strict tools break their schema: one line per problem, naming the
+    call (its index and tool) and the path in its arguments; empty when they all conform."""
+    if not strict:
+        return []
+    # the server's dependency, imported when a strict tool is called
+    from jsonschema import validators
+
+    out = []
+    for k, call in enumerate(calls):
+        name = call["function"]["name"]
+        if name not in strict:
+            continue
+        try:
+            args = json.loads(call["function"]["arguments"] or "{}")
+        except ValueError as exc:
+            out.append(f"tool_calls[{k}] ({name}): arguments are not JSON ({exc})")
+            continue
+        schema = strict[name]
+        cls = validators.validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except Exception as exc:  # noqa: BLE001 - jsonschema's SchemaError: the client's schema, not ours
+            out.append(f"tool_calls[{k}] ({name}): the tool's schema is invalid ({str(exc).splitlines()[0]})")
+            continue
+        for err in sorted(cls(schema).iter_errors(args), key=lambda e: list(e.absolute_path))[:8]:
+            where = "".join(f"[{p!r}]" for p in err.absolute_path) or " (top level)"
+            out.append(f"tool_calls[{k}] ({name}): arguments{where}: {err.message}")
     return out
 
 
@@ -137,11 +190,14 @@ class ToolChoice:
     :ivar mode: ``none`` (no tools offered or calls not parsed), ``auto``,
         ``required`` (the reply must call a tool) or ``named`` (must call ``name``).
     :ivar parallel: several calls in one reply are allowed.
+    :ivar strict: tool name -> parameters schema of the tools sent with ``strict: true``: their calls'
+        arguments are checked against it (:func:`strict_violations`).
     """
 
     mode: str = "none"
     name: str | None = None
     parallel: bool = True
+    strict: Mapping[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def parse(self) -> bool:
@@ -168,11 +224,12 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) 
         if choice in ("none", "auto"):
             return ToolChoice("none", parallel=parallel)
         raise _bad("'tool_choice' asks for a tool call but the request has no 'tools'", "tool_choice")
+    strict = strict_schemas(body.get("tools"))
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise _bad(f"'tool_choice' {choice!r} is not one of none, auto, required, or "
                        "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-        return ToolChoice(choice, parallel=parallel)
+        return ToolChoice(choice, parallel=parallel, strict=strict)
     if isinstance(choice, dict):
         f = choice.get("function") if isinstance(choice.get("function"), dict) else choice
         name = f.get("name")
@@ -182,7 +239,7 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) 
                        "tool_choice")
         if name not in names:
             raise _bad(f"'tool_choice' names {name!r}, which is not in 'tools' ({', '.join(names)})", "tool_choice")
-        return ToolChoice("named", name=name, parallel=parallel)
+        return ToolChoice("named", name=name, parallel=parallel, strict=strict)
     raise _bad("'tool_choice' must be a string or an object", "tool_choice")
 
 

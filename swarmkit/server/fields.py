@@ -89,3 +89,28 @@ def ignored_header(unknown: list[str]) -> dict[str, str]:
         names.append(name)
         size += len(name) + 1
     return {IGNORED_HEADER: ",".join(names)}
+
+
+#: a non-streamed answer whose calls of ``strict`` tools break their schema names the problems here
+STRICT_HEADER = "X-Swarm-Strict-Violations"
+_strict_logged: set[str] = set()
+
+
+def strict_header(endpoint: str, violations: list[list[str]]) -> dict[str, str]:
+    """The response header of the strict-tool violations of each choice (``choices[i]: ...`` when there are
+    several), ``; ``-separated and percent-encoded, cut to :data:`MAX_HEADER_CHARS`; logged once per endpoint.
+    Empty when every call conforms."""
+    lines = [f"choices[{i}].{v}" if len(violations) > 1 else v for i, vs in enumerate(violations) for v in vs]
+    if not lines:
+        return {}
+    if endpoint not in _strict_logged:
+        _strict_logged.add(endpoint)
+        log.warning("%s: a call of a strict tool breaks its schema (%s); it is answered as generated and reported "
+                    "in the %s header and the timeline's meta.strict_violations (no engine here constrains tool "
+                    "calls; further violations are not logged)", endpoint, lines[0], STRICT_HEADER)
+    value = quote("; ".join(lines), safe=" ()[]'\":;,.=<>_-/")
+    if len(value) > MAX_HEADER_CHARS:
+        cut = value[: MAX_HEADER_CHARS - 3]
+        escape = cut.rfind("%", len(cut) - 2)  # never cut inside a %XX escape
+        value = (cut[:escape] if escape >= 0 else cut) + "..."
+    return {STRICT_HEADER: value}

@@ -28,6 +28,7 @@ from swarmkit.server.schema.control import (
 from swarmkit.server.schema.jsonschema import (
     ANY_OBJECT,
     BOOL,
+    STRICT_TOOL,
     Schema,
     array,
     enum,
@@ -166,8 +167,7 @@ def _components() -> Schema:
         "reasoning_content": string("an assistant turn's reasoning (thinking models)"),
     }, ("role",))
     function = obj({"name": string(), "description": string(), "parameters": ANY_OBJECT,
-                    "strict": {"anyOf": [{"const": False}, {"type": "null"}],
-                               "description": "strict function calling is refused (400)"}}, ("name",))
+                    "strict": nullable({"type": "boolean", "description": STRICT_TOOL})}, ("name",))
     chat_tool = obj({"type": enum("function"), "function": function}, ("function",))
     chat_tool_choice = {"anyOf": [enum("none", "auto", "required"),
                                   obj({"type": enum("function"), "function": obj({"name": string()}, ("name",))},

@@ -9,7 +9,10 @@ tokens → render the chat template → generate from token ids → record the
 timeline → parse tool calls → remember the turn for its replay.
 
 So one conversation gives the same token ids and loss masks whichever protocol
-carried it, and prefix merging works across turns of any protocol.
+carried it, and prefix merging works across turns of any protocol. A streamed
+turn and a non-streamed one give the same answer (content, tool calls and their
+verbatim arguments, finish reason: one parser, :mod:`swarmkit.timelines.toolcalls`),
+and the recorded timeline's ``meta.finish_reason`` is the answer's.
 
 ``/v1/completions`` sends a raw prompt (text or token ids, no chat template):
 :func:`prepare_raw_turn_async` makes it a :class:`Turn` of one prompt block, and
@@ -35,11 +38,12 @@ from swarmkit.server.chat_input import (
     ToolChoice,
     check_tools_rendered,
     normalize_messages,
+    strict_violations,
     template_error,
 )
 from swarmkit.timelines.reasoning import ReasoningStreamSplitter, opens_reasoning, split_reasoning
 from swarmkit.timelines.render import TemplateError
-from swarmkit.timelines.toolcalls import CLOSE, OPEN, ToolCallStreamParser, parse_tool_calls
+from swarmkit.timelines.toolcalls import CLOSE, OPEN, ToolCallStreamParser, parse_tool_parts
 
 if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.swarm.episodes import Episode
@@ -243,6 +247,20 @@ def _reply_text(turn: Turn, text: str, finish_reason: str | None) -> str:
     return full
 
 
+def answer_finish(engine_reason: str, calls: list[dict[str, Any]]) -> str:
+    """The answer's ``finish_reason`` (also the recorded one): ``tool_calls`` when calls were parsed, but
+    ``length`` whenever the token limit cut the turn (a call it cut may be incomplete; training's overlong
+    handling reads ``length``)."""
+    return "tool_calls" if calls and engine_reason != "length" else engine_reason
+
+
+def _annotate(timeline: Any, reply_reason: str, violations: list[str]) -> None:
+    """The recorded timeline's meta says what the answer said: its finish reason, its strict violations."""
+    timeline.meta["finish_reason"] = reply_reason
+    if violations:
+        timeline.meta["strict_violations"] = violations
+
+
 def _remember(srv: SwarmServer, ep: Episode, completion: Block, content: str | None,
               calls: list[dict[str, Any]]) -> None:
     """Keep the turn (its recorded completion block: forced + generated tokens, decoded) for
@@ -323,9 +341,12 @@ class Reply:
 
     :ivar content: the text around the tool calls (None when only calls were generated and
         tools were offered; the text as generated otherwise).
-    :ivar finish_reason: ``stop``, ``length`` or ``tool_calls``.
+    :ivar finish_reason: ``stop``, ``length`` or ``tool_calls`` (:func:`answer_finish`).
     :ivar stop_sequence: the client stop string that ended it, if one did.
     :ivar reasoning: a thinking model's ``<think>`` text (None when it did not reason).
+    :ivar parts: the content's text pieces and the calls in the order generated (protocols that
+        interleave text and calls: Messages, Responses).
+    :ivar strict_violations: how calls of ``strict`` tools break their schema (:func:`strict_violations`).
     """
 
     index: int
@@ -335,14 +356,14 @@ class Reply:
     output: GenerationOutput
     stop_sequence: str | None = None
     reasoning: str | None = None
+    parts: list[str | dict[str, Any]] | None = None
+    strict_violations: list[str] = field(default_factory=list)
 
 
 async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
                         params: SamplingParams) -> list[Reply]:
     """Generate every choice, record the call, parse and remember each turn (a raw turn: its text as generated)."""
     outputs = await srv.generate(ep, turn.prompt_ids, params)
-    recorded = srv.inference.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
-                                            meta={**(_structured(params) or {}), "max_tokens": params.max_tokens})
     replies = []
     for i, out in enumerate(outputs):
         stop = matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason)
@@ -351,11 +372,17 @@ async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: T
             continue
         reasoning, answer = split_reasoning(out.text, started=turn.think_started)
         if turn.choice.parse:  # tool calls are read from the answer, never from the reasoning
-            content, calls = parse_tool_calls(_reply_text(turn, answer, out.finish_reason))
+            content, calls, parts = parse_tool_parts(_reply_text(turn, answer, out.finish_reason))
         else:
-            content, calls = answer, []
-        _remember(srv, ep, recorded[i].blocks[-1], content, calls)
-        replies.append(Reply(i, content, calls, "tool_calls" if calls else out.finish_reason, out, stop, reasoning))
+            content, calls, parts = answer, [], [answer] if answer else []
+        replies.append(Reply(i, content, calls, answer_finish(out.finish_reason, calls), out, stop, reasoning, parts,
+                             strict_violations(calls, turn.choice.strict)))
+    recorded = srv.inference.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
+                                            meta={**(_structured(params) or {}), "max_tokens": params.max_tokens})
+    for reply, timeline in zip(replies, recorded, strict=True):
+        _annotate(timeline, reply.finish_reason, reply.strict_violations)
+        if not turn.raw:
+            _remember(srv, ep, timeline.blocks[-1], reply.content, reply.calls)
     return replies
 
 
@@ -400,6 +427,7 @@ class Finished:
     completion_tokens: int = 0
     reasoning: str | None = None  # the whole reasoning (None: the choice did not reason)
     streamed: frozenset[str] = frozenset()  # ids of the calls already sent as CallDelta events
+    strict_violations: list[str] = field(default_factory=list)  # see Reply
 
 
 async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn,
@@ -424,6 +452,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
     reasonings: list[list[str]] = [[] for _ in range(n)]
     contents: list[list[str]] = [[] for _ in range(n)]
     calls_of: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n  # the answers' finish reasons, once sent
+    violations: list[list[str]] = [[] for _ in range(n)]
     version = srv.policy_version
     completed = False
     recorded = False
@@ -444,6 +474,8 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
                                       forced=turn.forced_ids,
                                       meta={"stream": True, "complete": completed, **(_structured(params) or {}),
                                             "max_tokens": params.max_tokens})
+            for i in range(n):
+                _annotate(made[i], reasons[i] or outputs[i].finish_reason, violations[i])
             if completed and not turn.raw:
                 for i in range(n):
                     _remember(srv, ep, made[i].blocks[-1], "".join(contents[i]) or None, calls_of[i])
@@ -494,14 +526,15 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
                     yield ev
                 rest += tail
                 calls_of[i] = calls
-                if calls:
-                    reason = "tool_calls"
+                reason = answer_finish(reason, calls)
+                violations[i] = strict_violations(calls, turn.choice.strict)
+            reasons[i] = reason
             if rest:
                 contents[i].append(rest)
             stop = matched_stop(srv, turn, ids[i], "".join(texts[i]), reason)
             reasoning = "".join(reasonings[i]) if thinker is not None and thinker.reasoned else None
             yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]), reasoning,
-                           frozenset(parser.streamed) if parser is not None else frozenset())
+                           frozenset(parser.streamed) if parser is not None else frozenset(), violations[i])
         completed = True
         record()
     finally:

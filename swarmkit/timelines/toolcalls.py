@@ -2,10 +2,22 @@
 
 The Qwen2.5/Qwen3, Hermes and SmolLM families (and the built-in tiny model's
 chat template) write a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-:func:`parse_tool_calls` lifts every well-formed call out of the text; text
-around it stays the message content; a malformed call is left in the content
-untouched. :class:`ToolCallStreamParser` does the same incrementally for SSE:
-it releases content as soon as it cannot be the start of a tool call.
+:class:`ToolCallStreamParser` lifts every call out of streamed text: text around
+it stays the message content, a malformed call is left in the content untouched,
+and content is released as soon as it cannot be part of a tool call.
+:func:`parse_tool_calls` runs the very same parser over a whole text, so a
+streamed answer and a non-streamed one are equal by construction:
+
+- ``arguments`` are the model's JSON text verbatim (its spacing and key order),
+  never re-serialised: what the client gets, and sends back, is what the model
+  produced, so the turn replays token for token and a streamed call (sent as
+  generated) equals a non-streamed one;
+- whitespace next to a call is not content: a stretch of only whitespace before,
+  between or after calls is dropped, as is the whitespace that ends the text
+  before a call, that starts the content after a call (when no content came
+  before it) and that ends the content of a reply with calls. So
+  ``<tool_call>..</tool_call>\n<tool_call>..</tool_call>`` has ``content: null``,
+  streamed or not.
 """
 
 from __future__ import annotations
@@ -17,11 +29,28 @@ from typing import Any
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
-_CALL_RE = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+_KEY_RE = re.compile(r'"(arguments|parameters)"\s*:\s*')
+_DECODER = json.JSONDecoder()
+
+
+def _verbatim(payload: str, key: str, value: Any) -> str | None:
+    """The text of ``key``'s ``value`` in the JSON object ``payload`` as the model wrote it (None: not found)."""
+    for m in _KEY_RE.finditer(payload):
+        if m.group(1) != key:
+            continue
+        try:
+            found, end = _DECODER.raw_decode(payload, m.end())
+        except ValueError:
+            continue
+        if found == value:  # a nested key of that name cannot hold the whole value: this is the top-level one
+            return payload[m.end():end]
+    return None
 
 
 def _to_call(payload: str) -> dict[str, Any] | None:
@@ -31,53 +60,55 @@ def _to_call(payload: str) -> dict[str, Any] | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
+    key = "arguments" if "arguments" in obj else "parameters"
+    args = obj.get(key, {})
+    if not isinstance(args, str):  # a JSON-string value is the arguments text itself
+        args = (_verbatim(payload, key, args) if key in obj else None) or json.dumps(args, ensure_ascii=False)
     return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}}
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split generated ``text`` into (content, tool_calls).
+    """Split generated ``text`` into (content, tool_calls): :class:`ToolCallStreamParser` fed the whole text.
 
-    ``content`` is ``None`` when nothing but tool calls was generated (the
-    OpenAI convention); without any well-formed call it is ``text`` unchanged.
+    ``content`` is ``None`` when nothing but tool calls (and whitespace) was generated (the
+    OpenAI convention); without any tool call it is ``text`` unchanged.
     """
     if OPEN not in text:
         return text, []
-    calls: list[dict[str, Any]] = []
-    pieces: list[str] = []
-    pos = 0
-    for m in _CALL_RE.finditer(text):
-        call = _to_call(m.group(1))
-        if call is None:
-            continue
-        calls.append(call)
-        pieces.append(text[pos : m.start()])
-        pos = m.end()
-    if not calls:
-        return text, []
-    pieces.append(text[pos:])
-    content = "".join(pieces).strip()
-    return (content or None), calls
+    content, calls, _ = parse_tool_parts(text)
+    return (content if calls else text), calls
+
+
+def parse_tool_parts(text: str) -> tuple[str | None, list[dict[str, Any]], list[str | dict[str, Any]]]:
+    """:func:`parse_tool_calls` plus the reply's parts in the order generated (content text and calls:
+    the blocks of protocols that interleave them, Anthropic Messages and OpenAI Responses)."""
+    parser = ToolCallStreamParser()
+    content = parser.feed(text)
+    rest, calls = parser.finish()
+    content += rest
+    return (content or None) if calls else content, calls, parser.parts
 
 
 _HEAD_RE = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
 
 class ToolCallStreamParser:
-    """Incremental :func:`parse_tool_calls` for streamed text.
+    """The tool-call parser of generated text, fed as it is generated (:func:`parse_tool_calls` feeds it
+    a whole text at once).
 
     ``feed(delta)`` returns the content that is safe to send now (text that is
-    not, and cannot become, part of a ``<tool_call>``); ``finish()`` returns the
-    remaining content and every tool call found.
+    not, and cannot become, part of a ``<tool_call>``, nor whitespace that may
+    turn out to sit next to a call: held until text follows); ``finish()``
+    returns the remaining content and every tool call found.
 
     A call written as ``{"name": "f", "arguments": {...}}`` is also streamed as it
     is generated: once its name is known :attr:`events` gets ``("start", k, id,
     name)``, then ``("args", k, text)`` pieces whose concatenation is the call's
     ``arguments`` (the raw generated JSON, without the object's closing brace).
-    A call in another shape is held until it closes, as a whole. :meth:`take_events`
-    drains the events; :attr:`streamed` holds the ids of the calls announced.
+    Once announced it stays a call, whatever follows. A call in another shape is
+    held until it closes, as a whole. :meth:`take_events` drains the events;
+    :attr:`streamed` holds the ids of the calls announced; :attr:`parts` the content
+    released and the calls, in the order generated.
     """
 
     def __init__(self) -> None:
@@ -86,7 +117,10 @@ class ToolCallStreamParser:
         self.calls: list[dict[str, Any]] = []
         self.events: list[tuple[Any, ...]] = []
         self.streamed: set[str] = set()
+        self.parts: list[str | dict[str, Any]] = []
         self._live: dict[str, Any] | None = None  # the call being streamed: id, name, head end, args sent
+        self._ws = ""  # whitespace of the content held back (it may sit right before a call)
+        self._sent = False  # some content was released
 
     @property
     def in_call(self) -> bool:
@@ -97,10 +131,33 @@ class ToolCallStreamParser:
         out, self.events = self.events, []
         return out
 
-    def _stream_args(self) -> None:
-        """Announce the open call once its name is known and send the argument text that cannot be
-        the call's closing brace (held from the last ``}`` on)."""
-        body = self._buf[len(OPEN):]
+    def _content(self, text: str) -> str:
+        """What of the content ``text`` goes out now: its trailing whitespace is held (dropped if a call
+        follows); the leading whitespace of the first content after a call is dropped."""
+        if not text:
+            return ""
+        text = self._ws + text
+        body = text.rstrip()
+        self._ws = text[len(body):]
+        if body and not self._sent and self.calls:
+            body = body.lstrip()
+        if body:
+            self._sent = True
+            if self.parts and isinstance(self.parts[-1], str):
+                self.parts[-1] += body
+            else:
+                self.parts.append(body)
+        return body
+
+    def _add_call(self, call: dict[str, Any]) -> None:
+        self.calls.append(call)
+        self.parts.append(call)
+
+    def _stream_args(self, body: str) -> None:
+        """Announce the open call (its text after ``<tool_call>`` so far: ``body``) once its name is
+        known and send the argument text that cannot be the call's closing brace (held from the last
+        ``}`` on). Whether a call is announced depends on its text only, never on how it was cut into
+        deltas: a whole text parses as its deltas do."""
         live = self._live
         if live is None:
             m = _HEAD_RE.match(body)
@@ -111,6 +168,7 @@ class ToolCallStreamParser:
             except ValueError:
                 return
             live = self._live = {"id": new_call_id(), "name": name, "head": m.end(), "sent": ""}
+            self._ws = ""  # a call for sure: the whitespace before it is not content
             self.events.append(("start", len(self.calls), live["id"], name))
             self.streamed.add(live["id"])
         unsent = body[live["head"] + len(live["sent"]):]
@@ -137,6 +195,15 @@ class ToolCallStreamParser:
             self.events.append(("args", len(self.calls), rest))
         return {"id": live["id"], "type": "function", "function": {"name": live["name"], "arguments": live["sent"]}}
 
+    def _whole_call(self, payload: str) -> bool:
+        """Take a call held whole (False: ``payload`` is not a call)."""
+        call = _to_call(payload)
+        if call is None:
+            return False
+        self._ws = ""
+        self._add_call(call)
+        return True
+
     def feed(self, delta: str) -> str:
         self._buf += delta
         out: list[str] = []
@@ -144,23 +211,21 @@ class ToolCallStreamParser:
             if self._in_call:
                 end = self._buf.find(CLOSE)
                 if end < 0:
-                    self._stream_args()
+                    self._stream_args(self._buf[len(OPEN):])
                     return "".join(out)
                 raw = self._buf[: end + len(CLOSE)]
                 self._buf = self._buf[end + len(CLOSE) :]
                 self._in_call = False
+                if self._live is None:
+                    self._stream_args(raw[len(OPEN) : -len(CLOSE)])
                 if self._live is not None:  # announced: it stays a call whatever follows
-                    self.calls.append(self._close_live(raw[len(OPEN) : -len(CLOSE)]))
-                    continue
-                call = _to_call(raw[len(OPEN) : -len(CLOSE)])
-                if call is None:
-                    out.append(raw)  # malformed: it is content after all
-                else:
-                    self.calls.append(call)
+                    self._add_call(self._close_live(raw[len(OPEN) : -len(CLOSE)]))
+                elif not self._whole_call(raw[len(OPEN) : -len(CLOSE)]):
+                    out.append(self._content(raw))  # malformed: it is content after all
                 continue
             start = self._buf.find(OPEN)
             if start >= 0:
-                out.append(self._buf[:start])
+                out.append(self._content(self._buf[:start]))
                 self._buf = self._buf[start:]
                 self._in_call = True
                 continue
@@ -170,22 +235,30 @@ class ToolCallStreamParser:
                 if self._buf.endswith(OPEN[:k]):
                     keep = k
                     break
-            out.append(self._buf[: len(self._buf) - keep])
+            out.append(self._content(self._buf[: len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep :]
             break
         return "".join(out)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The content still held (the whitespace that ends a reply with calls is dropped) and every call."""
         rest = self._buf
         self._buf = ""
         if self._in_call:
+            if self._live is None:
+                self._stream_args(rest[len(OPEN) :])
             if self._live is not None:  # cut before </tool_call>: the announced call ends here
-                self.calls.append(self._close_live(rest[len(OPEN) :]))
+                self._add_call(self._close_live(rest[len(OPEN) :]))
                 rest = ""
-            else:
-                call = _to_call(rest[len(OPEN) :])
-                if call is not None:
-                    self.calls.append(call)
-                    rest = ""
+            elif self._whole_call(rest[len(OPEN) :]):
+                rest = ""
         self._in_call = False
-        return rest, self.calls
+        out = self._content(rest)
+        if not self.calls and self._ws:  # no call: the text as generated, its whitespace included
+            out += self._ws
+            if self.parts and isinstance(self.parts[-1], str):
+                self.parts[-1] += self._ws
+            else:
+                self.parts.append(self._ws)
+        self._ws = ""
+        return out, self.calls

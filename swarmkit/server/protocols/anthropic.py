@@ -15,7 +15,7 @@ import secrets
 from typing import Any
 
 from swarmkit.errors import ApiError
-from swarmkit.server.chat_input import ToolChoice
+from swarmkit.server.chat_input import ToolChoice, strict_schemas
 
 __all__ = ["STOP_REASONS", "event", "message_object", "read_messages", "read_tool_choice", "read_tools",
            "tool_use_block"]
@@ -151,6 +151,8 @@ def read_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
                            "({name, description, input_schema}) are supported", "unsupported_field",
                            param=f"tools[{j}]")
         schema = t["input_schema"]
+        if t.get("strict") not in (None, False, True):
+            raise _bad(f"tools[{j}].strict must be true or false", f"tools[{j}].strict")
         if not isinstance(schema, dict):
             raise _bad(f"tools[{j}].input_schema must be a JSON schema object", f"tools[{j}].input_schema")
         fn: dict[str, Any] = {"name": t["name"]}  # OpenAI's key order: templates render tools as JSON
@@ -163,8 +165,9 @@ def read_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 def read_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
     choice = body.get("tool_choice")
+    strict = strict_schemas(body.get("tools")) if tools else {}
     if choice is None:
-        return ToolChoice("auto" if tools else "none")
+        return ToolChoice("auto" if tools else "none", strict=strict)
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise _bad("'tool_choice' must be {'type': 'auto' | 'any' | 'tool' | 'none'}", "tool_choice")
     parallel = not choice.get("disable_parallel_tool_use", False)
@@ -174,14 +177,14 @@ def read_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -
             raise _bad(f"'tool_choice' {kind!r} asks for a tool call but the request has no 'tools'", "tool_choice")
         return ToolChoice("none", parallel=parallel)
     if kind == "auto":
-        return ToolChoice("auto", parallel=parallel)
+        return ToolChoice("auto", parallel=parallel, strict=strict)
     if kind == "any":
-        return ToolChoice("required", parallel=parallel)
+        return ToolChoice("required", parallel=parallel, strict=strict)
     names = [t["function"]["name"] for t in tools]
     name = choice.get("name")
     if name not in names:
         raise _bad(f"'tool_choice' names {name!r}, which is not in 'tools' ({', '.join(names)})", "tool_choice.name")
-    return ToolChoice("named", name=name, parallel=parallel)
+    return ToolChoice("named", name=name, parallel=parallel, strict=strict)
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
@@ -201,14 +204,15 @@ def thinking_block(reasoning: str) -> dict[str, Any]:
 
 def message_object(mid: str, model: str, content: str | None, calls: list[dict[str, Any]], finish_reason: str,
                    stop_sequence: str | None, input_tokens: int, output_tokens: int,
-                   reasoning: str | None = None) -> dict[str, Any]:
-    """The ``message`` answer of a finished turn (a ``thinking`` block first when it reasoned)."""
+                   reasoning: str | None = None, parts: list[str | dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ``message`` answer of a finished turn (a ``thinking`` block first when it reasoned): ``text`` and
+    ``tool_use`` blocks in the order of ``parts`` (as streamed), else the text then the calls."""
     blocks: list[dict[str, Any]] = []
     if reasoning is not None:
         blocks.append(thinking_block(reasoning))
-    if content:
-        blocks.append({"type": "text", "text": content})
-    blocks.extend(tool_use_block(c) for c in calls)
+    if parts is None:
+        parts = [*([content] if content else []), *calls]
+    blocks.extend({"type": "text", "text": p} if isinstance(p, str) else tool_use_block(p) for p in parts if p)
     reason = "stop_sequence" if stop_sequence else STOP_REASONS.get(finish_reason, "end_turn")
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
             "stop_reason": reason, "stop_sequence": stop_sequence,

@@ -152,7 +152,8 @@ def read_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -
                            "(none, auto, required, or {'type': 'function', 'name': ...})", "unsupported_field",
                            param="tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return parse_tool_choice({"tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls")}, tools)
+    return parse_tool_choice({"tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls"),
+                              "tools": body.get("tools")}, tools)
 
 
 def to_chat(items: Any, instructions: str | None, history: list[dict[str, Any]],
@@ -189,14 +190,23 @@ def reasoning_item(text: str, *, item_id: str, status: str = "completed") -> dic
 
 
 def output_items(content: str | None, calls: list[dict[str, Any]],
-                 logprobs: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> list[dict[str, Any]]:
-    """The output items of a finished turn: its reasoning and its text (if any), then one item per tool call."""
+                 logprobs: list[dict[str, Any]] | None = None, reasoning: str | None = None,
+                 parts: list[str | dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The output items of a finished turn: its reasoning, then a message item per text piece and a
+    ``function_call`` item per call in the order of ``parts`` (as streamed; without: the text, then the
+    calls). The logprobs (of the whole turn) go with the first message item."""
     items = []
     if reasoning is not None:
         items.append(reasoning_item(reasoning, item_id=new_id("rs")))
-    if content:
-        items.append(message_item(content, item_id=new_id("msg"), logprobs=logprobs))
-    items.extend(call_item(c, item_id=new_id("fc")) for c in calls)
+    if parts is None:
+        parts = [*([content] if content else []), *calls]
+    for p in parts:
+        if isinstance(p, str):
+            if p:
+                items.append(message_item(p, item_id=new_id("msg"), logprobs=logprobs))
+                logprobs = None
+        else:
+            items.append(call_item(p, item_id=new_id("fc")))
     return items
 
 

@@ -81,6 +81,7 @@ async def chat_completions(request: Request) -> Response:
             }
         )
     completion_tokens = sum(len(r.output.token_ids) for r in replies)
+    headers = {**headers, **fields.strict_header("/v1/chat/completions", [r.strict_violations for r in replies])}
     return JSONResponse(
         {
             "id": cid,

@@ -64,9 +64,11 @@ async def messages(request: Request) -> Response:
         return StreamingResponse(_stream(srv, ep, role, turn, params, mid, model), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     (reply,) = await generate_turn(srv, ep, role, turn, params)
+    headers = {**headers, **fields.strict_header("/v1/messages", [reply.strict_violations])}
     return JSONResponse(anthropic.message_object(mid, model, reply.content, reply.calls, reply.finish_reason,
                                                  reply.stop_sequence, len(turn.prompt_ids),
-                                                 len(reply.output.token_ids), reply.reasoning), headers=headers)
+                                                 len(reply.output.token_ids), reply.reasoning, reply.parts),
+                        headers=headers)
 
 
 async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, params: SamplingParams,

@@ -106,10 +106,11 @@ async def create_response(request: Request) -> Response:
                         out.top_logprobs if params.top_logprobs else None) if want_lp else None
     response = proto.response_object(
         rid, body, served_model(srv), status="incomplete" if reply.finish_reason == "length" else "completed",
-        output=proto.output_items(reply.content, reply.calls, lps, reply.reasoning), input_tokens=len(turn.prompt_ids),
-        output_tokens=len(out.token_ids), finish_reason=reply.finish_reason)
+        output=proto.output_items(reply.content, reply.calls, lps, reply.reasoning, reply.parts),
+        input_tokens=len(turn.prompt_ids), output_tokens=len(out.token_ids), finish_reason=reply.finish_reason)
     _store(ep, body, response, conversation, reply.content, reply.calls, reply.reasoning)
-    return JSONResponse(response, headers=headers)
+    return JSONResponse(response, headers={**headers, **fields.strict_header("/v1/responses",
+                                                                            [reply.strict_violations])})
 
 
 def _event(name: str, seq: int, data: dict[str, Any]) -> bytes:
@@ -128,7 +129,8 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
     seq = 0
     output: list[dict[str, Any]] = []  # finished items
     lps: list[dict[str, Any]] = []
-    parts: dict[str, list[str]] = {"reasoning": [], "message": []}
+    parts: dict[str, list[str]] = {"reasoning": [], "message": []}  # the whole turn's
+    item_text: list[str] = []  # the open item's (a message after a call is an item of its own)
     open_item: dict[str, Any] | None = None  # the reasoning, message or function_call item being streamed
     final: dict[str, Any] | None = None
 
@@ -149,11 +151,11 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
             events = [ev("response.function_call_arguments.done", item_id=iid, output_index=k,
                          arguments=done["arguments"], name=done["name"])]
         elif item["type"] == "reasoning":
-            text = "".join(parts["reasoning"])
+            text = "".join(item_text)
             done = proto.reasoning_item(text, item_id=iid)
             events = [ev("response.reasoning_text.done", item_id=iid, output_index=k, content_index=0, text=text)]
         else:
-            text = "".join(parts["message"])
+            text = "".join(item_text)
             done = proto.message_item(text, item_id=iid, logprobs=lps if want_lp else None)
             events = [ev("response.output_text.done", item_id=iid, output_index=k, content_index=0, text=text,
                          logprobs=lps if want_lp else []),
@@ -168,6 +170,7 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
         out: list[bytes] = []
         if open_item is None or open_item["type"] != kind:
             out += close()
+            item_text.clear()
             k = len(output)
             if kind == "reasoning":
                 open_item = proto.reasoning_item("", item_id=proto.new_id("rs"), status="in_progress")
@@ -179,6 +182,7 @@ async def _stream(srv: SwarmServer, ep: Episode, role: str | None, turn: Turn, p
                         ev("response.content_part.added", item_id=open_item["id"], output_index=k,
                            content_index=0, part=part)]
         parts[kind].append(text)
+        item_text.append(text)
         iid, k = open_item["id"], len(output)
         if kind == "reasoning":
             out.append(ev("response.reasoning_text.delta", item_id=iid, output_index=k, content_index=0, delta=text))

@@ -16,9 +16,11 @@ from swarmkit.server.protocols.anthropic import read_messages, read_tool_choice,
 from swarmkit.server.schema.jsonschema import (
     ANY_OBJECT,
     BOOL,
+    STRICT_TOOL,
     Schema,
     array,
     enum,
+    nullable,
     obj,
     ref,
     string,
@@ -53,7 +55,8 @@ _BLOCK: Schema = {"anyOf": [
 ]}
 _MESSAGE = obj({"role": enum("user", "assistant"), "content": {"anyOf": [string(), array(_BLOCK)]}},
                ("role", "content"))
-_TOOL = obj({"name": string(), "description": string(), "input_schema": ANY_OBJECT, "type": enum("custom")},
+_TOOL = obj({"name": string(), "description": string(), "input_schema": ANY_OBJECT, "type": enum("custom"),
+             "strict": nullable({"type": "boolean", "description": STRICT_TOOL})},
             ("name", "input_schema"), description="a client tool (server tools are refused with 400)")
 
 

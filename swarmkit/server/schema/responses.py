@@ -18,6 +18,7 @@ from swarmkit.server.protocols.responses import read_tool_choice, read_tools
 from swarmkit.server.schema.jsonschema import (
     ANY_OBJECT,
     BOOL,
+    STRICT_TOOL,
     Schema,
     array,
     enum,
@@ -122,7 +123,7 @@ _ITEM: Schema = {"anyOf": [
     obj({"type": enum("reasoning"), "content": _REASONING_TEXT, "summary": _REASONING_TEXT}, ("type",)),
 ]}
 _TOOL = obj({"type": enum("function"), "name": string(), "description": string(), "parameters": ANY_OBJECT,
-             "strict": {"anyOf": [{"const": False}, {"type": "null"}]}}, ("type", "name"),
+             "strict": nullable({"type": "boolean", "description": STRICT_TOOL})}, ("type", "name"),
             description="a function tool (built-in tools are refused with 400)")
 _TOOL_CHOICE: Schema = {"anyOf": [enum("none", "auto", "required"),
                                   obj({"type": enum("function"), "name": string()}, ("type", "name"))]}
