@@ -58,11 +58,16 @@ def test_every_group_option_composes_and_validates(group, option):
         assert cfg[group].name == option
 
 
-def test_every_registered_component_has_a_config_option():
+def test_every_registered_component_has_a_config_option(tmp_path):
+    script = tmp_path / "script.yaml"
+    script.write_text("replies: [hello]\n")
+    #: the keys a component cannot run without (its missing-key error is tested beside the component)
+    required = {("backend", "scripted"): [f"backend.script={script}"]}
     registry = get_registry()
     for kind in KINDS:
         for name in registry.names(kind):
-            assert validated(compose([f"+{kind}={name}"]))[kind].name == name
+            overrides = [f"+{kind}={name}", *required.get((kind, name), [])]
+            assert validated(compose(overrides))[kind].name == name
 
 
 def test_design_card_command_line_form():
@@ -71,7 +76,7 @@ def test_design_card_command_line_form():
 
 
 def test_unknown_component_lists_installed_options():
-    with pytest.raises(UnknownComponentError, match="hf, sglang, vllm"):
+    with pytest.raises(UnknownComponentError, match="hf, scripted, sglang, vllm"):
         compose(["+backend=nosuch"])
 
 
@@ -117,7 +122,7 @@ def test_a_sweep_is_checked_value_by_value(tmp_path):
 def test_cli_unknown_backend_fails_with_one_message(tmp_path):
     out = _cli("+backend=nosuch", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2
-    assert "unknown backend 'nosuch'; installed backend options: hf, sglang, vllm" in out.stderr
+    assert "unknown backend 'nosuch'; installed backend options: hf, scripted, sglang, vllm" in out.stderr
 
 
 def test_cli_misspelled_key_names_the_key(tmp_path):
@@ -227,7 +232,7 @@ def test_schema_only_component_gets_a_config_option(monkeypatch):
 def test_cli_help_lists_modes_and_groups():
     out = _cli("--help")
     assert out.returncode == 0
-    assert "mode=server" in out.stdout and "backend: hf, sglang, vllm" in out.stdout
+    assert "mode=server" in out.stdout and "backend: hf, scripted, sglang, vllm" in out.stdout
     assert "conf/" not in out.stdout
 
 
