@@ -337,7 +337,7 @@ def _trainer_logprobs(batch):
 def test_every_step_reports_mismatch_kl_over_the_recorded_tokens(algo):
     """``mismatch_kl`` is the k3 KL(engine ‖ trainer) over trained tokens the rollout recorded a
     logprob for: engine logprobs offset by a known δ from the trainer's give mean(e^−δ − 1 + δ);
-    tokens without one (the demonstration-like sample 0) are left out."""
+    tokens without one (the demonstration-like sample 0) or sampled by other weights are left out."""
     from swarmkit.contract import TrainSample
 
     g = torch.Generator().manual_seed(3)
@@ -350,6 +350,7 @@ def test_every_step_reports_mismatch_kl_over_the_recorded_tokens(algo):
                                  f"e{i}", f"t{i // 2}"))
     lps = _trainer_logprobs(batch)
     deltas = {1: 0.3, 2: -0.2, 3: 0.05}
+    batch[3].versions = [0] * 4 + [1] * 2 + [0] * 5  # two tokens of another policy version: lag, not mismatch
     expect = []
     for i, s in enumerate(batch):
         if i not in deltas:
@@ -357,8 +358,9 @@ def test_every_step_reports_mismatch_kl_over_the_recorded_tokens(algo):
         old = [None] * len(s.input_ids)
         for pos in range(1, len(s.input_ids)):
             if s.loss_mask[pos]:
-                old[pos] = lps[i][pos - 1] + deltas[i]
-                expect.append(math.expm1(-deltas[i]) + deltas[i])
+                old[pos] = lps[i][pos - 1] + deltas[i] * (5 if s.token_versions()[pos] else 1)
+                if not s.token_versions()[pos]:
+                    expect.append(math.expm1(-deltas[i]) + deltas[i])
         s.old_logprobs = old
     metrics = _engine(**algo).train_step(batch)
     assert metrics["mismatch_kl"] == pytest.approx(sum(expect) / len(expect), rel=1e-4)

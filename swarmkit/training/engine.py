@@ -40,6 +40,7 @@ from swarmkit.training.packing import (
     Prepared,
     loss_units,
     loss_weight,
+    mark_current_tokens,
     micro_batch_tensors,
     plan_micro_batches,
     prepare_sample,
@@ -451,7 +452,7 @@ class TrainingEngine(OptimEngine):
     @staticmethod
     def _mismatch_sums(mb: MicroBatch, lp: torch.Tensor) -> tuple[float, float]:
         """``(Σ k3, tokens)`` of KL(engine ‖ trainer) over the micro-batch's trained tokens whose
-        logprob the rollout recorded: the trainer's side is the pre-step policy (the proximal
+        logprob the rollout recorded with the weights the trainer holds: the trainer's side is the pre-step policy (the proximal
         pre-pass when it ran, else this forward: exact in the first optimizer step of a batch)."""
         trainer = mb.prox_logprobs if mb.prox_logprobs is not None else mb.scatter(lp.detach().float())
         mask = mb.mask if mb.recorded is None else mb.mask * mb.recorded
@@ -474,6 +475,8 @@ class TrainingEngine(OptimEngine):
         """
         t0 = time.perf_counter()
         pairs = [(s, p) for s in batch if (p := prepare_sample(s)).k > 0]
+        for s, p in pairs:  # mismatch_kl counts the tokens the current weights sampled
+            mark_current_tokens(s, p, self.optimizer_steps)
         prepared = [p for _, p in pairs]
         if not prepared:
             return {"skipped": 1.0, "samples": 0.0, "trained_tokens": 0.0, "step_time_s": time.perf_counter() - t0}

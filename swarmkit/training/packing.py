@@ -89,7 +89,8 @@ class Prepared:
     prox_logprobs: torch.Tensor | None = None  # (k,) the weights before the step (decoupled loss)
     old_values: torch.Tensor | None = None  # (k,)
     returns: torch.Tensor | None = None  # (k,)
-    recorded: torch.Tensor | None = None  # (k,) 1.0 where the rollout recorded a logprob (mismatch_kl)
+    #: (k,) 1.0 where the rollout recorded a logprob (and, see mark_current_tokens, the current weights sampled it)
+    recorded: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -111,6 +112,15 @@ def prepare_sample(s: TrainSample) -> Prepared:
         advantages=torch.tensor(adv, dtype=torch.float32), reward=float(s.reward),
         recorded=(~torch.isnan(old)).float(),
     )
+
+
+def mark_current_tokens(sample: TrainSample, prepared: Prepared, version: int) -> None:
+    """Narrow ``prepared.recorded`` to the trained tokens the weights of ``version`` sampled: the
+    tokens whose engine logprobs measure the train/inference mismatch alone, not the policy lag."""
+    versions = sample.token_versions()
+    current = torch.tensor([float(versions[q + 1] == version) for q in prepared.select])
+    base = prepared.recorded if prepared.recorded is not None else torch.ones(prepared.k)
+    prepared.recorded = base * current
 
 
 @dataclass
@@ -137,7 +147,7 @@ class MicroBatch:
     prox_logprobs: torch.Tensor | None = None  # (B, T)
     old_values: torch.Tensor | None = None  # (B, T)
     returns: torch.Tensor | None = None  # (B, T)
-    recorded: torch.Tensor | None = None  # (B, T) 1.0 where the rollout recorded the logprob
+    recorded: torch.Tensor | None = None  # (B, T) the tokens mismatch_kl counts (Prepared.recorded)
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Place (M,) values into a zero (B, T) tensor (differentiable)."""
