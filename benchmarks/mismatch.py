@@ -196,21 +196,27 @@ def main() -> int:
     for a in arms:
         arm_overrides(a, args.cap, args.floor)  # unknown arms fail before any run
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    runs = []
+    runs: list[dict[str, Any]] = []
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> list[str]:  # after every run, so a stopped benchmark keeps what it measured
+        lines = table(runs, arms)
+        result = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "steps": args.steps,
+                  "perturb": args.perturb, "noise": args.noise, "cap": args.cap, "floor": args.floor,
+                  "seeds": seeds, "table": lines, "runs": runs}
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        return lines
+
     for seed in seeds:
         for arm in arms:
             r = run_one(arm, seed, args, base)
             runs.append(r)
+            write()
             print(f"{arm:>20} seed {seed}: held-out {r['eval_before']['mean']:.3f} -> {r['eval_after']['mean']:.3f}"
                   f"  mismatch_kl {r['mismatch_kl_mean']:.3g}  ({r['wall_s']:.0f} s)", flush=True)
-    lines = table(runs, arms)
     print(f"\ntiny model, token_rule, {args.steps} steps, perturbation {args.perturb} σ={args.noise} "
           f"(arm exact: none), cap {args.cap}, floor {args.floor}; mean over seeds ± 95% t-interval")
-    print("\n".join(lines))
-    result = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "steps": args.steps, "perturb": args.perturb,
-              "noise": args.noise, "cap": args.cap, "floor": args.floor, "seeds": seeds, "table": lines, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    print("\n".join(write()))
     print(f"\nwrote {args.out}")
     return 0
 
