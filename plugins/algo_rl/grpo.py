@@ -9,7 +9,7 @@ import torch
 
 from swarmkit.contract import OVERLONG_MODES, REFERENCE_MODES, Algorithm, LossInputs
 from swarmkit.errors import ConfigError
-from swarmkit_plugins.algo_rl import losses
+from swarmkit_plugins.algo_rl import losses, mismatch, objectives
 from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
 
 
@@ -22,8 +22,9 @@ class ClippedPolicyAlgorithm(Algorithm):
         loss_agg, loss_norm_constant = cfg.loss_agg, cfg.loss_norm_constant
         ppo_epochs, mini_batches = cfg.ppo_epochs, cfg.mini_batches
         problems = []
-        if not 0 <= clip_low < 1:
-            problems.append(f"algo.clip_low must be in [0, 1), got {clip_low}")
+        if not (0 <= clip_low <= 1 if cfg.policy_loss == "cispo" else 0 <= clip_low < 1):
+            bound = "[0, 1] with policy_loss=cispo" if cfg.policy_loss == "cispo" else "[0, 1)"
+            problems.append(f"algo.clip_low must be in {bound}, got {clip_low}")
         if clip_high < 0:
             problems.append(f"algo.clip_high must be >= 0, got {clip_high}")
         if loss_agg not in losses.AGG_MODES:
@@ -47,9 +48,15 @@ class ClippedPolicyAlgorithm(Algorithm):
         if isinstance(cfg.overlong_buffer, bool) or not isinstance(cfg.overlong_buffer, int) \
                 or cfg.overlong_buffer < 0:
             problems.append(f"algo.overlong_buffer must be an int >= 0, got {cfg.overlong_buffer!r}")
+        if cfg.policy_loss not in objectives.POLICY_LOSSES:
+            problems.append(f"algo.policy_loss must be one of {objectives.POLICY_LOSSES}, got {cfg.policy_loss!r}")
+        mm = cfg.mismatch
+        problems += mismatch.check_mismatch(mm.mode, mm.level, mm.cap, mm.floor)
         if problems:
             raise ConfigError(problems)
         self.name = name
+        self.policy_loss = cfg.policy_loss
+        self.mismatch = mm
         self.decoupled = bool(cfg.decoupled)
         self.behav_weight_cap = float(cfg.behav_weight_cap)
         self.clip_low = float(clip_low)
@@ -66,13 +73,23 @@ class ClippedPolicyAlgorithm(Algorithm):
         self.overlong_buffer = int(cfg.overlong_buffer)
 
     @property
+    def corrects_mismatch(self) -> bool:
+        """Whether the loss corrects the engine/trainer mismatch (``algo.mismatch.mode`` not "none")."""
+        return self.mismatch.mode != "none"
+
+    @property
     def needs_proximal(self) -> bool:
-        """Whether the engine scores the pre-step (proximal) logprobs: the decoupled loss."""
-        return self.decoupled
+        """Whether the engine scores the pre-step (proximal) logprobs: the decoupled loss, or a
+        mismatch correction whose batch takes more than one optimizer step (with one, the
+        logprobs of the step's own forward are the pre-step ones: no pre-pass needed)."""
+        return self.decoupled or (self.corrects_mismatch and self.ppo_epochs * self.mini_batches > 1)
 
     def _policy_loss(self, x: LossInputs, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """The clipped surrogate: around the rollout logprobs, or (``decoupled``) around the
-        proximal ones with importance weights to the rollout policy."""
+        """The policy objective (``policy_loss``): around the rollout logprobs, or (``decoupled``,
+        or a mismatch correction) around the trainer's pre-step ones with importance weights to the
+        rollout policy."""
+        if self.policy_loss != "clip" or self.corrects_mismatch:
+            return self._weighted_policy_loss(x, adv)
         if not self.decoupled:
             return losses.policy_loss(x.logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high,
                                       self.loss_agg, self.loss_norm_constant)
@@ -81,6 +98,36 @@ class ClippedPolicyAlgorithm(Algorithm):
         return losses.decoupled_policy_loss(
             x.logprobs, x.prox_logprobs, x.old_logprobs, adv, x.mask, self.clip_low, self.clip_high,
             self.behav_weight_cap, self.loss_agg, self.loss_norm_constant)
+
+    def _weighted_policy_loss(self, x: LossInputs, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """``policy_loss`` with its anchor and importance weights: no correction and not decoupled,
+        around the engine's logprobs, unweighted; otherwise around the trainer's pre-step logprobs
+        (``prox_logprobs``, or this forward's own when no pre-pass ran) weighted to the engine's,
+        by ``mismatch`` (raw weights when "none"), tokens past ``behav_weight_cap`` left out when
+        ``decoupled``."""
+        if not (self.decoupled or self.corrects_mismatch):
+            return objectives.weighted_policy_loss(x.logprobs, x.old_logprobs, adv, x.mask, None, self.policy_loss,
+                                                   self.clip_low, self.clip_high, self.loss_agg,
+                                                   self.loss_norm_constant)
+        anchor = x.prox_logprobs
+        if anchor is None:
+            if self.needs_proximal:
+                raise ValueError(f"{type(self).__name__} with decoupled=true or a mismatch correction over "
+                                 "several optimizer steps needs prox_logprobs (needs_proximal)")
+            anchor = x.logprobs.detach()  # one optimizer step: this forward is the pre-step policy
+        mm = self.mismatch
+        level = mm.level if self.corrects_mismatch else "token"  # uncorrected (decoupled): the raw token weights
+        weights, changed = mismatch.importance_weights(anchor, x.old_logprobs, x.mask, level, mm.mode, mm.cap,
+                                                       mm.floor)
+        if self.decoupled and self.behav_weight_cap > 0:
+            raw = torch.exp((anchor - x.old_logprobs).detach())
+            weights = torch.where(raw <= self.behav_weight_cap, weights, torch.zeros_like(weights))
+        loss, metrics = objectives.weighted_policy_loss(x.logprobs, anchor, adv, x.mask, weights, self.policy_loss,
+                                                        self.clip_low, self.clip_high, self.loss_agg,
+                                                        self.loss_norm_constant)
+        if self.corrects_mismatch:
+            metrics |= mismatch.weight_metrics(weights, changed, x.mask, mm.mode)
+        return loss, metrics
 
     #: the schema of the ``algo`` group (GRPOConfig, PPOConfig)
     config_cls: ClassVar[type[GRPOConfig] | type[PPOConfig]]

@@ -1,6 +1,36 @@
 """Config schemas of the ``grpo`` and ``ppo`` algorithms (group ``algo``)."""
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MismatchConfig:
+    """``algo.mismatch``: correcting the engine/trainer mismatch (``plugins/algo_rl/mismatch.py``,
+    docs/training.md "Train/inference mismatch"). With a mode other than "none" the policy loss takes
+    its trust region around the trainer's own logprobs before the step and weights every token by
+    the trainer/engine probability ratio at ``level``, bounded by ``mode``."""
+
+    #: "none" (the loss's old policy is the engine's recorded logprobs, uncorrected) | "truncate"
+    #: (weights above `cap` become `cap`) | "mask" (tokens or sequences whose weight is outside
+    #: [floor, cap] are left out of the loss)
+    mode: str = "none"
+    #: the ratio one weight is taken over: "token" | "sequence" (product over the sequence) |
+    #: "geometric" (per-token geometric mean over the sequence)
+    level: str = "geometric"
+    #: upper bound of the weights (>= 1)
+    cap: float = 2.0
+    #: mask: lower bound of the weights kept, in [0, 1] (0: none)
+    floor: float = 0.5
+
+
+def _mismatch(value: object) -> MismatchConfig:
+    """A :class:`MismatchConfig` from itself or a plain group (a dict, an OmegaConf node)."""
+    if isinstance(value, MismatchConfig):
+        return value
+    if isinstance(value, Mapping):
+        return MismatchConfig(**dict(value))
+    raise TypeError(f"algo.mismatch must be a group of keys (mode, level, cap, floor), got {value!r}")
 
 
 @dataclass
@@ -38,6 +68,15 @@ class GRPOConfig:
     overlong: str = "none"
     #: "penalty": the penalty ramps from 0 to -1 over this many tokens before the limit
     overlong_buffer: int = 128
+    #: the policy objective: "clip" (PPO's clipped surrogate) | "gspo" (one length-normalised ratio
+    #: per sequence; use far narrower clip ranges, e.g. 3e-4 / 4e-4) | "cispo" (clipped, stop-gradient
+    #: importance weight times the logprob: no token loses its gradient)
+    policy_loss: str = "clip"
+    #: train/inference mismatch correction (MismatchConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+
+    def __post_init__(self) -> None:
+        self.mismatch = _mismatch(self.mismatch)
 
 
 @dataclass
@@ -66,3 +105,12 @@ class PPOConfig:
     reference: str = "initial"
     overlong: str = "none"
     overlong_buffer: int = 128
+    #: the policy objective: "clip" (PPO's clipped surrogate) | "gspo" (one length-normalised ratio
+    #: per sequence; use far narrower clip ranges, e.g. 3e-4 / 4e-4) | "cispo" (clipped, stop-gradient
+    #: importance weight times the logprob: no token loses its gradient)
+    policy_loss: str = "clip"
+    #: train/inference mismatch correction (MismatchConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+
+    def __post_init__(self) -> None:
+        self.mismatch = _mismatch(self.mismatch)

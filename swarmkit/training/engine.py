@@ -40,6 +40,7 @@ from swarmkit.training.packing import (
     Prepared,
     loss_units,
     loss_weight,
+    mark_current_tokens,
     micro_batch_tensors,
     plan_micro_batches,
     prepare_sample,
@@ -49,6 +50,8 @@ from swarmkit.training.policy import PolicyModel
 
 #: metric keys of the per-mini-batch entropy sums (summed over micro-batches and ranks, then divided)
 _ENT_SUM, _ENT_TOKENS = "_entropy_sum", "_entropy_tokens"
+#: ... and of the mismatch KL's (first epoch only; summed over the step, then divided)
+_MIS_SUM, _MIS_TOKENS = "_mismatch_sum", "_mismatch_tokens"
 #: checkpoint folder of an anchored reference (``reference=warm_start``): torch.distributed.checkpoint
 REFERENCE_DIR = "reference"
 
@@ -446,6 +449,15 @@ class TrainingEngine(OptimEngine):
             inputs.values, inputs.old_values, inputs.returns = mb.scatter(values), mb.old_values, mb.returns
         return self.algo.loss(inputs)
 
+    @staticmethod
+    def _mismatch_sums(mb: MicroBatch, lp: torch.Tensor) -> tuple[float, float]:
+        """``(Σ k3, tokens)`` of KL(engine ‖ trainer) over the micro-batch's trained tokens whose
+        logprob the rollout recorded with the weights the trainer holds: the trainer's side is the pre-step policy (the proximal
+        pre-pass when it ran, else this forward: exact in the first optimizer step of a batch)."""
+        trainer = mb.prox_logprobs if mb.prox_logprobs is not None else mb.scatter(lp.detach().float())
+        mask = mb.mask if mb.recorded is None else mb.mask * mb.recorded
+        return mismatch_k3_sum(trainer, mb.old_logprobs, mask)
+
     # ------------------------------------------------------------------ OptimEngine
     def train_step(self, batch: Sequence[TrainSample]) -> dict[str, float]:
         """PPO epochs × mini-batches of optimizer steps over ``batch`` (TrainSamples).
@@ -463,6 +475,8 @@ class TrainingEngine(OptimEngine):
         """
         t0 = time.perf_counter()
         pairs = [(s, p) for s in batch if (p := prepare_sample(s)).k > 0]
+        for s, p in pairs:  # mismatch_kl counts the tokens the current weights sampled
+            mark_current_tokens(s, p, self.optimizer_steps)
         prepared = [p for _, p in pairs]
         if not prepared:
             return {"skipped": 1.0, "samples": 0.0, "trained_tokens": 0.0, "step_time_s": time.perf_counter() - t0}
@@ -478,6 +492,7 @@ class TrainingEngine(OptimEngine):
         grad_norm = 0.0
         skipped = 0  # updates not applied: non-finite loss or gradient norm
         micro = 0
+        mis_sum = mis_tokens = 0.0  # mismatch_kl over the first epoch's trained tokens, all ranks
         for epoch in range(epochs):
             split_seed = self.seed * 1_000_003 + self.optimizer_steps * 31 + epoch
             for idxs in split_mini_batches(len(prepared), n_mini, split_seed):
@@ -486,7 +501,8 @@ class TrainingEngine(OptimEngine):
                 total = loss_units(subset, mode)
                 self._zero_grad()
                 # entropy: a token mean whatever the loss aggregation (summed here, divided below)
-                local: dict[str, float] = {"loss": 0.0, _ENT_SUM: 0.0, _ENT_TOKENS: 0.0}
+                local: dict[str, float] = {"loss": 0.0, _ENT_SUM: 0.0, _ENT_TOKENS: 0.0, _MIS_SUM: 0.0,
+                                           _MIS_TOKENS: 0.0}
                 for k, bin_ in enumerate(plan.per_rank[self.rank]):
                     mb = micro_batch_tensors(subset, bin_, self.device, self.pad_id)
                     units = loss_units([subset[j] for j in bin_], mode)
@@ -498,6 +514,10 @@ class TrainingEngine(OptimEngine):
                     if mb.tokens:
                         local[_ENT_SUM] += float(ent.detach().float().sum().item())
                         local[_ENT_TOKENS] += float(ent.numel())
+                        if epoch == 0:
+                            k3_sum, k3_tokens = self._mismatch_sums(mb, lp)
+                            local[_MIS_SUM] += k3_sum
+                            local[_MIS_TOKENS] += k3_tokens
                     local["loss"] += float(loss.detach().item()) * share
                     for key, v in metrics.items():
                         if key != "loss":
@@ -511,6 +531,8 @@ class TrainingEngine(OptimEngine):
                 ent_sum, ent_tokens = merged.pop(_ENT_SUM), merged.pop(_ENT_TOKENS)
                 if ent_tokens:
                     merged["entropy"] = ent_sum / ent_tokens
+                mis_sum += merged.pop(_MIS_SUM)
+                mis_tokens += merged.pop(_MIS_TOKENS)
                 if not math.isfinite(mini_loss):  # NaN / inf loss (same on every rank): never applied
                     self._zero_grad()
                     skipped += 1
@@ -544,6 +566,8 @@ class TrainingEngine(OptimEngine):
             nonfinite_skipped=float(skipped),
             step_time_s=time.perf_counter() - t0,
         )
+        if mis_tokens:
+            out["mismatch_kl"] = mis_sum / mis_tokens
         if sft is not None:
             out["sft_nll"] = sft
         if reanchored:
@@ -666,6 +690,20 @@ def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:
         return 1.0 if w <= 0 else min(1.0, (step + 1) / w)
 
     return f
+
+
+def mismatch_k3_sum(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[float, float]:
+    """``(Σ k3, tokens)`` over ``mask`` of the k3 estimate of KL(engine ‖ trainer), all inputs (B, T).
+
+    The engine sampled the tokens, so with ``d = trainer − engine`` the per-token
+    ``exp(d) − 1 − d`` is an unbiased, non-negative estimate of KL(engine ‖ trainer); the step
+    metric ``mismatch_kl`` is the sum over the step's trained tokens divided by their count.
+    """
+    on = mask.bool()
+    d = torch.where(on, trainer_logprobs.detach().double() - engine_logprobs.detach().double(),
+                    torch.zeros((), dtype=torch.float64, device=mask.device))
+    return float((torch.expm1(d) - d).sum().item()), float(on.sum().item())
 
 
 def sft_nll(demos: Sequence[Prepared]) -> float | None:

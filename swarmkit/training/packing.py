@@ -89,6 +89,8 @@ class Prepared:
     prox_logprobs: torch.Tensor | None = None  # (k,) the weights before the step (decoupled loss)
     old_values: torch.Tensor | None = None  # (k,)
     returns: torch.Tensor | None = None  # (k,)
+    #: (k,) 1.0 where the rollout recorded a logprob (and, see mark_current_tokens, the current weights sampled it)
+    recorded: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -102,13 +104,23 @@ def prepare_sample(s: TrainSample) -> Prepared:
     """
     n = len(s.input_ids)
     sel = [p for p in range(n - 1) if s.loss_mask[p + 1]]
-    old = [s.old_logprobs[p + 1] for p in sel]
+    old = torch.tensor([float("nan") if s.old_logprobs[p + 1] is None else float(s.old_logprobs[p + 1])
+                        for p in sel], dtype=torch.float32)
     adv = [s.advantages[p + 1] for p in sel]
     return Prepared(
-        input_ids=list(s.input_ids), select=sel, targets=[s.input_ids[p + 1] for p in sel],
-        old_logprobs=torch.tensor([float("nan") if v is None else float(v) for v in old], dtype=torch.float32),
+        input_ids=list(s.input_ids), select=sel, targets=[s.input_ids[p + 1] for p in sel], old_logprobs=old,
         advantages=torch.tensor(adv, dtype=torch.float32), reward=float(s.reward),
+        recorded=(~torch.isnan(old)).float(),
     )
+
+
+def mark_current_tokens(sample: TrainSample, prepared: Prepared, version: int) -> None:
+    """Narrow ``prepared.recorded`` to the trained tokens the weights of ``version`` sampled: the
+    tokens whose engine logprobs measure the train/inference mismatch alone, not the policy lag."""
+    versions = sample.token_versions()
+    current = torch.tensor([float(versions[q + 1] == version) for q in prepared.select])
+    base = prepared.recorded if prepared.recorded is not None else torch.ones(prepared.k)
+    prepared.recorded = base * current
 
 
 @dataclass
@@ -135,6 +147,7 @@ class MicroBatch:
     prox_logprobs: torch.Tensor | None = None  # (B, T)
     old_values: torch.Tensor | None = None  # (B, T)
     returns: torch.Tensor | None = None  # (B, T)
+    recorded: torch.Tensor | None = None  # (B, T) the tokens mismatch_kl counts (Prepared.recorded)
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Place (M,) values into a zero (B, T) tensor (differentiable)."""
@@ -228,7 +241,7 @@ def micro_batch_tensors(prepared: Sequence[Prepared], index: Sequence[int], devi
         old_logprobs=_pad([p.old_logprobs for p in items], t).to(device),
         advantages=_pad([p.advantages for p in items], t).to(device), sample_index=list(index),
         tokens=real, ref_logprobs=opt("ref_logprobs"), prox_logprobs=opt("prox_logprobs"), old_values=opt("old_values"),
-        returns=opt("returns"),
+        returns=opt("returns"), recorded=opt("recorded"),
     )
 
 
