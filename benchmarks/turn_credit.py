@@ -30,7 +30,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _repo  # noqa: E402,F401  (the checkout importable without an install)
-
 import httpx  # noqa: E402
 
 from swarmkit.tasks.key_turn import make_key_turn_tasks, run_key_turn  # noqa: E402
@@ -89,7 +88,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace) -> dict:
                     batch = [train[(step * args.tasks + i) % len(train)] for i in range(args.tasks)]
                     jobs = [(t, r) for t in batch for r in range(args.rollouts)]
                     rewards.append(statistics.fmean(pool.map(
-                        lambda j: _episode(client, j[0], arm, args, False, 1000 * seed + 17 * step + j[1]), jobs)))
+                        lambda j, step=step: _episode(client, j[0], arm, args, False, 1000 * seed + 17 * step + j[1]), jobs)))
                     deadline = time.time() + 300
                     while client.status()["global_step"] < step + 1 and time.time() < deadline:
                         time.sleep(0.1)
@@ -128,11 +127,14 @@ def main() -> int:
     table = {}
     print(f"key_turn: held-out turn-2 score after {args.steps} steps x {args.tasks * args.rollouts} episodes "
           f"(tiny model, CPU, gamma={args.gamma})")
-    print(f"{'arm':<10}{'mean':>8}{'ci95':>8}  per seed")
+    print(f"{'arm':<10}{'mean':>8}{'ci95':>8}  per seed        (train: mean turn-2 score of the last 5 steps)")
     for arm in ("episode", "turn"):
         xs = [r["held_out"] for r in runs if r["arm"] == arm]
-        table[arm] = {"mean": statistics.fmean(xs), "ci95": _ci95(xs), "per_seed": xs}
-        print(f"{arm:<10}{table[arm]['mean']:>8.3f}{table[arm]['ci95']:>8.3f}  " + " ".join(f"{x:.3f}" for x in xs))
+        last = [statistics.fmean(r["train_reward"][-5:]) for r in runs if r["arm"] == arm]
+        table[arm] = {"mean": statistics.fmean(xs), "ci95": _ci95(xs), "per_seed": xs,
+                      "train_last5": {"mean": statistics.fmean(last), "ci95": _ci95(last), "per_seed": last}}
+        print(f"{arm:<10}{table[arm]['mean']:>8.3f}{table[arm]['ci95']:>8.3f}  " + " ".join(f"{x:.3f}" for x in xs)
+              + f"   train {statistics.fmean(last):.3f} ± {_ci95(last):.3f}")
     diffs = [t - e for t, e in zip(table["turn"]["per_seed"], table["episode"]["per_seed"], strict=True)]
     table["turn_minus_episode"] = {"mean": statistics.fmean(diffs), "ci95": _ci95(diffs), "per_seed": diffs}
     print(f"{'turn-ep':<10}{statistics.fmean(diffs):>8.3f}{_ci95(diffs):>8.3f}  " + " ".join(f"{x:+.3f}" for x in diffs))

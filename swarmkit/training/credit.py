@@ -39,14 +39,19 @@ def call_turn(timeline: Timeline, index: int) -> Turn:
         if len(advantages) != tokens or not all(math.isfinite(a) for a in advantages):
             raise ValueError(f"call {meta.get('call', index)} of episode {meta.get('episode_id')!r} carries "
                              f"{len(advantages)} advantages for {tokens} generated tokens")
-    return Turn(call=int(meta.get("call", index)), reward=float(reward) if reward is not None else 0.0,
+    return Turn(call=_call_index(timeline, index), reward=float(reward) if reward is not None else 0.0,
                 tokens=tokens, advantages=advantages)
+
+
+def _call_index(timeline: Timeline, default: int) -> int:
+    """The call's index in its episode (``meta["call"]``), ``default`` when the meta has none."""
+    value = timeline.meta.get("call")
+    return int(value) if value is not None else default
 
 
 def _ordered(calls: Sequence[Timeline]) -> list[int]:
     """The indices of ``calls`` in the order they were made (call index, then choice)."""
-    return sorted(range(len(calls)), key=lambda k: (int(calls[k].meta.get("call", k)),
-                                                    int(calls[k].meta.get("choice", 0)), k))
+    return sorted(range(len(calls)), key=lambda k: (_call_index(calls[k], k), int(calls[k].meta.get("choice") or 0), k))
 
 
 def credit_units(unit_calls: Sequence[Sequence[Timeline]], rewards: Sequence[float], groups: Sequence[str],
@@ -101,23 +106,23 @@ def sample_advantages(timelines: Sequence[Timeline], result: MergeResult,
     blocks = [t.blocks for t in timelines]
     absorbed: dict[int, list[int]] = {}
     for j in range(len(timelines) - 1, -1, -1):
-        s = result.absorbed_into[j]
-        if s is not None:
-            absorbed.setdefault(s, []).append(j)
+        into = result.absorbed_into[j]
+        if into is not None:
+            absorbed.setdefault(into, []).append(j)
     out = []
     for s, merged in zip(result.survivors, result.timelines, strict=True):
         assert isinstance(merged, Timeline)
         row: list[float] = []
         for k, block in enumerate(merged.blocks):
-            j = _origin(k, s, absorbed, blocks) if block.author == "llm" else None
-            if j is None:
+            origin = _origin(k, s, absorbed, blocks) if block.author == "llm" else None
+            if origin is None:
                 row.extend([0.0] * len(block))
                 continue
-            adv = per_call.get(id(timelines[j]))
+            adv = per_call.get(id(timelines[origin]))
             if adv is None:
                 row.extend([0.0] * len(block))
                 continue
-            offset = sum(len(b) for b in blocks[j][:k] if b.author == "llm")
+            offset = sum(len(b) for b in blocks[origin][:k] if b.author == "llm")
             row.extend(float(a) for a in adv[offset:offset + len(block)])
         out.append(row)
     return out
