@@ -12,6 +12,7 @@ file is a log, not state: a line cut by a crash is skipped when read.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 from swarmkit.contract import TrainSample
 
 ADVANTAGES_FILE = "advantages.jsonl"
+log = logging.getLogger(__name__)
 
 
 def runs(advantages: Sequence[float], mask: Sequence[int]) -> list[list[float]]:
@@ -49,9 +51,14 @@ def append_advantages(run_dir: str | os.PathLike[str], step: int, samples: Itera
     lines = [json.dumps({"step": int(step), "episode_id": s.episode_id, "role": s.role, "tokens": len(s.input_ids),
                          "runs": runs(s.advantages, s.loss_mask)}, allow_nan=False)
              for s in samples if not s.demonstration]
-    if lines:
+    if not lines:
+        return
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(run_dir) / ADVANTAGES_FILE, "a", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
+    except OSError as exc:  # the viewer's log never stops a step
+        log.warning("could not append to %s: %s", Path(run_dir) / ADVANTAGES_FILE, exc)
 
 
 def read_advantages(run_dir: str | os.PathLike[str] | None, episode_id: str) -> list[dict[str, Any]]:
