@@ -1,7 +1,8 @@
-"""RL algorithms ``grpo`` and ``ppo``."""
+"""RL algorithms ``grpo``, ``ppo`` and ``turn_grpo``."""
 
 from swarmkit import hookimpl
 from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
+from swarmkit_plugins.algo_rl.turn_schema import TurnGRPOConfig
 
 
 @hookimpl
@@ -19,4 +20,11 @@ def register_algos(register):
         schema=PPOConfig,
         requires=("torch",),
         description="value head, GAE, clipped surrogate and value loss",
+    )
+    register(
+        "turn_grpo",
+        "swarmkit_plugins.algo_rl.turn:TurnGRPO",
+        schema=TurnGRPOConfig,
+        requires=("torch",),
+        description="per-turn credit: call rewards, discounted returns, per-turn group baseline",
     )

@@ -420,17 +420,45 @@ def register_body(task_id: str, eval: bool, timeout_s: float | None, roles: Sequ
     return body
 
 
-def report_body(reward: float | Mapping[str, float], meta: Mapping[str, Any] | None) -> dict[str, Any]:
+#: per-turn rewards: a list (the turns of an episode without roles) or role -> list; None skips a turn
+TurnRewards = Sequence[float | None] | Mapping[str, Sequence[float | None]]
+
+
+def call_rewards_items(turn_rewards: TurnRewards | None,
+                       call_rewards: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """The report's ``call_rewards``: ``turn_rewards`` as ``{"turn": k, "reward": r}`` items
+    (``{"role": ..., ...}`` for a role -> list mapping; ``None`` entries skipped), then the
+    ``call_rewards`` items as given (``{"call": i, "reward": r}``, ``{"call": i, "advantages": [...]}``)."""
+    items: list[dict[str, Any]] = []
+    if turn_rewards is not None:
+        per_role = turn_rewards.items() if isinstance(turn_rewards, Mapping) else [(None, turn_rewards)]
+        for role, rewards in per_role:
+            if isinstance(rewards, str | bytes) or not isinstance(rewards, Sequence):
+                raise TypeError(f"turn_rewards must be a list of numbers (or role -> list), got {rewards!r}")
+            for k, r in enumerate(rewards):
+                if r is not None:
+                    items.append({"turn": k, "reward": r} if role is None else {"role": role, "turn": k, "reward": r})
+    items.extend(dict(item) for item in call_rewards or ())
+    return items
+
+
+def report_body(reward: float | Mapping[str, float], meta: Mapping[str, Any] | None,
+                turn_rewards: TurnRewards | None = None,
+                call_rewards: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"reward": dict(reward) if isinstance(reward, Mapping) else reward}
     if meta:
         body["meta"] = dict(meta)
+    items = call_rewards_items(turn_rewards, call_rewards)
+    if items:
+        body["call_rewards"] = items
     return body
 
 
 def prepare_body(reward: float | Mapping[str, float], meta: Mapping[str, Any] | None,
-                 primary: EpisodeInfo | None) -> dict[str, Any]:
+                 primary: EpisodeInfo | None, turn_rewards: TurnRewards | None = None,
+                 call_rewards: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The body of ``POST /episodes/{id}/prepare``: the reward, and where the primary episode is."""
-    body = report_body(reward, meta)
+    body = report_body(reward, meta, turn_rewards, call_rewards)
     if primary is not None:
         body["primary"] = {"url": primary.server_url, "episode_id": primary.episode_id, "api_key": primary.api_key}
     return body

@@ -36,6 +36,7 @@ from swarmkit.client._common import (
     StateWait,
     SwarmAPIError,
     SwarmError,
+    TurnRewards,
     abort_reason,
     already_reported,
     auth_headers,
@@ -63,20 +64,28 @@ class AsyncEpisode(EpisodeInfo):
         self._client = client
 
     async def report(self, reward: float | Mapping[str, float],
-                     meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """End the episode with a reward (a number, or role → number)."""
-        self.result = await self._client._end(self, "/report", report_body(reward, meta))
+                     meta: Mapping[str, Any] | None = None, *, turn_rewards: TurnRewards | None = None,
+                     call_rewards: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        """End the episode with a reward (a number, or role → number).
+
+        ``turn_rewards``: each call's own reward, in call order (a list; role → list with roles;
+        None skips a turn); ``call_rewards``: items naming calls by index, with a ``reward`` or
+        the call's per-token ``advantages`` (the expert option). Both need an algorithm with
+        per-turn credit on a training server (``algo=turn_grpo``); see docs/client.md.
+        """
+        self.result = await self._client._end(self, "/report", report_body(reward, meta, turn_rewards, call_rewards))
         return self.result
 
     async def prepare(self, reward: float | Mapping[str, float], meta: Mapping[str, Any] | None = None, *,
-                      primary: EpisodeInfo | None = None) -> dict[str, Any]:
+                      primary: EpisodeInfo | None = None, turn_rewards: TurnRewards | None = None,
+                      call_rewards: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """First phase of a multi-server end: the server keeps the reward until :meth:`commit`.
 
         ``primary``: the episode whose commit decides this one (None for the primary
         itself); see :func:`swarmkit.client.swarm_episode`, which makes these calls.
         """
         self.prepared = await self._client._call("POST", self._path("/prepare"),
-                                              json_body=prepare_body(reward, meta, primary), key=self.api_key)
+                                              json_body=prepare_body(reward, meta, primary, turn_rewards, call_rewards), key=self.api_key)
         return self.prepared
 
     async def commit(self) -> dict[str, Any]:

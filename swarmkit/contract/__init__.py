@@ -35,6 +35,7 @@ from swarmkit.contract.batching import (
     PoolEpisode,
     scalar_reward,
 )
+from swarmkit.contract.credit import CREDIT_MODES, CreditUnit, Turn, check_turn_advantages
 from swarmkit.contract.match import MatchStrategy
 from swarmkit.contract.optim import OptimEngine
 from swarmkit.contract.samples import TrainSample
@@ -73,12 +74,14 @@ def check_implementation(kind: str, obj: Any, name: str = "") -> None:
 
 __all__ = [
     "CONTRACTS",
+    "CREDIT_MODES",
     "LOSS_AGG_MODES",
     "OVERLONG_MODES",
     "REFERENCE_MODES",
     "Algorithm",
     "BatchingPolicy",
     "ClientState",
+    "CreditUnit",
     "Decision",
     "GenerationOutput",
     "InferenceBackend",
@@ -89,8 +92,10 @@ __all__ = [
     "SamplingParams",
     "StreamChunk",
     "TrainSample",
+    "Turn",
     "check_algorithm",
     "check_implementation",
+    "check_turn_advantages",
     "decode_generated",
     "scalar_reward",
 ]

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from swarmkit.contract.credit import CREDIT_MODES, CreditUnit
+
 if TYPE_CHECKING:  # pragma: no cover - torch is imported by the engines, not by the contract
     from torch import Tensor
 else:
@@ -80,6 +82,10 @@ class Algorithm(ABC):
     - ``overlong`` (one of :data:`OVERLONG_MODES`) and ``overlong_buffer`` (tokens):
       what the trainer does with responses the generation limit cut, before advantages
       (:mod:`swarmkit.training.overlong`).
+    - ``credit``: one of :data:`~swarmkit.contract.credit.CREDIT_MODES`. ``"episode"``: one
+      advantage per reward unit (:meth:`episode_advantages`), and the server refuses per-call
+      rewards. ``"turn"``: the trainer calls :meth:`turn_advantages` with each unit's calls and
+      their own rewards, and trains each generated token with the advantage answered for it.
     """
 
     name: str = ""
@@ -92,6 +98,7 @@ class Algorithm(ABC):
     reference: str = "initial"
     overlong: str = "none"
     overlong_buffer: int = 0
+    credit: str = "episode"
 
     def episode_advantages(self, rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
         """One advantage per reward unit (required unless ``needs_values``).
@@ -109,6 +116,16 @@ class Algorithm(ABC):
         :param rewards: (B,) the sequence reward of each sample.
         :param values: (B, T) the value head's estimates at rollout (old values).
         :param mask: (B, T) 1.0 on generated tokens.
+        """
+        raise NotImplementedError
+
+    def turn_advantages(self, units: Sequence[CreditUnit]) -> list[list[list[float]]]:
+        """Per-token advantages of every call of every unit (required when ``credit == "turn"``).
+
+        :param units: (U,) the batch's reward units, each with its calls in order
+            (:class:`~swarmkit.contract.credit.CreditUnit`).
+        :returns: (U, turns, tokens): for unit ``u`` and turn ``k``, ``units[u].turns[k].tokens``
+            finite advantages, one per generated token of that call (the trainer checks it).
         """
         raise NotImplementedError
 
@@ -154,9 +171,16 @@ def check_algorithm(algo: Any) -> None:
     buffer = algo.overlong_buffer
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
         problems.append(f"overlong_buffer must be an int >= 0, got {buffer!r}")
+    if algo.credit not in CREDIT_MODES:
+        problems.append(f"credit must be one of {CREDIT_MODES}, got {algo.credit!r}")
+    elif algo.credit == "turn":
+        if algo.needs_values:
+            problems.append("credit 'turn' with needs_values is not supported (the value head's GAE labels tokens)")
+        if not _overrides(algo, "turn_advantages"):
+            problems.append("credit is 'turn' but turn_advantages(units) is not implemented")
     if algo.needs_values and not _overrides(algo, "token_advantages"):
         problems.append("needs_values is True but token_advantages(rewards, values, mask) is not implemented")
-    if not algo.needs_values and not _overrides(algo, "episode_advantages"):
+    if not algo.needs_values and algo.credit != "turn" and not _overrides(algo, "episode_advantages"):
         problems.append("episode_advantages(rewards, groups) is not implemented "
                         "(or set needs_values = True and implement token_advantages)")
     if problems:

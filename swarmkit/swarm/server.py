@@ -230,6 +230,8 @@ class SwarmServer:
         self.eval_tally = EvalTally()
         self.clients = ClientTracker()
         self.config: Any = config
+        #: (algo name, its declared credit) once per-call rewards asked (check_call_rewards)
+        self._algo_credit: tuple[str, str] | None = None
         self.backend_factory = backend_factory
         #: the pool + trainer (or a stand-in) that accepted episodes go to
         self.cycle: Cycle = cycle if cycle is not None else MemoryCycle()
@@ -402,6 +404,24 @@ class SwarmServer:
             raise ApiError(429, f"{self.max_running_per_address} running episodes were registered from this address, "
                            "the limit per address (server.max_running_per_address), whatever client ids it sends; "
                            "end some first", "too_many_episodes", headers={"Retry-After": "1"})
+
+    def check_call_rewards(self, ep: Episode) -> None:
+        """422 ``unsupported_field`` when per-call rewards of a training episode would go unused: this
+        server trains with an algorithm whose credit is per episode (``grpo``, ``ppo``). Eval episodes and
+        servers that do not train keep them (the dashboard shows them)."""
+        if ep.eval or isinstance(self.cycle, MemoryCycle) or self.config is None:
+            return
+        name = str((as_dict(self.config).get("algo") or {}).get("name") or "")
+        if not name:
+            return
+        if self._algo_credit is None or self._algo_credit[0] != name:
+            from swarmkit.plugins import load_component
+
+            self._algo_credit = (name, str(getattr(load_component("algo", name), "credit", "episode")))
+        if self._algo_credit[1] != "turn":
+            raise ApiError(422, f"'call_rewards' need an algorithm with per-turn credit (e.g. algo=turn_grpo); this "
+                           f"server trains with algo={name}, which gives every token of an episode its one advantage",
+                           "unsupported_field", param="call_rewards")
 
     def check_meta(self, meta: Any, param: str = "meta") -> None:
         """422 when a ``meta`` object is larger than ``server.max_meta_bytes`` as JSON, nested deeper than

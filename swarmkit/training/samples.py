@@ -11,7 +11,11 @@
    task id for number rewards and (task id, role) for role rewards, so a role
    is compared with the same role of the other rollouts of its task. An
    algorithm that ``needs_values`` gets its token advantages in the engine
-   (GAE over the value head), so none are assigned here.
+   (GAE over the value head), so none are assigned here. An algorithm with
+   ``credit = "turn"`` instead labels every call of every unit with per-token
+   advantages (``algo.turn_advantages``, from each call's own reward;
+   :mod:`swarmkit.training.credit`), and every generated block of a merged
+   sample gets the advantages of the call that generated it.
 3. The episode's timelines are merged per role (a role's calls never absorb
    another role's) with the match strategy; every surviving timeline is one
    sample, and all its generated spans (loss mask 1) get the advantage of its
@@ -37,6 +41,7 @@ from swarmkit.contract import Algorithm, MatchStrategy, TrainSample, scalar_rewa
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.timelines import Block, Timeline, merge_timelines
 from swarmkit.timelines.merging import MergeResult, drifted_blocks, merge
+from swarmkit.training.credit import call_advantages, sample_advantages
 from swarmkit.training.overlong import is_cut, unit_penalty
 
 log = logging.getLogger(__name__)
@@ -104,9 +109,17 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
         if stats is not None:
             stats["overlong_penalty"] = stats.get("overlong_penalty", 0.0) + sum(penalties)
             stats["reward_units"] = stats.get("reward_units", 0) + len(rewards)
+    per_call: dict[int, list[float]] | None = None
     if algo.needs_values:
         # token advantages come from GAE over the value head inside the engine
         # (from each sample's ``reward``); none are assigned here
+        advantages = [0.0] * len(rewards)
+    elif algo.credit == "turn":
+        # per-token advantages per call (swarmkit.training.credit); each generated block keeps its call's
+        unit_episodes = [""] * len(rewards)
+        for (r, _role), u in units.items():
+            unit_episodes[u] = str(records[r].episode_id)
+        per_call = call_advantages(algo, unit_calls, rewards, groups, unit_episodes)
         advantages = [0.0] * len(rewards)
     else:
         advantages = list(algo.episode_advantages(rewards, groups)) if rewards else []
@@ -127,14 +140,17 @@ def build_samples(records: Sequence[EpisodeRecord], algo: Algorithm,
                 continue
             if stats is not None:
                 _merge_stats(stats, timelines, result)
-            for merged in result.timelines:
+            token_adv = sample_advantages(timelines, result, per_call) if per_call is not None else None
+            for n, merged in enumerate(result.timelines):
                 assert isinstance(merged, Timeline)  # the merge answers in the form it was given
                 ids, mask, lps = merged.token_ids(), merged.loss_mask(), merged.logprobs()
                 if not any(mask):
                     continue
+                row = token_adv[n] if token_adv is not None else [adv] * len(mask)
                 samples.append(TrainSample(
                     input_ids=ids, loss_mask=mask, old_logprobs=lps,
-                    advantages=[adv if m else 0.0 for m in mask], episode_id=str(rec.episode_id),
+                    advantages=[a if m else 0.0 for a, m in zip(row, mask, strict=True)],
+                    episode_id=str(rec.episode_id),
                     task_id=str(rec.task_id), policy_version=int(rec.policy_version),
                     role=role, reward=value, versions=merged.versions(default=int(rec.policy_version))))
     if demos and algo.needs_values:

@@ -26,6 +26,7 @@ from swarmkit.config.schema import ModelConfig, TrainerConfig
 from swarmkit.contract import Algorithm, OptimEngine, check_algorithm, scalar_reward
 from swarmkit.models import resolve_model_path
 from swarmkit.plugins import get_registry, load_component
+from swarmkit.pool.advantages import append_advantages
 from swarmkit.pool.records import EpisodeRecord
 from swarmkit.runfiles import staged_dir, write_text
 from swarmkit.training.config import EngineConfig, GroupLaunch, launch_config
@@ -174,6 +175,8 @@ class Trainer:
         merge_stats: dict[str, float] = {}
         samples = build_samples(records, self.algo, self.match, stats=merge_stats)
         staleness = bound_staleness(samples, self.global_step, max_staleness)
+        if self.run_dir is not None:  # for the trajectory viewer: the advantages the tokens are trained with
+            append_advantages(self.run_dir, self.train_steps + 1, samples)
         t1 = time.perf_counter()
         mergeable = merge_stats.get("timelines", 0) - merge_stats.get("groups", 0)
         metrics = dict(self.engine.train_step(samples))

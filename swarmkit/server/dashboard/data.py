@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from swarmkit.pool.advantages import expand
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.metrics import read_metrics
 from swarmkit.timelines import Timeline, merge_timelines
@@ -142,35 +143,63 @@ def token_pieces(decode: Decode, ids: list[int], window: int = DECODE_WINDOW) ->
     return pieces
 
 
-def timeline_view(tl: Timeline, decode: Decode | None) -> dict[str, Any]:
+def timeline_view(tl: Timeline, decode: Decode | None, advantages: Sequence[float | None] | None = None
+                  ) -> dict[str, Any]:
     """A timeline token by token: each block's author, ``[text, id, logprob, trained]`` per token
     (:func:`token_pieces`: a block's pieces join to what its tokens decode to) and, for a generated
     block, the policy version that sampled each token (``versions``; null where unknown).
 
-    Without ``decode`` (no tokenizer loaded) a block is one piece: its text, no id.
+    With ``advantages`` (one per token of the timeline, None where not trained) each token gets a
+    fifth entry, the advantage it was trained with. Without ``decode`` (no tokenizer loaded) a
+    block is one piece: its text, no id.
     """
     blocks = []
+    pos = 0
     for b in tl.blocks:
         if decode is None:
             tokens = [[b.text, None, None, int(any(b.loss_mask))]]
+            if advantages is not None:
+                trained = [a for a in advantages[pos:pos + len(b)] if a is not None]
+                tokens[0].append(sum(trained) / len(trained) if trained else None)
         else:
             pieces = token_pieces(decode, list(b.token_ids))
             tokens = [[piece, t, _finite(lp) if m else None, m]
                       for piece, t, lp, m in zip(pieces, b.token_ids, b.logprobs, b.loss_mask, strict=True)]
+            if advantages is not None:
+                for k, row in enumerate(tokens):
+                    row.append(_finite(advantages[pos + k]))
+        pos += len(b)
         blocks.append({"author": b.author, "tokens": tokens, "versions": b.versions if decode is not None else None})
     meta = {k: v for k, v in tl.meta.items() if isinstance(v, str | int | float | bool) or v is None}
     return {"role": tl.role, "meta": meta, "blocks": blocks}
 
 
-def episode_view(ep: Episode, now: float, decode: Decode | None, match: str = "text") -> dict[str, Any]:
+def _trained_for(samples: Sequence[Timeline], trained: Sequence[dict[str, Any]]) -> list[list[float | None] | None]:
+    """Per merged sample, the advantages a training step gave its tokens (lines of
+    ``advantages.jsonl``, matched in order by role and length), None when no step trained it."""
+    left = list(trained)
+    out: list[list[float | None] | None] = []
+    for tl in samples:
+        n = tl.num_tokens()
+        k = next((i for i, line in enumerate(left) if line.get("role") == tl.role and int(line["tokens"]) == n), None)
+        out.append(expand(left.pop(k)) if k is not None else None)
+    return out
+
+
+def episode_view(ep: Episode, now: float, decode: Decode | None, match: str = "text",
+                 trained: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """An episode for the trajectory viewer: its row, its timelines (one per call) and the
-    training samples they merge into under ``match`` (what the trainer would build)."""
-    samples = merge_timelines(list(ep.timelines), match) if ep.timelines else []
+    training samples they merge into under ``match`` (what the trainer would build); once a step
+    trained them (``trained``: :func:`swarmkit.pool.advantages.read_advantages`), every sample
+    token carries the advantage it was trained with."""
+    samples = [t for t in merge_timelines(list(ep.timelines), match) if isinstance(t, Timeline)] if ep.timelines else []
+    advantages = _trained_for(samples, trained)
     return {
         "episode": episode_row(ep, now),
         "match": match,
         "timelines": [timeline_view(tl, decode) for tl in ep.timelines],
-        "samples": [timeline_view(tl, decode) for tl in samples if isinstance(tl, Timeline)],
+        "samples": [timeline_view(tl, decode, adv) for tl, adv in zip(samples, advantages, strict=True)],
+        "advantages": any(a is not None for a in advantages),
     }
 
 

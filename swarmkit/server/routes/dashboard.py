@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from swarmkit.pool.advantages import read_advantages
 from swarmkit.server.dashboard import data
 from swarmkit.server.dashboard.session import COOKIE, LoginThrottle, Sessions
 from swarmkit.server.dashboard.source import DashboardSource
@@ -202,7 +203,8 @@ async def episode(request: Request) -> Response:
     source = _viewer(request)
     ep = source.episode(request.path_params["episode_id"])
     # off the event loop: merging and per-token text of a long episode take a while
-    view = await asyncio.to_thread(lambda: data.episode_view(ep, time.time(), source.decoder(), source.match()))
+    view = await asyncio.to_thread(lambda: data.episode_view(
+        ep, time.time(), source.decoder(), source.match(), read_advantages(source.run_dir, ep.id)))
     return _json(view)
 
 

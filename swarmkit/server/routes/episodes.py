@@ -3,7 +3,8 @@
 - ``POST /api/v1/episodes`` register → ``episode_id``, ``base_url``, ``api_key``
   (and ``keys``: role → key when roles are given).
 - ``POST /api/v1/episodes/{id}/report`` ``{"reward": 1.0}`` or
-  ``{"reward": {"wolf": 1.0, "seer": 0.0}}`` ends it.
+  ``{"reward": {"wolf": 1.0, "seer": 0.0}}`` ends it; ``call_rewards`` gives single calls
+  their own reward (per-turn credit, :mod:`swarmkit.swarm.call_rewards`).
 - ``POST /api/v1/episodes/{id}/abort`` ``{"reason": "..."}`` ends it without a sample.
 - ``POST /api/v1/episodes/{id}/prepare`` (``reward``, ``meta``, ``primary``) then
   ``.../commit``: the two-phase end of an episode that spans several servers
@@ -47,6 +48,7 @@ from swarmkit.server.schema.control import (
     RegisterRequest,
     ReportRequest,
 )
+from swarmkit.swarm.call_rewards import resolve_call_rewards, store_call_rewards
 from swarmkit.swarm.episodes import FINISHED, PREPARED, RUNNING, check_reward
 from swarmkit.timelines import Timeline
 from swarmkit.timelines.render import TemplateError
@@ -138,6 +140,8 @@ async def _ended_by_client(request: Request, srv: SwarmServer, model: type[_End]
         srv.check_meta({**ep.meta, **meta})
     reward, rewards = check_reward(req.reward, ep.roles, srv.max_abs_reward)
     srv.episodes.check_open(ep)
+    if req.call_rewards:
+        srv.check_call_rewards(ep)
     for _ in range(100):  # a call that is returning right now gets up to 5 s to be recorded
         if not ep.in_flight:
             break
@@ -146,6 +150,9 @@ async def _ended_by_client(request: Request, srv: SwarmServer, model: type[_End]
         raise ApiError(409, f"episode '{ep.id}' still has {ep.in_flight} model call(s) in flight; report after "
                        "they return", "calls_in_flight")
     srv.episodes.check_open(ep)
+    # checked once the calls have returned (every call is recorded), stored before the episode is committed
+    resolved = resolve_call_rewards(req.call_rewards, ep.timelines, ep.roles, srv.max_abs_reward)
+    store_call_rewards(ep.timelines, resolved)
     if meta:
         ep.meta.update(meta)
     return ep, reward, rewards, req

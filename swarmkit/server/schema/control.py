@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from swarmkit.config.compose import request_form
-from swarmkit.server.schema.jsonschema import Schema, array, integer, nullable, obj, ref, string
+from swarmkit.server.schema.jsonschema import (
+    Schema,
+    array,
+    integer,
+    nullable,
+    number,
+    obj,
+    ref,
+    string,
+)
 from swarmkit.server.schema.openai import MESSAGES, TOOLS
 from swarmkit.server.schema.spec import (
     Custom,
@@ -114,6 +123,18 @@ _PRIMARY: Schema = obj({"url": string(min_length=1, max_length=2048, pattern="^h
                        closed=True, description="the episode whose commit decides this one (absent on the primary)")
 
 
+_CALL_REWARD: Schema = obj(
+    {"call": integer(0, description="the call's index in the episode (timeline meta 'call')"),
+     "turn": integer(0, description="the call's place among its role's calls (instead of 'call')"),
+     "role": string(description="whose turn (with 'turn', in an episode with roles)"),
+     "choice": integer(0, description="which choice, for a call that returned several"),
+     "reward": number(description="the call's own reward (finite)"),
+     "advantages": array(number(), description="the expert option: one advantage per token the call generated")},
+    closed=True, description="one recorded call and its own reward or per-token advantages")
+_CALL_REWARDS: Schema = array(_CALL_REWARD, description="per-call rewards (an algorithm with per-turn credit, "
+                              "e.g. algo=turn_grpo, trains with them; see docs/training.md)")
+
+
 @dataclass
 class ReportRequest(ControlRequest):
     """``POST /api/v1/episodes/{id}/report``: the reward (checked against the episode's roles by the route)."""
@@ -122,6 +143,7 @@ class ReportRequest(ControlRequest):
 
     reward: Any = spec(Passed(ref("Reward"), required=True, null_absent=False, missing=_REWARD_MISSING))
     meta: dict[str, Any] | None = spec(Object())
+    call_rewards: list[dict[str, Any]] | None = spec(Passed(nullable(_CALL_REWARDS)))
 
 
 @dataclass

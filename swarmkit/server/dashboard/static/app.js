@@ -255,21 +255,29 @@ function heat(lp) {  // probability 0 -> red, 1 -> green
   const p = Math.exp(lp);
   return `hsl(${(120 * p).toFixed(0)} 75% 80%)`;
 }
-function timelineCard(tl, title, version) {
+// an advantage as a colour: red below 0, green above, white at 0 (saturating at |a| = 2)
+function advHeat(a) {
+  const s = Math.min(1, Math.abs(a) / 2);
+  return `hsl(${a < 0 ? 0 : 120} 75% ${(96 - 36 * s).toFixed(0)}%)`;
+}
+function timelineCard(tl, title, version, byAdvantage) {
   const box = el("div", { class: "tokens" });
   for (const b of tl.blocks) {
-    b.tokens.forEach(([text, id, lp, trained], i) => {
+    b.tokens.forEach(([text, id, lp, trained, adv], i) => {
       const span = el("span", { class: `tok a-${b.author}` + (trained ? " trained" : ""), text });
       const v = b.versions ? b.versions[i] : (b.author === "llm" ? version : undefined);  // per token: a partial rollout has two
+      const hasAdv = adv !== undefined && adv !== null;
       const tip = [b.author, id === null ? null : "id " + id, lp === null ? null : "logprob " + lp.toFixed(3),
         lp === null ? null : "p " + Math.exp(lp).toFixed(3), trained ? "trained" : "not trained",
+        hasAdv ? "advantage " + adv.toFixed(3) : null,
         v === undefined ? null : "policy v" + v].filter(x => x !== null);
       span.title = tip.join(" · ");
-      if (trained && lp !== null) span.style.background = heat(lp);
+      if (byAdvantage && hasAdv) span.style.background = advHeat(adv);
+      else if (trained && lp !== null) span.style.background = heat(lp);
       box.append(span);
     });
   }
-  const meta = Object.entries(tl.meta || {}).filter(([k]) => ["call", "choice", "policy_version"].includes(k))
+  const meta = Object.entries(tl.meta || {}).filter(([k]) => ["call", "choice", "policy_version", "call_reward"].includes(k))
     .map(([k, v]) => `${k} ${v}`).join(" · ");
   return el("div", { class: "timeline" }, el("h3", { text: `${title}${tl.role ? " · role " + tl.role : ""}${meta ? " · " + meta : ""}` }), box);
 }
@@ -278,7 +286,8 @@ function colourKey() {
   for (const a of ["user", "env", "history", "template", "llm"]) {
     const i = el("i", { class: "a-" + a }); key.append(el("span", {}, i, a));
   }
-  key.append(el("span", {}, " trained tokens: underlined, shaded by p ", el("span", { class: "heat" }), " 0 → 1"));
+  key.append(el("span", {}, " trained tokens: underlined, shaded by p ", el("span", { class: "heat" }), " 0 → 1;" +
+    " training samples of a trained episode: by advantage ", el("span", { class: "advheat" }), " −2 → +2"));
   return key;
 }
 async function episodePanel(id) {
@@ -294,7 +303,7 @@ async function episodePanel(id) {
     const list = which === "samples" ? v.samples : v.timelines;
     const name = which === "samples" ? "sample" : "timeline";
     body.replaceChildren(...(list.length ? list.map((tl, k) => timelineCard(tl, `${name} ${k + 1} of ${list.length}`,
-      tl.meta?.policy_version ?? e.policy_version)) : [el("div", { class: "empty", text: "nothing recorded" })]));
+      tl.meta?.policy_version ?? e.policy_version, which === "samples" && v.advantages)) : [el("div", { class: "empty", text: "nothing recorded" })]));
     for (const b of toggle.children) b.classList.toggle("on", b.dataset.which === which);
   };
   const toggle = el("div", { class: "toggle" },
