@@ -167,6 +167,51 @@ async def weight_sync(backend: Any, dev: torch.device, repeats: int) -> dict[str
     return {"update_weights_s": up, "copy_same_tensors_s": cp, "ratio_vs_copy": up / cp, "tensors": len(named)}
 
 
+async def profile_round(backend: Any, prompts: list[list[int]], new: int, dev: torch.device) -> dict[str, Any]:
+    """Where a decode step's time goes, at one concurrency: (1) a round with the engine's parts timed
+    (each part synchronised, so the parts add up to more than an unsynchronised step); (2) a round under
+    torch.profiler, its ops by self CPU time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from swarmkit_plugins.backend_hf import engine as engine_mod
+
+    parts: dict[str, float] = {"decode (graph replay)": 0.0, "sample (device)": 0.0, "to_host": 0.0}
+    runner = backend._runner
+    orig_decode, orig_sample, orig_host = runner.decode, engine_mod.sample, engine_mod.to_host
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            sync(dev)
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync(dev)
+            parts[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    runner.decode = timed("decode (graph replay)", orig_decode)
+    engine_mod.sample = timed("sample (device)", orig_sample)
+    engine_mod.to_host = timed("to_host", orig_host)
+    try:
+        backend.reset_stats()
+        _, wall = await engine_round(backend, prompts, new, 2000)
+    finally:
+        runner.decode, engine_mod.sample, engine_mod.to_host = orig_decode, orig_sample, orig_host
+    steps = max(1, int(backend.stats["decode_steps"]))
+    rest = wall - sum(parts.values())
+    lines = [f"C={len(prompts)}: {1000 * wall / steps:.2f} ms per decode step with synchronised parts:"]
+    lines += [f"  {k:24s} {1000 * v / steps:7.3f} ms" for k, v in [*parts.items(), ("the rest (Python)", rest)]]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        await engine_round(backend, prompts, new, 3000)
+    ka = prof.key_averages()
+    ops = ka.table(sort_by="self_cpu_time_total", row_limit=20)
+    if dev.type == "cuda":
+        ops += "\n" + ka.table(sort_by="self_device_time_total", row_limit=12)
+    return {"breakdown": "\n".join(lines), "ms_per_step_parts": {k: 1000 * v / steps for k, v in parts.items()},
+            "ms_per_step_rest": 1000 * rest / steps, "ops": ops}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -210,6 +255,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             row.update(mismatch(ref, prompts, outs, dev))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    profile = None
+    if args.profile:
+        c = args.profile
+        prompts = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(c)]
+        await engine_round(backend, prompts, args.new, 0)  # the graphs of this concurrency
+        profile = await profile_round(backend, prompts, args.new, dev)
+        print(profile["breakdown"], flush=True)
+        print(profile["ops"], flush=True)
     sync_res = await weight_sync(backend, dev, 3 if args.smoke else 10)
     print(json.dumps(sync_res), flush=True)
     gen_at = {int(c) for c in args.generate.split(",") if c}
@@ -233,7 +286,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "cuda_graphs": runner.use_graphs, "graphs_captured": runner.graphs, "graph_capture_s": runner.capture_s,
             "graph_failed": runner.graph_failed, "torch": torch.__version__}
     await backend.close()
-    return {"info": info, "rows": rows, "weight_sync": sync_res}
+    return {"info": info, "rows": rows, "weight_sync": sync_res, "profile": profile}
 
 
 def table(res: dict[str, Any]) -> str:
@@ -265,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
                     "a static cache, e.g. 32,128 (compiles: minutes)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--no-mismatch", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="C",
+                    help="also profile one round at concurrency C: each part's time, and torch.profiler's ops")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU, small workload")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.concurrency, args.prompt, args.new = "smoke", "1,4", 16, 8
-        args.generate = "4"
+        args.generate, args.profile = "4", 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     res = asyncio.run(run(args))
     print(table(res))

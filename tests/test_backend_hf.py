@@ -242,8 +242,10 @@ def test_update_weights_in_place(suite, tmp_path):
     save_file({"module.model.layers.0.mlp.down_proj.weight": (w * 3).contiguous()}, str(tmp_path / "w.safetensors"))
     v = suite.update(path=str(tmp_path))
     assert b.policy_version == v
-    assert b.model.model.layers[0].mlp.down_proj.weight.allclose(w * 3)
-    suite.update([("model.layers.0.mlp.down_proj.weight", w)])
+    try:  # the served weight is on the engine's device, the reference's on the CPU
+        assert b.model.model.layers[0].mlp.down_proj.weight.cpu().allclose(w.cpu() * 3)
+    finally:  # the suite's engine is shared by the module's tests: never leave it with the tripled weight
+        suite.update([("model.layers.0.mlp.down_proj.weight", w)])
     suite.assert_same_greedy(before, suite.generate(p)[0], "restored")
 
 
@@ -324,3 +326,21 @@ def test_one_request_with_many_continuations_does_not_hold_every_slot(suite):
 
     steps = suite.harness.run(go())
     assert steps <= 45, steps  # admitted within the big request's first wave (40 tokens), not after its last
+
+
+def test_the_inverse_cdf_draw_is_exact_and_never_picks_a_zero():
+    """The sampler draws a row's token at one host uniform per row (sampler.inverse_cdf): each token's
+    share of 40,000 draws is its probability within 4 standard errors, and a token of probability zero
+    (filtered by top-k/top-p) is never drawn, at the edges of the interval either."""
+    import random
+
+    from swarmkit_plugins.backend_hf.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]] * 40_000)
+    rng = random.Random(0)
+    u = torch.tensor([rng.random() for _ in range(40_000)])
+    counts = torch.bincount(inverse_cdf(probs * 7.0, u), minlength=6).double() / 40_000  # not normalised
+    p = probs[0].double()
+    assert torch.all((counts - p).abs() <= 4 * (p * (1 - p) / 40_000).sqrt() + 1e-12)
+    edges = inverse_cdf(probs[:3], torch.tensor([1e-12, 0.05, 1.0 - 1e-12], dtype=torch.float64))
+    assert edges.tolist() == [1, 1, 4]

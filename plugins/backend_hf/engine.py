@@ -28,8 +28,8 @@ Semantics
   the distribution sampled from (and the argmax of greedy decoding); the logprobs stay
   the raw ones, as with temperature and top-p.
 - ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5) is greedy (argmax). ``seed`` makes sampling reproducible
-  and independent of what else is in the batch (one generator per sequence;
-  continuation ``i`` of ``n`` uses ``seed + i``).
+  and independent of what else is in the batch (each sequence draws its uniforms from its own
+  ``random.Random``; continuation ``i`` of ``n`` uses ``seed + i``).
 - Stop token ids (``stop_token_ids`` plus the tokenizer's / generation config's
   EOS ids): the stop token *is* in ``token_ids`` / ``logprobs`` (the model
   generated it and training needs it) but not in ``text``.
@@ -64,6 +64,7 @@ import contextlib
 import heapq
 import inspect
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -123,7 +124,7 @@ class _Seq:
     prompt: list[int]
     max_tokens: int
     stop_ids: frozenset[int]
-    generator: Any
+    rng: random.Random | None  # a seeded request's own uniforms, else None (the engine's)
     version: int
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
@@ -189,7 +190,7 @@ class HFBackend(InferenceBackend):
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lora_base: dict[str, Any] = {}
-        self._rng: Any = None
+        self._rng: random.Random | None = None
         self.stats: dict[str, float] = {}
         self.reset_stats()
 
@@ -343,8 +344,7 @@ class HFBackend(InferenceBackend):
         if self.max_context is None:
             self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._rng = torch.Generator(device=self.device)
-        self._rng.seed()
+        self._rng = random.Random()  # unseeded requests' uniforms (seeded from the OS)
         self.load_time_s = time.perf_counter() - t0
         log.info("hf backend: loaded %s on %s (%s) in %.1fs", self.model_dir, self.device,
                  self.dtype, self.load_time_s)
@@ -373,16 +373,14 @@ class HFBackend(InferenceBackend):
                 raise ValueError(
                     f"prompt of {len(prompt)} tokens leaves no room in the context of {self.max_context}")
             max_tokens = min(max_tokens, room)
-        import torch
 
         stop_ids = frozenset(self._eos_ids | {int(t) for t in p.stop_token_ids})
         for i in range(p.n):
-            gen = None
+            rng = None
             if p.seed is not None and not p.greedy():
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed((int(p.seed) + i) % 2**64)  # any integer seed; torch takes [0, 2**64)
+                rng = random.Random(int(p.seed) + i)  # any integer seed
             req.seqs.append(_Seq(req=req, index=i, prompt=prompt, max_tokens=max_tokens,
-                                 stop_ids=stop_ids, generator=gen, version=self.policy_version,
+                                 stop_ids=stop_ids, rng=rng, version=self.policy_version,
                                  out_top=[] if p.top_logprobs > 0 else None, shaped=bool(p.shaping())))
         with self._cv:
             if self._closed:
@@ -631,10 +629,11 @@ class HFBackend(InferenceBackend):
             for r in rows_shaped:
                 shaped[r] = _shaped(shaped[r], seqs[r].req.params, seqs[r])
         rows = [RowSampling(temperature=s.req.params.temperature, top_p=s.req.params.top_p,
-                            top_k=s.req.params.top_k, min_p=s.req.params.min_p, generator=s.generator)
+                            top_k=s.req.params.top_k, min_p=s.req.params.min_p,
+                            draw=_uniform(s.rng or self._rng))
                 for s in seqs]  # the sampler decodes greedily below GREEDY_TEMPERATURE
         k = max((s.req.params.top_logprobs for s in seqs), default=0)
-        return to_host(sample(logits, shaped, rows, self._rng, top_logprobs=k))
+        return to_host(sample(logits, shaped, rows, top_logprobs=k))
 
     def _decode_text(self, seq: _Seq) -> str:
         ids = seq.out_ids[:-1] if seq.hide_last else seq.out_ids
@@ -830,6 +829,14 @@ class HFBackend(InferenceBackend):
                 self._lora_base.setdefault(key, state[key].detach().to("cpu", copy=True))
                 state[key].data.copy_(t.to(device=state[key].device, dtype=state[key].dtype))
         log.info("hf backend: merged LoRA adapter %s (%d modules)", folder, len(deltas))
+
+
+def _uniform(rng: random.Random) -> float:
+    """A uniform number in the open interval (0, 1) (``random()`` may return 0.0)."""
+    u = rng.random()
+    while u <= 0.0:
+        u = rng.random()
+    return u
 
 
 def _iter_folder_tensors(folder: Path, adapter: bool = False) -> Iterable[tuple[str, Any]]:

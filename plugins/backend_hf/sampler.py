@@ -8,16 +8,20 @@ Semantics (as the engine documents them): logprobs are the log-softmax of the ra
 logits; a temperature below :data:`~swarmkit.contract.backend.GREEDY_TEMPERATURE` is
 greedy (argmax of the shaped logits); otherwise ``top_k`` (ties kept), ``min_p`` and
 ``top_p`` (the smallest prefix of the sorted, already filtered probabilities reaching
-``top_p``) filter ``softmax(shaped / temperature)``, and a token is drawn by an
-exponential race (``argmax p / E``, ``E ~ Exp(1)``), which draws from ``p`` exactly.
-A seeded row draws its noise from its own generator over the whole vocabulary, so
-its tokens do not depend on what else is in the batch.
+``top_p``) filter ``softmax(shaped / temperature)``, and a token is drawn by
+inverting the cumulative distribution at one uniform number per row (the first
+token whose float64 running sum reaches ``u · sum``), which draws from ``p``
+exactly. The uniforms come from the host (each row's ``draw``: a seeded
+sequence's own ``random.Random``, else the engine's), so a seeded row's tokens
+do not depend on what else is in the batch, and a decode step launches the same
+few kernels whatever the number of seeded rows (a generator per row cost one
+launch per row and step: on a GPU where launches are dear, most of a step at
+128 rows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -32,7 +36,7 @@ class RowSampling:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    generator: Any = None  # a torch.Generator on the logits' device (seeded requests), else the engine's
+    draw: float = 0.5  # this row's uniform number in (0, 1) for this step (unused when greedy)
 
 
 @dataclass
@@ -46,8 +50,7 @@ class Sampled:
     top: tuple[torch.Tensor, torch.Tensor] | None
 
 
-def sample(raw: torch.Tensor, shaped: torch.Tensor, rows: list[RowSampling], rng: torch.Generator | None,
-           top_logprobs: int = 0) -> Sampled:
+def sample(raw: torch.Tensor, shaped: torch.Tensor, rows: list[RowSampling], top_logprobs: int = 0) -> Sampled:
     """Sample one token per row. ``raw``/``shaped``: ``[B, V]`` logits before/after bias and penalties."""
     raw = raw.float()
     shaped = shaped.float()
@@ -58,19 +61,15 @@ def sample(raw: torch.Tensor, shaped: torch.Tensor, rows: list[RowSampling], rng
     tokens = torch.argmax(shaped, dim=-1)
     hot = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_TEMPERATURE]
     if hot:
-        idx = torch.tensor(hot, device=dev) if len(hot) < b else None
+        # one host-to-device copy per step: each hot row's temperature, uniform and row index
+        host = torch.tensor([[rows[i].temperature for i in hot], [rows[i].draw for i in hot], hot],
+                            dtype=torch.float64, pin_memory=dev.type == "cuda")
+        per_row = host.to(dev, non_blocking=True)
+        idx = per_row[2].long() if len(hot) < b else None
         x = shaped if idx is None else shaped.index_select(0, idx)
-        temps = torch.tensor([rows[i].temperature for i in hot], device=dev, dtype=torch.float32)
-        probs = torch.softmax(x / temps[:, None], dim=-1)
+        probs = torch.softmax(x / per_row[0, :, None].float(), dim=-1)
         probs = _filter(probs, [rows[i] for i in hot])
-        noise = torch.empty_like(probs)
-        shared = [j for j, i in enumerate(hot) if rows[i].generator is None]
-        if shared:
-            noise.exponential_(generator=rng)
-        for j, i in enumerate(hot):
-            if rows[i].generator is not None:
-                noise[j].exponential_(generator=rows[i].generator)
-        drawn = torch.argmax(probs / noise.clamp_min(1e-30), dim=-1)
+        drawn = inverse_cdf(probs, per_row[1])
         if idx is None:
             tokens = drawn
         else:
@@ -81,6 +80,15 @@ def sample(raw: torch.Tensor, shaped: torch.Tensor, rows: list[RowSampling], rng
         vals, ids = torch.topk(logprobs, min(top_logprobs, v), dim=-1)
         top = (vals, ids)
     return Sampled(tokens=tokens, logprobs=lps, bad=bad, top=top)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``probs [R, V]`` (non-negative, not necessarily normalised), ``u [R]`` in (0, 1): per row the first
+    token whose running sum (float64) reaches ``u · sum``, i.e. a draw from ``probs / sum``; a token of
+    probability zero is never drawn (its running sum equals its predecessor's)."""
+    cum = probs.double().cumsum(dim=-1)
+    target = (u.double() * cum[:, -1])[:, None]
+    return torch.searchsorted(cum, target)[:, 0].clamp_max(probs.shape[-1] - 1)
 
 
 def _filter(probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
