@@ -1,6 +1,7 @@
-"""RL algorithms ``grpo`` and ``ppo``."""
+"""RL algorithms ``grpo`` and ``ppo``, and on-policy distillation ``distill``."""
 
 from swarmkit import hookimpl
+from swarmkit_plugins.algo_rl.distill_schema import DistillConfig
 from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
 
 
@@ -19,4 +20,11 @@ def register_algos(register):
         schema=PPOConfig,
         requires=("torch",),
         description="value head, GAE, clipped surrogate and value loss",
+    )
+    register(
+        "distill",
+        "swarmkit_plugins.algo_rl.distill:Distill",
+        schema=DistillConfig,
+        requires=("torch",),
+        description="on-policy distillation: per-token advantages from a teacher endpoint's logprobs (+ rl_coef x GRPO)",
     )
