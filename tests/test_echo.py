@@ -7,7 +7,6 @@ echo is; an engine that cannot score prompts refuses ``echo`` with ``logprobs`` 
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 

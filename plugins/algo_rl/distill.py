@@ -76,7 +76,7 @@ class Distill(GRPO):
         self._init_common(self.cfg)
         self.std_normalize = bool(self.cfg.std_normalize)
         self.adv_eps = float(self.cfg.adv_eps)
-        problems = [p for p in self.cfg.problems() if teacher is None or not p.startswith("algo.teacher_url")]
+        problems = [p for p in DistillConfig.problems(self.cfg) if teacher is None or not p.startswith("algo.teacher_url")]
         if problems:
             raise ConfigError(problems)
         self.rl_coef = float(self.cfg.rl_coef)

@@ -32,7 +32,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarmkit.contract import GenerationOutput, InferenceBackend, PromptScores, SamplingParams, StreamChunk
+from swarmkit.contract import (
+    GenerationOutput,
+    InferenceBackend,
+    PromptScores,
+    SamplingParams,
+    StreamChunk,
+)
 from swarmkit.contract.backend import ROUTING_KEY
 from swarmkit.errors import ApiError
 
