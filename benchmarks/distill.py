@@ -15,7 +15,7 @@ samples (``distill_reverse_kl``, nats per token); the held-out greedy reward eve
 Prints a table (means over seeds with 95% intervals) and writes JSON (``--out``).
 
     python benchmarks/distill.py                   # 3 seeds x 3 arms, 12 steps each (~10 min on 2 cores)
-    python benchmarks/distill.py --smoke           # 1 seed, 2 teacher + 2 student steps (about a minute)
+    python benchmarks/distill.py --smoke           # 1 seed, 2 teacher + 2 student steps, small batches
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ ARMS = {
     "distill+rl": ["algo.rl_coef=1", "algo.distill_coef=1"],
 }
 TOKEN = "distill-benchmark-teacher-" + "t" * 16
+
+
+#: --smoke: smaller batches and evaluations (the recipe's shape, seconds per job)
+SMOKE = ["batching.batch_size=2", "batching.rollouts_per_task=2", "task.eval_size=4", "task.train_size=8"]
 
 
 def run_job(run_dir: Path, overrides: list[str], timeout: float) -> dict[str, Any]:
@@ -102,10 +106,12 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--out", default="benchmarks/results/distill.json")
-    p.add_argument("--smoke", action="store_true", help="1 seed, a 2-step teacher, 2 student steps per arm")
+    p.add_argument("--smoke", action="store_true", help="1 seed, a 2-step teacher, 2 student steps per arm, "
+                   "small batches (checks the pipeline, measures nothing)")
     args = p.parse_args()
     if args.smoke:
         args.teacher_steps, args.steps, args.seeds, args.eval_every = 2, 2, 1, 1
+        COMMON.extend(SMOKE)
         args.out = str(Path(tempfile.mkdtemp(prefix="swarmkit-distill-smoke-")) / "distill.json")
     arms = [a for a in args.arms.split(",") if a]
     work = Path(tempfile.mkdtemp(prefix="swarmkit-distill-"))
