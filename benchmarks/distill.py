@@ -14,7 +14,7 @@ Per step: the student's sampled reward (``reward_mean``) and its reverse KL to t
 samples (``distill_reverse_kl``, nats per token); the held-out greedy reward every ``--eval-every`` steps.
 Prints a table (means over seeds with 95% intervals) and writes JSON (``--out``).
 
-    python benchmarks/distill.py                   # 3 seeds x 3 arms, 12 steps each (~10 min on 2 cores)
+    python benchmarks/distill.py                   # 3 seeds x 3 arms, 12 steps each (31 min on 2 loaded cores)
     python benchmarks/distill.py --smoke           # 1 seed, 2 teacher + 2 student steps, small batches
 """
 
