@@ -136,6 +136,7 @@ CHILD = textwrap.dedent("""
     import httpx
 
     from swarmkit.client import AsyncSwarmClient, SwarmClient
+    from swarmkit.client.judge import Judge  # the judge helper is part of the light install
 
     url = sys.argv[1]
     chat = {"model": "swarm", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -171,6 +172,7 @@ CHILD = textwrap.dedent("""
                 return await ep.report(0.5)
 
     out["async"] = asyncio.run(run_async())
+    out["judge"] = Judge(url + "/v1").stats["calls"]
     out["loaded"] = sorted(m for m in sys.modules if m.split(".")[0] == "swarmkit")
     print(json.dumps(out))
 """)

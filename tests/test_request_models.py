@@ -86,8 +86,12 @@ def test_completions_request_to_sampling_params():
     assert req.prompt == ["hi"]
     params = req.to_sampling_params(100, None)
     assert (params.max_tokens, params.top_logprobs, params.stop) == (16, 2, ["x"])
-    for body, code, param in [({}, "missing_field", "prompt"), ({"prompt": "hi", "echo": True}, "unsupported_value", "echo"),
-                              ({"prompt": "hi", "echo": 0}, "unsupported_field", "echo"),
+    assert CompletionsRequest.parse({"prompt": "hi", "echo": True, "max_tokens": 0, "logprobs": 1}).scores_only
+    assert not CompletionsRequest.parse({"prompt": "hi", "echo": True, "max_tokens": 3}).scores_only
+    for body, code, param in [({}, "missing_field", "prompt"),
+                              ({"prompt": "hi", "echo": 0}, "invalid_value", "echo"),
+                              ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),
+                              ({"prompt": "hi", "echo": True, "stream": True}, "unsupported_value", "echo"),
                               ({"prompt": "hi", "n": 2, "best_of": 2}, "unsupported_field", "best_of"),
                               ({"prompt": "hi", "functions": [{}]}, "unsupported_field", "functions")]:
         with pytest.raises(ApiError) as e:

@@ -1,6 +1,7 @@
-"""RL algorithms ``grpo``, ``ppo`` and ``turn_grpo``."""
+"""RL algorithms ``grpo``, ``ppo`` and ``turn_grpo`` (per-turn credit), and on-policy distillation ``distill``."""
 
 from swarmkit import hookimpl
+from swarmkit_plugins.algo_rl.distill_schema import DistillConfig
 from swarmkit_plugins.algo_rl.schema import GRPOConfig, PPOConfig
 from swarmkit_plugins.algo_rl.turn_schema import TurnGRPOConfig
 
@@ -27,4 +28,11 @@ def register_algos(register):
         schema=TurnGRPOConfig,
         requires=("torch",),
         description="per-turn credit: call rewards, discounted returns, per-turn group baseline",
+    )
+    register(
+        "distill",
+        "swarmkit_plugins.algo_rl.distill:Distill",
+        schema=DistillConfig,
+        requires=("torch",),
+        description="on-policy distillation: per-token advantages from a teacher endpoint's logprobs (+ rl_coef x GRPO)",
     )

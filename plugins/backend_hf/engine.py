@@ -77,6 +77,7 @@ from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import (
     GenerationOutput,
     InferenceBackend,
+    PromptScores,
     SamplingParams,
     StreamChunk,
     decode_generated,
@@ -118,6 +119,30 @@ class _Request:
 
 
 @dataclass
+class _Job:
+    """Work the decode loop runs between two steps under the weights lock (prompt scoring)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    run: Any  # () -> result, on the worker thread
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        def done(fut: asyncio.Future = self.future) -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+            self.loop.call_soon_threadsafe(done)
+
+
+#: logits one scoring chunk may hold (positions x vocabulary), so a long prompt never holds them all
+SCORE_CHUNK_ELEMENTS = 32 * 1024 * 1024
+
+
+@dataclass
 class _Seq:
     req: _Request
     index: int
@@ -153,6 +178,7 @@ class HFBackend(InferenceBackend):
     """
 
     reports_token_versions = True
+    scores_prompts = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                                  "logit_bias"})
 
@@ -183,6 +209,7 @@ class HFBackend(InferenceBackend):
         #: (a plain Lock is not fair, and a busy loop would re-take it at once, step after step)
         self._swap_waiting = threading.Event()
         self._pending: deque[_Seq] = deque()
+        self._jobs: deque[_Job] = deque()
         self._active: list[_Seq] = []
         self._cache: Any = None
         self._runner: Any = None
@@ -258,6 +285,66 @@ class HFBackend(InferenceBackend):
         finally:
             req.cancelled = True  # no-op when finished; frees the slot when the consumer left early
 
+    async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
+        """The prompt's own logprobs: one plain forward over it on the decode thread, between two decode
+        steps (so under the weights being served, never across a swap)."""
+        self._require_started()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        vocab = self._model.get_input_embeddings().num_embeddings
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_ids must be in [0, {vocab})")
+        if self.max_context and len(prompt) > int(self.max_context):
+            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the context of {self.max_context}")
+        if top_logprobs < 0:
+            raise ValueError("top_logprobs must be >= 0")
+        loop = asyncio.get_running_loop()
+        job = _Job(loop, loop.create_future(), lambda: self._score(prompt, int(top_logprobs)))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("hf backend closed")
+            self._jobs.append(job)
+            self._cv.notify_all()
+        result: PromptScores = await job.future
+        return result
+
+    def _score(self, prompt: list[int], k: int) -> PromptScores:
+        """Log-softmax of the model's logits at every prompt position, read at the next prompt token; the
+        LM head runs over chunks of positions (memory O(chunk x vocab), not O(prompt x vocab))."""
+        import torch
+
+        model = self._model
+        ids = torch.tensor([prompt], device=self.device)
+        head = model.get_output_embeddings()
+        try:
+            decoder = model.get_decoder()
+        except (AttributeError, NotImplementedError):
+            decoder = None
+        if decoder is None or head is None:
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            chunks = [(0, logits)]
+        else:
+            hidden = decoder(input_ids=ids).last_hidden_state[0, :-1]
+            step = max(1, SCORE_CHUNK_ELEMENTS // int(head.weight.shape[0]))
+            chunks = [(a, None) for a in range(0, hidden.shape[0], step)]
+        lps: list[float | None] = [None]
+        tops: list[dict[int, float] | None] | None = [None] if k > 0 else None
+        targets = torch.tensor(prompt[1:], device=self.device)
+        for a, logits in chunks:
+            if logits is None:
+                logits = head(hidden[a:a + step]).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            n = logp.shape[0]
+            lps.extend(logp.gather(1, targets[a:a + n, None])[:, 0].tolist())
+            if tops is not None:
+                vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+                tops.extend({int(i): float(v) for i, v in zip(ri, rv, strict=True)}
+                            for ri, rv in zip(idx.tolist(), vals.tolist(), strict=True))
+        self.stats["forward_passes"] += 1
+        self.stats["scored_tokens"] = self.stats.get("scored_tokens", 0) + len(prompt)
+        return PromptScores(logprobs=lps, top_logprobs=tops, policy_version=self.policy_version)
+
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, Any]] | None = None, *, path: str | None = None,
         version: int,
@@ -301,6 +388,9 @@ class HFBackend(InferenceBackend):
         err = RuntimeError("hf backend closed")
         for seq in list(self._pending) + self._active:
             self._fail(seq.req, err)
+        for job in self._jobs:
+            job.settle(error=err)
+        self._jobs.clear()
         self._pending.clear()
         self._active = []
         self._cache = self._runner = None
@@ -440,19 +530,22 @@ class HFBackend(InferenceBackend):
             self._ready.set()
         while True:
             with self._cv:
-                while not self._closed and not self._pending and not self._active:
+                while not self._closed and not self._pending and not self._active and not self._jobs:
                     self._cv.wait()
                 if self._closed:
                     return
-                if not self._active and self.batch_wait_s > 0:
+                if not self._active and self._pending and self.batch_wait_s > 0:
                     self._gather_burst()
                 self._reap()
                 joiners = self._take_joiners()
+                jobs = list(self._jobs)
+                self._jobs.clear()
             while self._swap_waiting.is_set():  # a weight swap goes between two steps
                 time.sleep(0.0005)
             try:
                 with self._weights_lock, torch.inference_mode():
                     t0 = time.perf_counter()
+                    self._run_jobs(jobs)  # never raises: each job gets its own result or error
                     if joiners:
                         self._prefill(joiners)
                         self._reap()
@@ -465,6 +558,15 @@ class HFBackend(InferenceBackend):
                     self._fail(seq.req, exc)
                 self._active = []
                 self._free = list(range(self._cache.slots))
+
+    def _run_jobs(self, jobs: list[_Job]) -> None:
+        """Run queued jobs (caller holds the weights lock); a job that fails fails alone."""
+        for job in jobs:
+            try:
+                job.settle(job.run())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                log.exception("hf backend: a scoring job failed")
+                job.settle(error=exc)
 
     def _gather_burst(self) -> None:
         """Idle worker, first request in: wait while requests keep arriving (caller holds ``_cv``).

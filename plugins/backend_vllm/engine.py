@@ -86,6 +86,7 @@ from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import (
     GenerationOutput,
     InferenceBackend,
+    PromptScores,
     SamplingParams,
     StreamChunk,
     decode_generated,
@@ -112,6 +113,7 @@ class _Req:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     version: int = 0
     pinned: bool = False  # runs on a LoRA adapter loaded at run time: its tokens keep the admission version
+    prompt_logprobs: int | None = None  # score the prompt: vLLM's prompt_logprobs with this many alternatives
 
 
 class VLLMBackend(InferenceBackend):
@@ -130,6 +132,7 @@ class VLLMBackend(InferenceBackend):
     replicable = False
 
     reports_token_versions = True
+    scores_prompts = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                                  "logit_bias", "response_format"})
 
@@ -353,6 +356,7 @@ class VLLMBackend(InferenceBackend):
             spaces_between_special_tokens=False,
             # deltas, streamed or not: each step's tokens are labelled with the version that sampled them
             output_kind=RequestOutputKind.DELTA,
+            **({"prompt_logprobs": int(req.prompt_logprobs)} if req.prompt_logprobs is not None else {}),
             **_shaping(p),
         )
         req.version = self.policy_version
@@ -442,6 +446,42 @@ class VLLMBackend(InferenceBackend):
                                            token_versions=vers[i]))
             self.stats["tokens_generated"] += len(ids[i])
         return result
+
+    async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
+        """The prompt's own logprobs: vLLM's ``prompt_logprobs`` of a one-token greedy request (the token
+        is dropped)."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if top_logprobs < 0:
+            raise ValueError("top_logprobs must be >= 0")
+        req = self._new_req(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        req.prompt_logprobs = int(top_logprobs)
+        self._submit("add", req)
+        rows: Any = None
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                out, _ = item
+                if rows is None and getattr(out, "prompt_logprobs", None) is not None:
+                    rows = out.prompt_logprobs
+                if out.finished:
+                    break
+        except asyncio.CancelledError:
+            self._submit("abort", req.rid)
+            raise
+        if rows is None or len(rows) != len(req.prompt):
+            raise RuntimeError(f"vllm returned {0 if rows is None else len(rows)} prompt logprob rows for "
+                               f"{len(req.prompt)} prompt tokens")
+        lps: list[float | None] = [None]
+        tops: list[dict[int, float] | None] | None = [None] if top_logprobs > 0 else None
+        for tok, row in zip(req.prompt[1:], rows[1:], strict=True):
+            lps.append(float(row[tok].logprob))
+            if tops is not None:
+                tops.append({int(t): float(lp.logprob) for t, lp in row.items()
+                             if lp.rank is not None and lp.rank <= top_logprobs})
+        return PromptScores(logprobs=lps, top_logprobs=tops, policy_version=req.version)
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         params.check()

@@ -24,6 +24,7 @@ from swarmkit.contract.algo import (
 from swarmkit.contract.backend import (
     GenerationOutput,
     InferenceBackend,
+    PromptScores,
     SamplingParams,
     StreamChunk,
     decode_generated,
@@ -89,6 +90,7 @@ __all__ = [
     "MatchStrategy",
     "OptimEngine",
     "PoolEpisode",
+    "PromptScores",
     "SamplingParams",
     "StreamChunk",
     "TrainSample",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swarmkit.contract.credit import CREDIT_MODES, CreditUnit
+from swarmkit.contract.samples import TrainSample
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported by the engines, not by the contract
     from torch import Tensor
@@ -128,6 +129,20 @@ class Algorithm(ABC):
             finite advantages, one per generated token of that call (the trainer checks it).
         """
         raise NotImplementedError
+
+    def prepare_samples(self, samples: list[TrainSample]) -> dict[str, float]:
+        """Relabel a step's samples before the engine trains them (optional; nothing by default).
+
+        The trainer calls it once per step, in its own process, after the samples are built (rewards,
+        advantages, merging) and the staleness bound has masked stale tokens, and before
+        ``OptimEngine.train_step``. It may rewrite ``advantages`` (per token) in place, e.g. with a
+        teacher's logprobs of the student's own tokens (on-policy distillation), and may do I/O.
+        Its metrics join the step's. An exception fails the step (its episodes stay in the pool).
+
+        :param samples: the step's samples (``demonstration`` ones included: leave them alone).
+        :returns: scalar metrics of the relabelling.
+        """
+        return {}
 
     @abstractmethod
     def loss(self, inputs: LossInputs) -> tuple[Tensor, dict[str, float]]:

@@ -148,6 +148,21 @@ class GenerationOutput:
 
 
 @dataclass
+class PromptScores:
+    """The logprobs of a prompt's own tokens under the served weights (``echo`` of ``/v1/completions``).
+
+    ``logprobs[i]`` is log p(prompt_ids[i] | prompt_ids[:i]) of the unmodified distribution (as
+    :class:`GenerationOutput`'s) for ``i >= 1``; ``logprobs[0]`` is None (the first token has no
+    prefix). ``top_logprobs[i]`` (when asked for) holds the ``k`` most likely tokens at position
+    ``i`` (None at 0). ``policy_version``: the weights that scored it.
+    """
+
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None] | None = None
+    policy_version: int = 0
+
+
+@dataclass
 class StreamChunk:
     """Tokens appended to one continuation since the previous chunk (``n == 1`` streams)."""
 
@@ -193,6 +208,9 @@ class InferenceBackend(ABC):
     #: the training cycle then runs its steps without a trainer (no model loaded, no weights changed), each
     #: step only moving the policy version on
     trainable: bool = True
+    #: whether :meth:`score_prompt` is implemented (``echo`` with prompt logprobs; the server refuses
+    #: an ``echo`` request on a backend without it)
+    scores_prompts: bool = False
 
     @property
     @abstractmethod
@@ -225,6 +243,15 @@ class InferenceBackend(ABC):
         Either ``named_tensors`` (full weights or, for LoRA, the merged weights)
         or ``path`` (a folder with safetensors / a peft adapter).
         """
+
+    async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
+        """The logprob of every token of ``prompt_ids`` given the ones before it (one forward over the
+        prompt, nothing generated), with the ``top_logprobs`` most likely tokens at each position.
+
+        Optional: a backend that implements it sets ``scores_prompts = True``. Raise ValueError for a
+        prompt the engine refuses (the server answers 400).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not score prompts")
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Free the engine."""

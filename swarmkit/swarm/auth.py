@@ -110,9 +110,16 @@ class ClientAuth:
 SECRET_KEYS = ("admin_token", "client_token")
 
 
+#: keys of other groups that hold credentials (the distillation teacher's API key)
+GROUP_SECRET_KEYS = {"algo": ("teacher_api_key",)}
+
+
 def redacted(cfg: dict[str, Any]) -> dict[str, Any]:
-    """``cfg`` with the server's tokens replaced by ``"***"`` (for answers, files and loggers)."""
-    server = cfg.get("server")
-    if not isinstance(server, dict) or not any(server.get(k) for k in SECRET_KEYS):
-        return cfg
-    return {**cfg, "server": {k: ("***" if k in SECRET_KEYS and v else v) for k, v in server.items()}}
+    """``cfg`` with the server's tokens (and other groups' credentials) replaced by ``"***"`` (for answers,
+    files and loggers)."""
+    out = cfg
+    for group, keys in {"server": SECRET_KEYS, **GROUP_SECRET_KEYS}.items():
+        section = out.get(group)
+        if isinstance(section, dict) and any(section.get(k) for k in keys):
+            out = {**out, group: {k: ("***" if k in keys and v else v) for k, v in section.items()}}
+    return out

@@ -17,7 +17,7 @@ from typing import Any
 
 from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.schema import ModelConfig
-from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
+from swarmkit.contract import GenerationOutput, InferenceBackend, PromptScores, SamplingParams
 from swarmkit.errors import ApiError, busy
 from swarmkit.timelines.render import ChatRenderer, TokenText
 from swarmkit.timelines.track import ContextTracker
@@ -182,3 +182,21 @@ class InferenceGateway:
         except ValueError as exc:
             raise ApiError(400, f"the backend refused this request: {exc}", "invalid_request") from None
         return outputs
+
+    async def score_prompt(self, prompt_ids: list[int], top_logprobs: int = 0) -> PromptScores:
+        """The prompt's own logprobs from the served engine (``echo``); 400 when the engine cannot score
+        prompts or refuses this one, 499 when the caller disconnects."""
+        backend = self.backend
+        if backend is None:
+            raise busy("the server stopped", 2.0, "server_offline")
+        if not backend.scores_prompts:
+            raise ApiError(400, f"'echo' needs prompt logprobs, which this server's engine "
+                           f"({type(backend).__name__}) cannot compute (backend=hf and backend=vllm can)",
+                           "unsupported_value", param="echo")
+        try:
+            scores: PromptScores = await unless_caller_gone(backend.score_prompt(prompt_ids, top_logprobs))
+        except ApiError:
+            raise
+        except ValueError as exc:
+            raise ApiError(400, f"the backend refused this request: {exc}", "invalid_request") from None
+        return scores

@@ -32,7 +32,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams, StreamChunk
+from swarmkit.contract import (
+    GenerationOutput,
+    InferenceBackend,
+    PromptScores,
+    SamplingParams,
+    StreamChunk,
+)
 from swarmkit.contract.backend import ROUTING_KEY
 from swarmkit.errors import ApiError
 
@@ -150,6 +156,7 @@ class ReplicaSet(InferenceBackend):
         self.sampling_fields = frozenset.intersection(*(frozenset(b.sampling_fields) for b in backends))
         self.reports_token_versions = all(b.reports_token_versions for b in backends)
         self.trainable = all(b.trainable for b in backends)
+        self.scores_prompts = all(b.scores_prompts for b in backends)
 
     # ------------------------------------------------------------------ engine interface
     @property
@@ -182,6 +189,24 @@ class ReplicaSet(InferenceBackend):
             rep.calls += 1
             try:
                 return await rep.backend.generate(prompt_ids, params)
+            except BaseException as exc:
+                if is_request_error(exc) or not isinstance(exc, Exception):
+                    raise
+                self._retire(rep, f"{type(exc).__name__}: {exc}")
+                if attempt == 1 or not self.balancer.live():
+                    raise
+            finally:
+                rep.in_flight -= 1
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
+        key = ROUTING_KEY.get()
+        for attempt in (0, 1):
+            rep = self.balancer.pick(key)
+            rep.in_flight += 1
+            rep.calls += 1
+            try:
+                return await rep.backend.score_prompt(prompt_ids, top_logprobs)
             except BaseException as exc:
                 if is_request_error(exc) or not isinstance(exc, Exception):
                     raise

@@ -28,7 +28,7 @@ import httpx
 
 from swarmkit.config.plain import as_dict
 from swarmkit.config.schema import REPLICA_KEYS, ModelConfig, ReplicaConfig, ServerConfig
-from swarmkit.contract import GenerationOutput, InferenceBackend, SamplingParams
+from swarmkit.contract import GenerationOutput, InferenceBackend, PromptScores, SamplingParams
 from swarmkit.contract.backend import ROUTING_KEY
 from swarmkit.errors import ApiError, busy
 from swarmkit.plugins import get_hooks, get_registry
@@ -483,6 +483,18 @@ class SwarmServer:
             self.end_call(ep)
         self.episodes.check_open(ep)
         return outputs
+
+    async def score_prompt(self, ep: Episode, prompt_ids: list[int], top_logprobs: int = 0) -> PromptScores:
+        """Score a prompt for an episode's call (``echo``): counted in flight like a generation and run on
+        the served weights, but never recorded (a scoring call is not a sample of the policy)."""
+        self.begin_call(ep)
+        try:
+            await self.wait_serving(ep)
+            scores = await self.inference.score_prompt(prompt_ids, top_logprobs)
+        finally:
+            self.end_call(ep)
+        self.episodes.check_open(ep)
+        return scores
 
     # ------------------------------------------------------------------ life cycle
     def set_config(self, cfg: Any) -> None:

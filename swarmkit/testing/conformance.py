@@ -47,6 +47,7 @@ CONFORMANCE_CHECKS: tuple[str, ...] = (
     "n_samples",
     "seeded_sampling",
     "top_logprobs",
+    "prompt_scores",
     "sampling_fields",
     "special_tokens",
     "concurrent_requests",
@@ -351,6 +352,29 @@ class BackendConformance:
             for t, v in top.items():
                 assert abs(float(rows[i, int(t)]) - v) <= self.tol
             assert out.token_ids[i] in top  # greedy pick is the best alternative
+
+    def check_prompt_scores(self) -> None:
+        """``score_prompt`` (``echo``): every prompt token's logprob and top alternatives equal a full forward
+        of the reference over the prompt (the first token None); skipped without ``scores_prompts``."""
+        if not self.backend.scores_prompts:
+            return
+        import torch
+
+        p = list(self.prompts[1]) + list(self.prompts[3])
+        got = self.harness.run(self.backend.score_prompt(p, 2))
+        assert len(got.logprobs) == len(p) and got.logprobs[0] is None
+        assert got.top_logprobs is not None and len(got.top_logprobs) == len(p) and got.top_logprobs[0] is None
+        with torch.no_grad():
+            rows = torch.log_softmax(self.ref(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
+        for i in range(1, len(p)):
+            lp, top = got.logprobs[i], got.top_logprobs[i]
+            assert lp is not None and abs(float(rows[i - 1, p[i]]) - lp) <= self.tol, f"prompt token {i}"
+            assert top is not None and len(top) == 2
+            for t, v in top.items():
+                assert abs(float(rows[i - 1, int(t)]) - v) <= self.tol
+        plain = self.harness.run(self.backend.score_prompt(p))
+        assert plain.top_logprobs is None
+        assert all(abs(a - b) <= self.tol for a, b in zip(plain.logprobs[1:], got.logprobs[1:], strict=True))  # type: ignore[operator]
 
     def check_sampling_fields(self) -> None:
         """Each distribution-shaping field the backend lists in ``sampling_fields`` does what it

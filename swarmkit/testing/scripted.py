@@ -3,7 +3,7 @@
 :class:`ScriptedBackend` answers from a script instead of a model: each call
 takes the next reply text from ``replies`` (cycling), or a function of the
 prompt ids; it tokenizes it with the real tokenizer and gives every token the
-logprob ``-0.5``. It honours ``max_tokens``, ``n`` and ``stop`` strings, and
+logprob ``-0.5`` (also when it scores a prompt: ``echo``). It honours ``max_tokens``, ``n`` and ``stop`` strings, and
 streams token by token, so every path of the proxy can run without torch.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 from swarmkit.contract import (
     GenerationOutput,
     InferenceBackend,
+    PromptScores,
     SamplingParams,
     StreamChunk,
     decode_generated,
@@ -25,7 +26,7 @@ LOGPROB = -0.5
 
 
 class ScriptedBackend(InferenceBackend):
-    """Replies from a script; no model.
+    """Replies from a script; no model. Scores every prompt token ``-0.5`` (``echo``).
 
     :param tokenizer: a Hugging Face tokenizer (default: the built-in tiny one).
     :param replies: reply texts used in turn, or ``prompt_ids -> text``.
@@ -103,6 +104,16 @@ class ScriptedBackend(InferenceBackend):
         outs = [self._sample(prompt_ids, params, k) for k in range(params.n)]
         self.calls += 1
         return outs
+
+    scores_prompts = True
+
+    async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        rest = [int(t) for t in prompt_ids[1:]]
+        tops: list[dict[int, float] | None] | None = [None, *({t: LOGPROB} for t in rest)] if top_logprobs else None
+        return PromptScores(logprobs=[None, *([LOGPROB] * len(rest))], top_logprobs=tops,
+                            policy_version=self.policy_version)
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         self.prompts.append(list(prompt_ids))

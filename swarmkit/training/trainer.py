@@ -169,18 +169,21 @@ class Trainer:
         of the trained tokens (``staleness_mean``, ``staleness_max``, ``stale_tokens_dropped``,
         ``partial_rollouts``), the generations the limit cut (``overlong_calls``; with
         ``algo.overlong`` also ``overlong_filtered`` or ``overlong_penalty_mean``),
+        the algorithm's relabelling metrics (:meth:`~swarmkit.contract.Algorithm.prepare_samples`),
         ``build_time_s``, ``step_time_s`` (whole call) and ``global_step``.
         """
         t0 = time.perf_counter()
         merge_stats: dict[str, float] = {}
         samples = build_samples(records, self.algo, self.match, stats=merge_stats)
         staleness = bound_staleness(samples, self.global_step, max_staleness)
+        relabel = dict(self.algo.prepare_samples(samples))  # e.g. a teacher's per-token advantages
         if self.run_dir is not None:  # for the trajectory viewer: the advantages the tokens are trained with
             append_advantages(self.run_dir, self.train_steps + 1, samples)
         t1 = time.perf_counter()
         mergeable = merge_stats.get("timelines", 0) - merge_stats.get("groups", 0)
         metrics = dict(self.engine.train_step(samples))
         metrics.update(staleness)
+        metrics.update(relabel)
         n_timelines = sum(len(r.timelines) for r in records)
         sampled = [r for r in records if not r.meta.get("demonstration")]
         metrics.update(

@@ -1,18 +1,26 @@
 """``POST /v1/completions``: the shared turn (:mod:`swarmkit.server.turn`) over raw prompts (text or token
 ids, no chat template), in OpenAI's Completions shape (or streamed); the request is read by
-:class:`~swarmkit.server.schema.openai.CompletionsRequest`."""
+:class:`~swarmkit.server.schema.openai.CompletionsRequest`.
+
+``echo`` (as vLLM and OpenAI's legacy API): each choice's text starts with its prompt and, with
+``logprobs``, its logprobs start with the prompt's tokens (the first one's logprob null), scored by
+the engine in one forward over the prompt (:meth:`~swarmkit.contract.InferenceBackend.score_prompt`).
+With ``max_tokens: 0`` nothing is generated and nothing is recorded: scoring tokens (a teacher for
+distillation, a judge) is not a sample of the policy. A generation asked for beside the echo is
+recorded as any other call.
+"""
 
 from __future__ import annotations
 
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from swarmkit.contract import SamplingParams
+from swarmkit.contract import PromptScores, SamplingParams
 from swarmkit.errors import ApiError
 from swarmkit.server import fields
 from swarmkit.server.requests import bearer, read_json
@@ -47,11 +55,17 @@ async def completions(request: Request) -> Response:
     headers = fields.ignored_header(fields.unknown_fields(body, fields.COMPLETIONS, strict=srv.strict_fields))
     req = CompletionsRequest.parse(body)
     turns = [await prepare_raw_turn_async(srv, p, endpoint="completions") for p in req.prompt]
-    params = turn_params(srv, turns, req)
     created = int(time.time())
     cid = "cmpl-" + secrets.token_hex(12)
     model = served_model(srv)
     tt = srv.token_text if req.logprobs is not None else None
+    scored: list[PromptScores | None] = [None] * len(turns)
+    if req.echo and tt is not None:
+        for i, turn in enumerate(turns):
+            scored[i] = await srv.score_prompt(ep, turn.prompt_ids, req.logprobs or 0)
+    if req.scores_only:
+        return JSONResponse(_echo_only(turns, scored, tt, req, cid, created, model), headers=headers)
+    params = turn_params(srv, turns, req)
     if req.stream:
         if len(turns) != 1:
             raise ApiError(400, "streaming supports one prompt per request", "unsupported_value", param="stream")
@@ -63,16 +77,19 @@ async def completions(request: Request) -> Response:
     for p_index, turn in enumerate(turns):
         replies = await generate_turn(srv, ep, role, turn, params)
         usage_prompt += len(turn.prompt_ids)
+        head = turn.blocks[0].text if req.echo else ""
         for r in replies:
             out = r.output
             usage_gen += len(out.token_ids)
+            lp = completion_logprobs(tt, out.token_ids, out.logprobs, out.top_logprobs if params.top_logprobs else None,
+                                     offset0=len(head)) if tt is not None else None
+            if lp is not None and req.echo:
+                lp = _joined(_prompt_logprobs(tt, turn.prompt_ids, scored[p_index], req.logprobs or 0), lp)
             choices.append(
                 {
                     "index": p_index * params.n + r.index,
-                    "text": out.text,
-                    "logprobs": completion_logprobs(tt, out.token_ids, out.logprobs,
-                                                    out.top_logprobs if params.top_logprobs else None)
-                    if tt is not None else None,
+                    "text": head + out.text,
+                    "logprobs": lp,
                     "finish_reason": r.finish_reason,
                 }
             )
@@ -88,6 +105,41 @@ async def completions(request: Request) -> Response:
         },
         headers=headers,
     )
+
+
+def _prompt_logprobs(tt: TokenText | None, ids: list[int], scores: PromptScores | None, k: int) -> dict[str, Any]:
+    """The Completions ``logprobs`` object of an echoed prompt: its tokens, their logprobs (the first
+    null: it has no prefix), ``k`` alternatives at each position (null at the first) and text offsets."""
+    assert tt is not None and scores is not None  # echo with logprobs scored the prompt
+    out = completion_logprobs(tt, ids, scores.logprobs, None)
+    if k > 0:
+        tops = scores.top_logprobs or [None] * len(ids)
+        out["top_logprobs"] = [None if t is None else {tt(a)[0]: v for a, v in t.items()} for t in tops]
+    return out
+
+
+def _joined(prompt: dict[str, Any], generated: dict[str, Any]) -> dict[str, Any]:
+    """The logprobs of an echoed prompt followed by those of its completion."""
+    tops = None
+    if prompt["top_logprobs"] is not None or generated["top_logprobs"] is not None:
+        tops = (prompt["top_logprobs"] or [None] * len(prompt["tokens"])) + (generated["top_logprobs"] or [])
+    return {key: prompt[key] + generated[key] for key in ("tokens", "token_logprobs", "text_offset")} | \
+        {"top_logprobs": tops}
+
+
+def _echo_only(turns: list[Turn], scored: list[PromptScores | None], tt: TokenText | None, req: CompletionsRequest,
+               cid: str, created: int, model: str) -> dict[str, Any]:
+    """The answer of ``echo`` with ``max_tokens: 0``: each prompt back (``n`` times), with its logprobs
+    when asked; nothing generated, nothing recorded."""
+    choices = []
+    for p_index, turn in enumerate(turns):
+        lp = _prompt_logprobs(tt, turn.prompt_ids, scored[p_index], req.logprobs or 0) if tt is not None else None
+        for i in range(req.n):
+            choices.append({"index": p_index * req.n + i, "text": turn.blocks[0].text, "logprobs": lp,
+                            "finish_reason": "length"})
+    prompt_tokens = sum(len(t.prompt_ids) for t in turns)
+    return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}}
 
 
 async def _completion_stream(

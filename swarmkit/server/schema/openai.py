@@ -309,12 +309,6 @@ def _prompts(body: dict[str, Any], parsed: dict[str, Any]) -> list[str | list[in
     return items
 
 
-def _echo(body: dict[str, Any], parsed: dict[str, Any]) -> None:
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported by this server", "unsupported_value", param="echo")
-    return ECHO.read(body, "echo", parsed)
-
-
 def _best_of(body: dict[str, Any], parsed: dict[str, Any]) -> None:
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ApiError(400, "'best_of' is not supported by this server", "unsupported_value", param="best_of")
@@ -333,8 +327,8 @@ class CompletionsRequest(RequestModel):
     endpoint = "/v1/completions"
 
     model: str | None = spec(MODEL)
-    echo: None = spec(Custom(_echo, {"anyOf": [{"const": False}, {"type": "null"}],
-                                     "description": "echo is refused (400)"}, role=REFUSED))
+    echo: bool = spec(Flag("return the prompt before the completion, and with logprobs its tokens' logprobs "
+                           "(the first null); max_tokens 0 scores the prompt only, unrecorded", nullable=True))
     best_of: None = spec(Custom(_best_of, integer(1, 1), nullable=True, role=REFUSED))
     prompt: list[str | list[int]] = spec(Custom(_prompts, _PROMPT_SCHEMA, required=True))
     # refused unless their no-op value
@@ -347,7 +341,7 @@ class CompletionsRequest(RequestModel):
     reasoning_effort: None = spec(REASONING_EFFORT, listed=False)
     web_search_options: None = spec(WEB_SEARCH_OPTIONS, listed=False)
     # sampling
-    max_tokens: int | None = spec(Integer(1, MAX_TOKENS, None, "default 16"))
+    max_tokens: int | None = spec(Integer(0, MAX_TOKENS, None, "default 16; 0 only with echo (score the prompt)"))
     stop: list[str] = spec(STOP)
     seed: int | None = spec(SEED)
     logprobs: int | None = spec(Integer(0, 5, None, nullable=True))  # how many top logprobs (0: only the token's)
@@ -366,6 +360,18 @@ class CompletionsRequest(RequestModel):
     stream_options: bool = spec(STREAM_OPTIONS)  # read as include_usage
     # metadata
     user: None = spec(USER)
+
+    def check(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("'max_tokens' 0 generates nothing: only an 'echo' request (prompt scoring) may ask "
+                          "for it", "max_tokens")
+        if self.echo and self.stream:
+            raise ApiError(400, "'echo' is not supported with 'stream'", "unsupported_value", param="echo")
+
+    @property
+    def scores_only(self) -> bool:
+        """An ``echo`` request that generates nothing (``max_tokens: 0``): prompt scoring, never recorded."""
+        return bool(self.echo) and self.max_tokens == 0
 
     @property
     def include_usage(self) -> bool:
