@@ -18,12 +18,13 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from test_frameworks import BAD_ARGS, CALL, KNOWN, LOOP, TASK, TOKEN, Recorder, _load_file, _text
+from test_frameworks import EXAMPLES, BAD_ARGS, CALL, KNOWN, LOOP, TASK, TOKEN, Recorder, _load_file, _text
 from test_frameworks import script as native_script
 
 from swarmkit.client import SwarmClient
@@ -44,6 +45,8 @@ FRAMEWORKS: dict[str, list[str]] = {
     "google_adk_agent": ["google.adk", "litellm"],
 }
 NAMES = list(FRAMEWORKS)
+# a recipe may import another of its folder (as when it runs as a script)
+sys.path.insert(0, str(EXAMPLES))
 #: the prompt templates (test_frameworks.TEMPLATES): the tiny model's own and SmolLM2's
 TEMPLATES = ["builtin:tiny", "builtin:smollm2_tools"]
 #: smolagents' CodeAgent prompt (~2.3k tokens of instructions and examples) needs more than the tiny
@@ -100,7 +103,8 @@ def script(prompt: str) -> str:
         observations = re.findall(r"Observation:\n(.*?)(?:<\|im_end\|>|\n)", prompt)
         if observations and not loop:
             return _FINAL % observations[-1].strip()
-    return native_script(prompt)
+    # (Google ADK sends a tool's result as {"result": ...})
+    return re.sub(r'<answer>\{"result": "(.*)"\}</answer>', r"<answer>\1</answer>", native_script(prompt))
 
 
 # --------------------------------------------------------------------------- the server

@@ -6,10 +6,14 @@
 
 from __future__ import annotations
 
-import litellm
+import os
 
-from swarmkit.tasks import Task
-from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, run_tool_call
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM fetches a price list at import
+
+import litellm  # noqa: E402
+
+from swarmkit.tasks import Task  # noqa: E402
+from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, run_tool_call  # noqa: E402
 
 
 def run_episode(base_url: str, api_key: str, task: Task, *, temperature: float, seed: int | None,
