@@ -83,7 +83,20 @@ def _task_of(prompt: str) -> Task | None:
 
 
 def script(prompt: str) -> str:
-    """The model, in the idiom the prompt asks for (test_frameworks.script for native tool calls)."""
+    """The model, in the idiom the prompt asks for; with a tool call's opening prefilled by the server
+    (``tool_choice: "required"``), the rest of the call."""
+    reply = _reply(prompt)
+    if prompt.endswith(_OPENING) and _OPENING in reply:
+        return reply.split(_OPENING, 1)[1]
+    return reply
+
+
+#: where the server's prefilled tool-call opening ends (tool_choice "required"), under both templates
+_OPENING = '{"name": "'
+
+
+def _reply(prompt: str) -> str:
+    """The whole reply (test_frameworks.script for native tool calls)."""
     task, loop, bad = _task_of(prompt), "LOOP" in prompt, "BADARGS" in prompt
     if "[[ ## next_thought ## ]]" in prompt:  # dspy.ReAct: a step, or the final extraction
         observations = re.findall(r"\[\[ ## observation_\d+ ## \]\]\n(.*?)\n\n", prompt, re.S)
@@ -94,8 +107,8 @@ def script(prompt: str) -> str:
             return _REACT % ("finish", "{}")
         args = {"value": "1"} if bad else {"expression": task.meta["expression"] if task else "0"}
         return _REACT % ("calculator", json.dumps(args))
-    if "final_answer(" in prompt and "<code>" in prompt:  # smolagents' CodeAgent
-        observations = re.findall(r"Observation:\n(?:Execution logs:\n)?(.*?)\n", prompt)
+    if "final_answer(" in prompt and "<code>" in prompt:  # smolagents' CodeAgent (its examples before the task)
+        observations = re.findall(r"Observation:\n(?:Execution logs:\n)?(.*?)\n", prompt.rsplit("New task:", 1)[-1])
         if observations and not loop:
             return _CODE_ANSWER % observations[-1].strip()
         return _CODE_BAD if bad else _CODE % (task.meta["expression"] if task else "0")
