@@ -29,7 +29,7 @@ from test_frameworks import script as native_script
 
 from swarmkit.client import SwarmClient
 from swarmkit.tasks import Task
-from swarmkit.tasks.calc_agent import SYSTEM_PROMPT, grade
+from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, SYSTEM_PROMPT, grade
 from swarmkit.timelines import Timeline
 from swarmkit.timelines.merging import merge_timelines
 
@@ -70,9 +70,6 @@ _CODE = "Thought: I will use the calculator.\n<code>\nprint(calculator(expressio
 _CODE_BAD = "Thought: I will use the calculator.\n<code>\nprint(calculator(value=\"1\"))\n</code>"
 _CODE_ANSWER = "Thought: I have the result.\n<code>\nfinal_answer(\"<answer>%s</answer>\")\n</code>"
 _FINAL = '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "<answer>%s</answer>"}}\n</tool_call>'
-_REACT = ("[[ ## next_thought ## ]]\nI will use the calculator.\n\n[[ ## next_tool_name ## ]]\n%s\n\n"
-          "[[ ## next_tool_args ## ]]\n%s\n\n[[ ## completed ## ]]")
-_EXTRACT = "[[ ## reasoning ## ]]\nThe calculator said %s.\n\n[[ ## answer ## ]]\n<answer>%s</answer>\n\n[[ ## completed ## ]]"
 
 
 def _task_of(prompt: str) -> Task | None:
@@ -98,15 +95,23 @@ _OPENING = '{"name": "'
 def _reply(prompt: str) -> str:
     """The whole reply (test_frameworks.script for native tool calls)."""
     task, loop, bad = _task_of(prompt), "LOOP" in prompt, "BADARGS" in prompt
-    if "[[ ## next_thought ## ]]" in prompt:  # dspy.ReAct: a step, or the final extraction
-        observations = re.findall(r"\[\[ ## observation_\d+ ## \]\]\n(.*?)\n\n", prompt, re.S)
-        if "[[ ## answer ## ]]" in prompt.rsplit("Your input fields are", 1)[-1].split("[[ ## trajectory", 1)[0] \
-                and "next_thought" not in prompt.rsplit("<|im_start|>system", 1)[-1].split("Your output fields", 1)[-1][:200]:
-            return _EXTRACT % (observations[-1], observations[-1])
-        if observations and not loop:
-            return _REACT % ("finish", "{}")
-        args = {"value": "1"} if bad else {"expression": task.meta["expression"] if task else "0"}
-        return _REACT % ("calculator", json.dumps(args))
+    if "[[ ## trajectory ## ]]" in prompt:  # dspy.ReAct: a step, or the final extraction
+        observations = [o for o in re.findall(r"\[\[ ## observation_\d+ ## \]\]\n(.*?)\n\n", prompt, re.S)
+                        if o != "Completed."]  # (what `finish` returns)
+        outputs = prompt.split("Your output fields are:", 1)[1].split("All interactions", 1)[0]
+        json_reply = "Outputs will be a JSON object" in prompt  # DSPy's JSONAdapter: its retry
+        if "`answer`" in outputs:
+            fields = {"reasoning": f"The calculator said {observations[-1]}.",
+                      "answer": f"<answer>{observations[-1]}</answer>"}
+        elif observations and not loop:
+            fields = {"next_thought": "I have the result.", "next_tool_name": "finish", "next_tool_args": {}}
+        else:
+            fields = {"next_thought": "I will use the calculator.", "next_tool_name": "calculator",
+                      "next_tool_args": {"value": "1"} if bad else {"expression": task.meta["expression"]}}
+        if json_reply:
+            return json.dumps(fields)
+        return "".join(f"[[ ## {k} ## ]]\n{v if isinstance(v, str) else json.dumps(v)}\n\n" for k, v in fields.items()) \
+            + "[[ ## completed ## ]]"
     if "final_answer(" in prompt and "<code>" in prompt:  # smolagents' CodeAgent (its examples before the task)
         observations = re.findall(r"Observation:\n(?:Execution logs:\n)?(.*?)\n", prompt.rsplit("New task:", 1)[-1])
         if observations and not loop:
@@ -187,10 +192,185 @@ def runs(server):
     return get
 
 
+# --------------------------------------------------------------------------- what each framework does
+#: model calls of the calc episode (DSPy: a ReAct step that calls the tool, one that picks `finish`,
+#: then the extraction of the answer)
+TURNS = {name: 3 if name == "dspy_react" else 2 for name in NAMES}
+#: frameworks that send their history back as text (smolagents: "Calling tools: [...]" and
+#: "Observation: ..." turns; DSPy: the trajectory inside one user message): each call is its own sample
+OWN_SAMPLES = ("smolagents_tool_calling", "smolagents_code", "dspy_react")
+#: the request fields each framework sends beyond model/messages/tools (pinned; listed in the README)
+WIRE: dict[str, dict[str, Any]] = {
+    "litellm_sdk": {"max_tokens": 64, "seed": 7, "temperature": 1.0},
+    "autogen_agent": {"max_tokens": 64, "seed": 7, "temperature": 1.0, "stream": False, "tool_choice": "auto"},
+    "llamaindex_agent": {"max_tokens": 64, "seed": 7, "temperature": 1.0, "stream": True, "tool_choice": "auto",
+                         "parallel_tool_calls": True},
+    "llamaindex_responses": {"max_output_tokens": 64, "temperature": 1.0, "stream": True, "tool_choice": "auto",
+                             "parallel_tool_calls": True, "store": False, "top_p": 1.0, "truncation": "disabled",
+                             "previous_response_id": None, "include": None, "metadata": None, "user": None},
+    "smolagents_tool_calling": {"max_tokens": 64, "seed": 7, "temperature": 1.0, "tool_choice": "required",
+                                "stop": ["Observation:", "Calling tools:"]},
+    "smolagents_code": {"max_tokens": 128, "seed": 7, "temperature": 1.0,
+                        "stop": ["Observation:", "Calling tools:", "</code>"]},
+    "dspy_react": {"max_completion_tokens": 128, "seed": 7, "temperature": 1.0},
+    "google_adk_agent": {"max_completion_tokens": 64, "seed": 7, "temperature": 1.0},
+}
+#: the tool each sends (None: described in its prompt's text, called in the reply's own format)
+TOOL_PARAMETERS: dict[str, dict[str, Any] | None] = {
+    "litellm_sdk": CALCULATOR_TOOL["function"]["parameters"],
+    "autogen_agent": {"type": "object", "properties": {"expression": {
+        "description": "expression", "title": "Expression", "type": "string"}},
+        "required": ["expression"], "additionalProperties": False},
+    "llamaindex_agent": {"properties": {"expression": {"title": "Expression", "type": "string"}},
+                         "required": ["expression"], "type": "object", "additionalProperties": False},
+    "llamaindex_responses": {"properties": {"expression": {"title": "Expression", "type": "string"}},
+                             "required": ["expression"], "type": "object"},
+    "smolagents_tool_calling": {"type": "object", "properties": {"expression": {
+        "type": "string", "description": "the arithmetic expression"}}, "required": ["expression"]},
+    "smolagents_code": None,
+    "dspy_react": None,
+    "google_adk_agent": {"properties": {"expression": {"title": "Expression", "type": "string"}},
+                         "required": ["expression"], "title": "calculatorParams", "type": "object"},
+}
+
+
+def _tools(body: dict) -> list[dict]:
+    """A request's function tools, in the chat-completions shape."""
+    return [t if "function" in t else {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+            for t in body.get("tools", [])]
+
+
+def _messages(body: dict) -> list[tuple[str, str]]:
+    """A request's (role, text) turns, its instructions first (Responses)."""
+    turns = [("system", body["instructions"])] if body.get("instructions") else []
+    for m in body.get("messages", body.get("input", [])):
+        if "role" in m:
+            turns.append((m["role"], _text(m.get("content") or "")))
+    return turns
+
+
+# --------------------------------------------------------------------------- (a) the episode
 @pytest.mark.parametrize("name", NAMES)
-def test_debug(runs, server, name):
+def test_the_episode_ends_with_the_right_answer(runs, name):
     run = runs(name)
-    print(json.dumps(run.bodies, indent=1)[:6000])
+    assert run.result == (f"<answer>{TASK.answer}</answer>", 1, 1, TURNS[name])
+    assert run.reward == pytest.approx(1.1)
+    assert run.report["accepted"] is True and run.report["reward"] == pytest.approx(1.1)
+
+
+# --------------------------------------------------------------------------- (b) the capture
+@pytest.mark.parametrize("name", NAMES)
+def test_every_model_call_is_captured(runs, server, name):
+    """One timeline per model call, each ending with the model's reply (the trained tokens); the
+    native tool-calling agents' calls merge into one sample, the others' stay one sample each."""
+    run = runs(name)
+    assert len(run.bodies) == len(run.timelines) == TURNS[name]
     for tl in run.timelines:
-        print("----", server.tokenizer.decode(tl.token_ids()))
-    print(run.result, run.reward)
+        reply = tl.blocks[-1]
+        # only the reply is trained (smolagents: not the tool-call opening the server prefills for its
+        # tool_choice "required")
+        assert reply.author == "llm" and sum(reply.loss_mask) > 0
+        assert not any(m for b in tl.blocks[:-1] for m in b.loss_mask)
+    assert TASK.answer in server.tokenizer.decode(run.timelines[-1].blocks[-1].token_ids)
+    samples = merge_timelines(run.timelines, "token")
+    assert len(samples) == (TURNS[name] if name in OWN_SAMPLES else 1)
+
+
+# --------------------------------------------------------------------------- (c) what is sent
+@pytest.mark.parametrize("name", NAMES)
+def test_the_requests_carry_the_task_prompt_and_tool(runs, name):
+    question = TASK.messages[1]["content"]
+    for body in runs(name).bodies:
+        turns = _messages(body)
+        # the task's system prompt: as is, or inside the framework's own instructions
+        assert turns[0][0] in ("system", "developer") and SYSTEM_PROMPT in turns[0][1]
+        assert any(role == "user" and question in text for role, text in turns)
+        assert {k: body.get(k) for k in WIRE[name]} == WIRE[name]
+        params = TOOL_PARAMETERS[name]
+        if params is None:  # the tool lives in the prompt's text
+            assert "tools" not in body and "calculator" in turns[0][1]
+            continue
+        calculator = [t["function"] for t in _tools(body) if t["function"]["name"] == "calculator"]
+        assert len(calculator) == 1, body.get("tools")
+        assert calculator[0]["description"] == CALCULATOR_TOOL["function"]["description"]
+        assert calculator[0]["parameters"] == params
+        assert calculator[0].get("strict") in (None, False)  # never "strict": true (the server refuses it)
+    if name == "smolagents_tool_calling":
+        assert [t["function"]["name"] for t in _tools(body)] == ["calculator", "final_answer"]
+    if name == "google_adk_agent":  # ADK adds a line naming the agent, and sends results as {"result": ...}
+        assert turns[0][1] == SYSTEM_PROMPT + '\n\nYou are an agent. Your internal name is "calc".'
+        assert turns[-1] == ("tool", json.dumps({"result": TASK.answer}))
+
+
+# --------------------------------------------------------------------------- (d) limits and errors
+#: the loop task's outcome at the 3-call limit: (final text, valid calls, calls)
+AT_LIMIT = {name: ("", 3, 3) for name in NAMES} | {
+    # smolagents' last call is its forced final call (no tools): its reply's text is the answer
+    "smolagents_tool_calling": (CALL % LOOP.meta["expression"], 2, 2),
+    "smolagents_code": (CALL % LOOP.meta["expression"], 2, 2),
+    # DSPy's last call extracts an answer from the trajectory, whatever the steps did
+    "dspy_react": (f"<answer>{LOOP.answer}</answer>", 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_agent_stops_after_three_model_calls(runs, name):
+    run = runs(name, LOOP)
+    assert run.result == (*AT_LIMIT[name], 3)
+    assert len(run.bodies) == len(run.timelines) == 3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_malformed_tool_call_is_answered_with_an_error_not_a_crash(runs, name):
+    """The model's wrong argument names come back to it as an error (the framework's validation or
+    the calculator's): the episode goes on and is reported, no reward for the call."""
+    run = runs(name, BAD_ARGS)
+    final, valid, calls, turns = run.result
+    assert valid == 0 and turns == len(run.bodies) <= 4
+    assert run.report["accepted"] is True and run.reward == 0.0
+    if name not in ("smolagents_code", "dspy_react"):  # (CodeAgent: Python's TypeError, the tool never runs)
+        assert calls >= 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_command_line_trains_and_evaluates_with_episodes_at_once(server, capsys, name):
+    module, loop = load(name), _load_file("swarm_loop")
+    loop.main(module.run_episode, name, ["--url", server.client.url, "--token", TOKEN, "--episodes", "4",
+                                         "--group", "2", "--eval", "4", "--concurrency", "4"])
+    out = capsys.readouterr().out
+    assert f"{name}: 4 episodes, mean reward 1.100" in out
+    assert f"{name} eval (4 tasks): accuracy 1.000  valid tool calls 1.000  reward 1.100" in out
+
+
+# --------------------------------------------------------------------------- (e) the tiny model
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_a_short_training_run_on_the_tiny_model(name, tmp_path):
+    """Episodes of the framework on the tiny random model (hf backend): every call captured, two GRPO
+    steps, finite losses. A random model rarely follows a framework's format: the episodes end early
+    or at the limit, which is what training starts from."""
+    from swarmkit.apps.serve import start_server_thread
+    from swarmkit.swarm.metrics import read_metrics
+
+    module, loop = load(name), _load_file("swarm_loop")
+    handle = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                             "run_dir": str(tmp_path)}})
+    try:
+        with SwarmClient(handle.url, token=TOKEN, retry_for=120) as client:
+            client.configure(["model=tiny", f"model.max_context={MAX_CONTEXT}", "backend=hf",
+                              "backend.device=cpu", "backend.batch_wait_s=0.01", "batching=c1",
+                              "batching.batch_size=1", "batching.rollouts_per_task=2", "trainer.total_steps=2",
+                              "optim.lr=1e-3"])
+            client.start()
+            client.wait_for_state("ROLLING", timeout=120)
+            outcomes = loop.train(client, module.run_episode, 4, group=2, concurrency=2)
+            deadline = time.monotonic() + 300
+            while client.status()["global_step"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert client.status()["global_step"] == 2
+    finally:
+        handle.stop()
+    assert len(outcomes) == 4 and all(1 <= o.metrics["turns"] <= 4 for o in outcomes)
+    rows = [r for r in read_metrics(tmp_path) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["samples"] >= 1 and r["trained_tokens"] > 0 for r in rows)

@@ -18,7 +18,9 @@ from swarmkit.tasks.calc_agent import run_tool_call
 def run_episode(base_url: str, api_key: str, task: Task, *, temperature: float, seed: int | None,
                 max_tokens: int = 128, max_turns: int = 3) -> tuple[str, int, int, int]:
     system, question = (m["content"] for m in task.messages)  # the system prompt and the word problem
-    calls: list[bool] = []  # the model's code calls the tool: the tool counts the calls
+    # the model's code calls the tool, so the tool counts the calls (a call with wrong argument names
+    # fails in Python before reaching it: the model sees the TypeError)
+    calls: list[bool] = []
 
     @tool
     def calculator(expression: str) -> str:
@@ -35,12 +37,13 @@ def run_episode(base_url: str, api_key: str, task: Task, *, temperature: float, 
                         max_tokens=max_tokens, client_kwargs={"max_retries": 0},
                         **({"seed": seed} if seed is not None else {}))
     # smolagents' own system prompt with the task's appended; the code runs in its local interpreter,
-    # and the answer is the argument of its `final_answer(...)`
-    agent = CodeAgent(tools=[calculator], model=model, instructions=system, max_steps=max_turns,
+    # and the answer is the argument of its `final_answer(...)`; after max_steps it makes one more call
+    # for an answer (its reply's text): max_steps = max_turns - 1
+    agent = CodeAgent(tools=[calculator], model=model, instructions=system, max_steps=max_turns - 1,
                       verbosity_level=0)
     result = agent.run(question, return_full_result=True)
-    steps = [s for s in agent.memory.steps if isinstance(s, ActionStep)]
-    final = str(result.output) if result.state == "success" else ""
+    steps = [s for s in agent.memory.steps if isinstance(s, ActionStep)]  # one per model call
+    final = "" if result.output is None else str(result.output)
     return final, sum(calls), len(calls), len(steps)
 
 

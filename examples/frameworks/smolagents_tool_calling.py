@@ -29,14 +29,16 @@ def run_episode(base_url: str, api_key: str, task: Task, *, temperature: float, 
                         max_tokens=max_tokens, client_kwargs={"max_retries": 0},
                         **({"seed": seed} if seed is not None else {}))
     # smolagents' own system prompt (its ReAct instructions and examples) with the task's appended;
-    # the answer is a call of its `final_answer` tool
-    agent = ToolCallingAgent(tools=[calculator], model=model, instructions=system, max_steps=max_turns,
+    # the answer is a call of its `final_answer` tool; after max_steps it makes one more call, without
+    # tools, for an answer (its reply's text): max_steps = max_turns - 1
+    agent = ToolCallingAgent(tools=[calculator], model=model, instructions=system, max_steps=max_turns - 1,
                              verbosity_level=0)
     result = agent.run(question, return_full_result=True)
-    steps = [s for s in agent.memory.steps if isinstance(s, ActionStep)]
-    calls = [run_tool_call(c.name, c.arguments)[1] for s in steps for c in s.tool_calls or []
-             if c.name != "final_answer"]
-    final = str(result.output) if result.state == "success" else ""
+    steps = [s for s in agent.memory.steps if isinstance(s, ActionStep)]  # one per model call
+    # the calls the model made (a step's `tool_calls` lacks those whose arguments failed validation)
+    calls = [run_tool_call(c.function.name, c.function.arguments)[1] for s in steps if s.model_output_message
+             for c in s.model_output_message.tool_calls or [] if c.function.name != "final_answer"]
+    final = "" if result.output is None else str(result.output)
     return final, sum(calls), len(calls), len(steps)
 
 
