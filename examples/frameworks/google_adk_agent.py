@@ -11,7 +11,6 @@ import asyncio
 import os
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM fetches a price list at import
-os.environ.setdefault("ADK_DISABLE_TELEMETRY", "1")
 
 from google.adk.agents import LlmAgent  # noqa: E402
 from google.adk.agents.invocation_context import LlmCallsLimitExceededError  # noqa: E402
