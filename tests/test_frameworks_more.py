@@ -75,8 +75,9 @@ PARAMS = [pytest.param(n, marks=pytest.mark.skipif(
 sys.path.insert(0, str(EXAMPLES))
 #: the prompt templates (test_frameworks.TEMPLATES): the tiny model's own and SmolLM2's
 TEMPLATES = ["builtin:tiny", "builtin:smollm2_tools"]
-#: smolagents' CodeAgent prompt (~2.3k tokens of instructions and examples) needs more than the tiny
-#: model's 1024: a user raises model.max_context the same way
+#: smolagents' and DSPy's prompts (their instructions and examples: 6.7k tokens for CodeAgent, 2.9k for
+#: ToolCallingAgent, 2.1k for ReAct under the tiny tokenizer) need more than the tiny model's 1024: a
+#: user raises model.max_context the same way
 MAX_CONTEXT = 8192
 
 
@@ -382,13 +383,14 @@ def test_a_short_training_run_on_the_tiny_model(name, tmp_path):
     from swarmkit.swarm.metrics import read_metrics
 
     module, loop = load(name), _load_file("swarm_loop")
-    # (CodeAgent's episodes, ~7k-token prompts under the tiny tokenizer, may outlast the default 60 s
-    # drain on a busy CPU: an episode still running at the drain deadline is aborted)
     handle = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                             "run_dir": str(tmp_path), "drain_timeout_s": 600}})
+                                             "run_dir": str(tmp_path)}})
     try:
         with SwarmClient(handle.url, token=TOKEN, retry_for=120) as client:
-            client.configure(["model=tiny", f"model.max_context={MAX_CONTEXT}", "backend=hf",
+            # (CodeAgent's episodes, ~7k-token prompts under the tiny tokenizer, may outlast the default
+            # 60 s drain before a step on a busy CPU: an episode still running then is aborted)
+            client.configure(["model=tiny", f"model.max_context={MAX_CONTEXT}", "server.drain_timeout_s=600",
+                              "backend=hf",
                               "backend.device=cpu", "backend.batch_wait_s=0.01", "batching=c1",
                               "batching.batch_size=1", "batching.rollouts_per_task=2", "trainer.total_steps=2",
                               "optim.lr=1e-3"])

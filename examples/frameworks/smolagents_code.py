@@ -3,8 +3,8 @@
     pip install smolagents
     python examples/frameworks/smolagents_code.py --url http://127.0.0.1:8000 --token ADMIN --episodes 32
 
-Its prompt (instructions and worked examples) is ~2.3k tokens under SmolLM2's tokenizer: the server's
-model.max_context must hold it and the replies (e.g. model.max_context=4096).
+Its prompt (instructions and worked examples) is ~2.4k tokens under SmolLM2's tokenizer: the server's
+model.max_context (2048 by default) must hold it and the replies (e.g. model.max_context=4096).
 """
 
 from __future__ import annotations
