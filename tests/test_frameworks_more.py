@@ -121,14 +121,14 @@ def _reply(prompt: str) -> str:
                         if o != "Completed."]  # (what `finish` returns)
         outputs = prompt.split("Your output fields are:", 1)[1].split("All interactions", 1)[0]
         json_reply = "Outputs will be a JSON object" in prompt  # DSPy's JSONAdapter: its retry
+        last = observations[-1] if observations else "nothing"
         if "`answer`" in outputs:
-            fields = {"reasoning": f"The calculator said {observations[-1]}.",
-                      "answer": f"<answer>{observations[-1]}</answer>"}
+            fields = {"reasoning": f"The calculator said {last}.", "answer": f"<answer>{last}</answer>"}
         elif observations and not loop:
             fields = {"next_thought": "I have the result.", "next_tool_name": "finish", "next_tool_args": {}}
         else:
             fields = {"next_thought": "I will use the calculator.", "next_tool_name": "calculator",
-                      "next_tool_args": {"value": "1"} if bad else {"expression": task.meta["expression"]}}
+                      "next_tool_args": {"value": "1"} if bad else {"expression": task.meta["expression"] if task else "0"}}
         if json_reply:
             return json.dumps(fields)
         return "".join(f"[[ ## {k} ## ]]\n{v if isinstance(v, str) else json.dumps(v)}\n\n" for k, v in fields.items()) \
