@@ -9,6 +9,7 @@ held-out split and the per-episode metadata arrive in the server's episodes unch
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from swarmkit.envs import Action, run_env_episodes
 from swarmkit.envs.loop import ToolCall, action_of, observation_messages, opening_messages
 
+ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "envs-admin-token-" + "x" * 16
 GUESS_TOOL = {"type": "function", "function": {"name": "guess", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
@@ -70,6 +72,19 @@ def test_observations_answer_tool_calls_or_speak_as_the_user():
         observation_messages("only one", calls)
     with pytest.raises(TypeError, match="reset\\(\\) observation"):
         opening_messages(42)
+
+
+def env_venv_python(var: str, venv: str) -> str:
+    """The python of an environment package's own venv: ``$var``, else ``{venv}/bin/python`` at the
+    repository root (docs/environments.md says how to make them). Absent: the test is skipped, unless
+    ``SWARMKIT_REQUIRE_ENV_VENVS=1`` (CI sets it) makes that a failure."""
+    path = os.environ.get(var) or str(ROOT / venv / "bin" / "python")
+    if not Path(path).exists():
+        msg = f"no venv at {path} (set {var}, or make {venv}: docs/environments.md)"
+        if os.environ.get("SWARMKIT_REQUIRE_ENV_VENVS") == "1":
+            pytest.fail(msg + "; SWARMKIT_REQUIRE_ENV_VENVS=1 makes this a failure")
+        pytest.skip(msg)
+    return path
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 ``openenv-core`` 0.3.0 cannot share swarmkit's environment (it downgrades pillow below the
 pin of other packages here), so it lives in a venv of its own: ``$SWARMKIT_OPENENV_PYTHON``,
 else ``.venv-openenv/bin/python`` at the repository root (docs/environments.md says how to
-make it); the test is skipped when neither exists. This process runs a real server with the
+make it); the test is skipped when neither exists, unless ``SWARMKIT_REQUIRE_ENV_VENVS=1`` (CI)
+makes that a failure. This process runs a real server with the
 ``scripted`` backend; a child process in that venv defines an OpenEnv ``Environment`` (pydantic
 Action and Observation) and plays it through the light client; rewards, the held-out split and
 the observation metadata arrive in the server's episodes.
@@ -14,15 +15,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
-from test_envs import scripted_swarm
-
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = os.environ.get("SWARMKIT_OPENENV_PYTHON") or str(ROOT / ".venv-openenv" / "bin" / "python")
-
-pytestmark = pytest.mark.skipif(not Path(PYTHON).exists(), reason=f"no OpenEnv venv at {PYTHON}")
+from test_envs import ROOT, env_venv_python, scripted_swarm
 
 CHILD = """
 import json, sys
@@ -69,14 +64,16 @@ print(json.dumps({"train": [[r.task_id, r.rewards, r.report] for r in train],
 
 @pytest.fixture(scope="module")
 def scripted_server(tmp_path_factory):
+    env_venv_python("SWARMKIT_OPENENV_PYTHON", ".venv-openenv")  # no server for a test that skips
     with scripted_swarm(tmp_path_factory.mktemp("openenv")) as served:
         yield served
 
 
 def test_an_openenv_environment_plays_through_the_swarm(scripted_server):
     client, cycle = scripted_server
+    python = env_venv_python("SWARMKIT_OPENENV_PYTHON", ".venv-openenv")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([PYTHON, "-c", CHILD, client.url], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([python, "-c", CHILD, client.url], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert {t: rw for t, rw, _ in out["train"]} == {"openenv-guess-0": [-0.1, 1.0], "openenv-guess-1": [1.0],

@@ -5,6 +5,8 @@
   swarm's model as a multi-turn chat whose actions are messages or tool calls; its rewards
   and metadata are reported into the episode (:func:`run_env_episode`, :func:`run_env_episodes`).
 - :mod:`.openenv`: an OpenEnv ``Environment`` (``openenv-core``) as such a text environment.
+- :mod:`.verifiers`: a verifiers ``Env`` (``verifiers`` 0.4.0), which runs its own agent, pointed at a
+  swarm episode's endpoint; its rubric's reward is the episode's (:func:`run_verifiers_episodes`).
 
 docs/environments.md shows each with one command.
 """
