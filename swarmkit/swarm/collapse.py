@@ -37,6 +37,15 @@ IDENTICAL, FLAT, GROUPS = "collapse/identical_groups", "collapse/flat_groups", "
 ENTROPY, SAMPLED_NLL = "collapse/entropy", "collapse/sampled_nll"
 #: prefix of the task-declared metrics (``task/valid_tool_call``)
 TASK_PREFIX = "task/"
+#: what a signal past its threshold means to the person reading the alarm (a newcomer's first alarm
+#: is often a reward that never varies, not a policy that fell)
+MEANING = {
+    FLAT: ("flat groups: every rollout of a task got the same reward, so GRPO has no signal and nothing is "
+           "learned (loss 0); give partial credit that tells attempts apart, or warm-start the model "
+           "(docs/training.md, \"Collapse alarm\")"),
+    IDENTICAL: "identical groups: the rollouts of a task are all the same answer (sampling lost its diversity)",
+    ENTROPY: "low entropy: the policy samples almost deterministically",
+}
 #: two rewards closer than this count as equal (a group of them has "no variance")
 REWARD_EPS = 1e-9
 
@@ -268,6 +277,7 @@ class CollapseAlarm:
         self.fired += 1
         alarm = Alarm(step=step, crossings=ripe, window_start=min(c.since for c in ripe), action=self.cfg.action)
         alarm.message = (f"collapse alarm at step {step}: " + "; ".join(c.text() for c in ripe)
-                         + f" (steps {alarm.window_start}..{step}; trainer.collapse.action={self.cfg.action})")
+                         + f" (steps {alarm.window_start}..{step}; trainer.collapse.action={self.cfg.action})"
+                         + "".join(f" - {MEANING[c.signal]}" for c in ripe if c.signal in MEANING))
         self.active = alarm
         return alarm
