@@ -265,3 +265,10 @@ def test_a_flat_groups_alarm_says_that_nothing_is_learned():
     fired = alarm.observe(2, signals)
     assert fired is not None and "GRPO has no signal and nothing is learned" in fired.message
     assert "partial credit" in fired.message
+
+
+def test_flat_groups_of_identical_rollouts_are_explained_as_the_collapse():
+    alarm = CollapseAlarm(CollapseConfig(patience=1))
+    fired = alarm.observe(1, {FLAT: 1.0, IDENTICAL: 1.0, GROUPS: 4.0, ENTROPY: 0.0})
+    assert fired is not None and "the policy collapsed" in fired.message and "low entropy" in fired.message
+    assert "partial credit" not in fired.message

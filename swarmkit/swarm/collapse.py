@@ -43,9 +43,18 @@ MEANING = {
     FLAT: ("flat groups: every rollout of a task got the same reward, so GRPO has no signal and nothing is "
            "learned (loss 0); give partial credit that tells attempts apart, or warm-start the model "
            "(docs/training.md, \"Collapse alarm\")"),
-    IDENTICAL: "identical groups: the rollouts of a task are all the same answer (sampling lost its diversity)",
+    IDENTICAL: ("identical groups: the rollouts of a task are all the same answer, so they score alike and "
+                "nothing more is learned (the policy collapsed); lower optim.lr, or add algo.kl_coef or "
+                "algo.entropy_coef, or trainer.collapse.action=rollback"),
     ENTROPY: "low entropy: the policy samples almost deterministically",
 }
+
+
+def meanings(signals: set[str]) -> list[str]:
+    """What the signals of an alarm mean, in :data:`MEANING`'s order; flat groups that identical rollouts
+    explain are the collapse itself, not a reward that never varies."""
+    shown = signals - {FLAT} if IDENTICAL in signals else signals
+    return [text for name, text in MEANING.items() if name in shown]
 #: two rewards closer than this count as equal (a group of them has "no variance")
 REWARD_EPS = 1e-9
 
@@ -278,6 +287,6 @@ class CollapseAlarm:
         alarm = Alarm(step=step, crossings=ripe, window_start=min(c.since for c in ripe), action=self.cfg.action)
         alarm.message = (f"collapse alarm at step {step}: " + "; ".join(c.text() for c in ripe)
                          + f" (steps {alarm.window_start}..{step}; trainer.collapse.action={self.cfg.action})"
-                         + "".join(f" - {MEANING[c.signal]}" for c in ripe if c.signal in MEANING))
+                         + "".join(f" - {m}" for m in meanings({c.signal for c in ripe})))
         self.active = alarm
         return alarm
