@@ -254,3 +254,21 @@ def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, t
 
 def _metrics_text(url: str) -> str:
     return httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+
+
+def test_a_flat_groups_alarm_says_that_nothing_is_learned():
+    """A newcomer's first alarm is a reward that never varies (the tiny model on arithmetic): the message
+    says what that means and what to do, not only the signal's name."""
+    alarm = CollapseAlarm(CollapseConfig(patience=2))
+    signals = {FLAT: 1.0, IDENTICAL: 0.0, GROUPS: 4.0, ENTROPY: 6.0}
+    assert alarm.observe(1, signals) is None
+    fired = alarm.observe(2, signals)
+    assert fired is not None and "GRPO has no signal and nothing is learned" in fired.message
+    assert "partial credit" in fired.message
+
+
+def test_flat_groups_of_identical_rollouts_are_explained_as_the_collapse():
+    alarm = CollapseAlarm(CollapseConfig(patience=1))
+    fired = alarm.observe(1, {FLAT: 1.0, IDENTICAL: 1.0, GROUPS: 4.0, ENTROPY: 0.0})
+    assert fired is not None and "the policy collapsed" in fired.message and "low entropy" in fired.message
+    assert "partial credit" not in fired.message

@@ -329,6 +329,7 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
     """``mode=server model=tiny`` serves the tiny model (it was OFFLINE with model=tiny dropped); a server given
     no training override still waits OFFLINE and says how to configure it."""
     import os
+    import signal
     import socket
 
     from swarmkit.client import SwarmClient
@@ -360,9 +361,16 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
             assert not c.status()["configured"]
         a, b = (tmp_path / "a.out").read_text(), (tmp_path / "b.out").read_text()
         assert "configured from the command line (model=tiny optim.lr=1e-3 'logger=[]')" in a, a
+        assert f"(python -m swarmkit status {tmp_path / 'a'} --watch follows it)" in a, a  # a command that runs
+        assert "Loading weights" not in a, a  # transformers' progress bars are off
         assert "not configured (OFFLINE)" in b and ".configure([" in b and "mode=server model=tiny" in b, b
         cfg = OmegaConf.load(tmp_path / "a" / ".hydra" / "config.yaml")
         assert cfg.trainer.total_steps == TrainerConfig().total_steps and cfg.optim.lr == 1e-3
+        for p in procs:  # Ctrl-C stops a server: it shuts down, says "interrupted", exits 130, no traceback
+            p.send_signal(signal.SIGINT)
+        assert [p.wait(60) for p in procs] == [130, 130]
+        a, b = (tmp_path / "a.out").read_text(), (tmp_path / "b.out").read_text()
+        assert "Traceback" not in a + b and a.rstrip().endswith("interrupted") and b.rstrip().endswith("interrupted")
     finally:
         for p in procs:
             p.terminate()

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -183,36 +184,52 @@ class EpisodeLoop:
             for _ in range(self.rollouts_per_task):
                 yield task
 
+    def interrupt(self) -> None:
+        """Make the running episodes give up now (the loop was interrupted, e.g. by Ctrl-C); subclasses
+        close their SDK client, whose retries would otherwise run out their budget first."""
+
     def run(self) -> None:
         jobs = self._jobs()
         with httpx.Client(timeout=600.0) as http, ThreadPoolExecutor(self.concurrency) as pool:
             running: set[Future] = set()
-            while not self.stop_event.is_set():
-                if self.max_episodes and self.finished >= self.max_episodes:
-                    break
-                while len(running) < self.concurrency:
-                    running.add(pool.submit(self.run_one, next(jobs), http))
-                done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    try:
-                        result = fut.result()
-                    except SwarmAPIError as exc:
-                        if exc.code == "training_finished":  # the server's step limit: sampling is over
-                            log.info("the server finished training; the loop stops sampling")
-                            self.stop_event.set()
-                            continue
-                        self._failed(exc)
-                        continue
-                    except Exception as exc:  # noqa: BLE001 - a failed episode (server busy, an agent's own
-                        # error...) is aborted by the SDK and counted; the loop keeps sampling
-                        self._failed(exc)
-                        continue
-                    self.finished += 1
-                    self.handle(result)
-                    if self.eval_every and self.finished % self.eval_every == 0:
-                        pool.submit(self._eval_once, http)
-            for fut in running:
-                fut.cancel()
+            try:
+                while not self.stop_event.is_set():
+                    if self.max_episodes and self.finished >= self.max_episodes:
+                        break
+                    while len(running) < self.concurrency:
+                        running.add(pool.submit(self.run_one, next(jobs), http))
+                    done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        self._collect(fut, pool, http)
+            except BaseException:  # Ctrl-C: the pool's exit would wait for every running episode's retries
+                self.stop_event.set()
+                self.interrupt()
+                http.close()
+                raise
+            finally:
+                for fut in running:
+                    fut.cancel()
+
+    def _collect(self, fut: Future, pool: ThreadPoolExecutor, http: httpx.Client) -> None:
+        """Count one finished episode (or its failure, or the server's end of training)."""
+        try:
+            result = fut.result()
+        except SwarmAPIError as exc:
+            if exc.code == "training_finished":  # the server's step limit: sampling is over
+                if not self.stop_event.is_set():  # several running episodes learn it at once: one line
+                    log.info("the server finished training; the loop stops sampling")
+                self.stop_event.set()
+                return
+            self._failed(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a failed episode (server busy, an agent's own
+            # error...) is aborted by the SDK and counted; the loop keeps sampling
+            self._failed(exc)
+            return
+        self.finished += 1
+        self.handle(result)
+        if self.eval_every and self.finished % self.eval_every == 0:
+            pool.submit(self._eval_once, http)
 
     def _failed(self, exc: Exception) -> None:
         self.failures += 1
@@ -265,6 +282,9 @@ class TrainingClient(EpisodeLoop):
         self.on_result = on_result
         #: vote "ready" (batching C4/C5) after every this many finished episodes; 0 = never
         self.ready_every = ready_every
+
+    def interrupt(self) -> None:
+        self.client.close()
 
     def run_one(self, task: Task, http: httpx.Client) -> EpisodeResult:
         return run_episode(self.client, task, max_tokens=self.max_tokens, temperature=self.temperature, http=http)
@@ -417,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tc.run()
     except KeyboardInterrupt:
-        tc.stop_event.set()
+        print(f"interrupted: {tc.finished} episodes in all", file=sys.stderr, flush=True)
+        return 130
     finally:
         if summary is not None:
             summary.stop()

@@ -583,13 +583,16 @@ class SwarmServer:
         A stop slower than :data:`SLOW_STOP_S` logs every thread's stack once (what it waits on).
         """
         t0 = time.perf_counter()
+        was = self.state.state
         watchdog = asyncio.get_running_loop().call_later(SLOW_STOP_S, log_thread_stacks,
                                                          f"stopping the server takes over {SLOW_STOP_S:g} s")
         try:
             await self._stop(reason)
         finally:
             watchdog.cancel()
-        log.info("server stopped in %.1f s (%s)", time.perf_counter() - t0, reason)
+        # a server that was OFFLINE already (stopped by the controller, then shut down) had nothing to stop
+        log.log(logging.DEBUG if was is ServerState.OFFLINE else logging.INFO,
+                "server stopped in %.1f s (%s)", time.perf_counter() - t0, reason)
 
     async def _stop(self, reason: str) -> None:
         if self._boot_task is not None and not self._boot_task.done():
