@@ -243,7 +243,8 @@ class TrainingCycle:
     def alarm_status(self) -> dict[str, Any]:
         """The collapse alarm, for ``status()["pool"]["alarm"]``: ``active`` (signals of the last
         alarm are still past their thresholds, or training is paused by it), ``paused`` (why),
-        ``message`` and ``last`` (the last alarm: step, window, signals, action taken), ``fired``,
+        ``message`` and ``last`` (the last alarm: step, window, signals, action ``taken``: ``pending``
+        while a rollback is under way), ``fired``,
         ``rollbacks``, ``action`` (trainer.collapse.action)."""
         last = self.last_alarm
         return {"active": self.alarm.active is not None or self.paused is not None, "paused": self.paused,
@@ -557,6 +558,7 @@ class TrainingCycle:
                 action, why = "pause", f"{self.rollbacks} rollbacks already (trainer.collapse.max_rollbacks)"
             elif self._unrecorded or self._unsynced is not None:
                 action, why = "pause", "an earlier step's journal write or weight sync is still pending"
+        alarm.extra["taken"] = "pending"  # status shows the alarm at once; the action when it is done
         self.last_alarm = alarm
         log.warning("%s", alarm.message)
         rolled = False
