@@ -121,7 +121,7 @@ def _schema(node: Any) -> Any:
         return [_schema(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in node.items():
         if key == "type" and isinstance(value, str):
             if value == "any":
