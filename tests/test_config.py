@@ -249,7 +249,7 @@ def test_a_bad_chat_template_is_a_config_error(value):
 # --------------------------------------------------------------------------- issue 36: the first hour of a new user
 @pytest.mark.parametrize("args, choices", [
     (["model=tinyy"], "unknown model 'tinyy'; model options: smollm2, tiny"),
-    (["task=arith"], "unknown task 'arith'; task options: arithmetic, calc_agent, multi_calc, token_rule"),
+    (["task=arith"], "unknown task 'arith'; task options: arithmetic, bfcl, calc_agent, multi_calc, reasoning_gym, token_rule"),
     (["--multirun", "model=tiny,tinyy"], "unknown model 'tinyy'; model options: smollm2, tiny"),
     (["hydra/launcher=nosuch"], "Could not find 'hydra/launcher/nosuch'; options: "),
 ])

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 #: a failed episode is logged at WARNING the first time, then at most once per this many seconds (with how
 #: many failed meanwhile, each at DEBUG): a server that stays busy does not print a line per episode
 FAILURE_NOTE_S = 60.0
+#: the per-episode task metrics an evaluation averages (with intervals), when the task reports them
+EVAL_METRICS = ("correct", "valid_tool_call", "formatted", "turns_passed")
 
 
 @dataclass
@@ -129,7 +131,7 @@ def evaluate(
         results = list(pool.map(lambda t: one(t, http), tasks))
     rewards = [r.reward for r in results]
     mean, ci = mean_ci(rewards)
-    keys = sorted({k for r in results for k in r.metrics if k in ("correct", "valid_tool_call")})
+    keys = sorted({k for r in results for k in r.metrics if k in EVAL_METRICS})
     metrics = {k: mean_ci([r.metrics.get(k, 0.0) for r in results]) for k in keys}
     return EvalResult(mean, ci, len(rewards), rewards, metrics,
                       failures=sum(int(r.metrics.get("failed", 0)) for r in results))
