@@ -62,7 +62,8 @@ def test_every_registered_component_has_a_config_option(tmp_path):
     script = tmp_path / "script.yaml"
     script.write_text("replies: [hello]\n")
     #: the keys a component cannot run without (its missing-key error is tested beside the component)
-    required = {("backend", "scripted"): [f"backend.script={script}"]}
+    required = {("backend", "scripted"): [f"backend.script={script}"],
+                ("algo", "distill"): ["algo.teacher_url=http://127.0.0.1:9/v1"]}
     registry = get_registry()
     for kind in KINDS:
         for name in registry.names(kind):
