@@ -71,6 +71,18 @@ def chat_logprobs(
     return out
 
 
+def top_by_text(tt: TokenText, top: dict[int, float]) -> dict[str, float]:
+    """Alternatives keyed by token text (the Completions shape); where two ids share a text (e.g. two
+    partial UTF-8 bytes that both decode to U+FFFD) the more likely one is kept, so the best alternative is
+    always there."""
+    out: dict[str, float] = {}
+    for a, v in top.items():
+        text = tt(a)[0]
+        if text not in out or v > out[text]:
+            out[text] = v
+    return out
+
+
 def completion_logprobs(
     tt: TokenText, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int, float]] | None, offset0: int = 0
 ) -> dict[str, Any]:
@@ -82,7 +94,7 @@ def completion_logprobs(
         offsets.append(pos)
         pos += len(tok)
         if tops is not None and k < len(tops):
-            top_list.append({tt(a)[0]: v for a, v in tops[k].items()})
+            top_list.append(top_by_text(tt, tops[k]))
     return {
         "tokens": tokens,
         "token_logprobs": list(lps),
