@@ -47,6 +47,11 @@ Semantics (the same contract as the ``hf`` backend)
   request in flight goes on with the new weights; one on a run-time LoRA adapter
   keeps its adapter and its version). Prefix-cache entries are salted with the policy version (``cache_salt``), so
   no request ever reuses KV computed with older weights.
+- ``max_context`` is the engine's ``max_model_len`` once started (``model.max_context``, else
+  ``backend.max_model_len`` capped at the model's trained context), so the server refuses longer prompts
+  itself; a request vLLM refuses (``VLLMClientError``) fails with ``ValueError``, as the contract asks.
+- ``score_prompt`` (``echo``) scores all prompt tokens but the last with ``prompt_logprobs`` and the last as
+  the request's one forced token (``allowed_token_ids``): a prompt that fills the context is scored too.
 
 Weights
 -------

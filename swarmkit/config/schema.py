@@ -28,7 +28,8 @@ class ModelConfig:
     #: the longest prompt + generation served; None (the default) = the model's trained context, its
     #: config's max_position_embeddings (SmolLM2-135M-Instruct: 8192, room for an agent framework's long
     #: system prompt; the hf engine's cache grows with the longest request, not with this limit). The vllm
-    #: engine, which reserves its KV cache for it, uses backend.max_model_len (4096) when it is None
+    #: engine, which reserves its KV cache for it, uses backend.max_model_len (4096) capped at the trained
+    #: context when it is None
     max_context: int | None = None
     #: HF trust_remote_code for local models
     trust_remote_code: bool = False
