@@ -146,8 +146,10 @@ def test_ctrl_c_stops_mode_client_at_once(tmp_path):
     no traceback (it sat out its 900 s retry budget per running episode)."""
     import signal
 
+    from conftest import interruptible
+
     p = subprocess.Popen(_client(_free_port(), tmp_path / "c"), env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+                         stderr=subprocess.STDOUT, text=True, cwd=tmp_path, preexec_fn=interruptible)
     seen = []
     try:
         assert p.stdout is not None

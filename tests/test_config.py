@@ -333,6 +333,8 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
     import signal
     import socket
 
+    from conftest import interruptible
+
     from swarmkit.client import SwarmClient
     from swarmkit.config.schema import TrainerConfig
 
@@ -349,10 +351,12 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={p1}", "model=tiny",
              "optim.lr=1e-3", "logger=[]", f"server.run_dir={tmp_path / 'a'}"],
-            env=env, stdout=open(tmp_path / "a.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path))
+            env=env, stdout=open(tmp_path / "a.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+            preexec_fn=interruptible))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={p2}", f"server.run_dir={tmp_path / 'b'}"],
-            env=env, stdout=open(tmp_path / "b.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path))
+            env=env, stdout=open(tmp_path / "b.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+            preexec_fn=interruptible))
         with SwarmClient(f"http://127.0.0.1:{p1}", token=token, retry_for=90) as c:
             c.wait_for_state("ROLLING", timeout=120)
             st = c.status()
