@@ -83,15 +83,19 @@ async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature:
     import httpx
 
     tokens, wall = 0, 0.0
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    # one HTTP client (one keep-alive connection) per concurrent episode, as independent agents have: a
+    # pool shared by C requests rescans its C connections at every request and response (httpcore), which
+    # made this client process, not the server, the cap at C = 128 (docs/benchmarks.md); plain HTTP, so no
+    # CA bundle is loaded (60 ms a client)
+    https = [httpx.AsyncClient(base_url=url, timeout=600, verify=False) for _ in range(c)]
+    try:
         for r in range(rounds):
-            eps = await asyncio.gather(*(http.post("/api/v1/episodes", json={"task_id": f"bench{tag}-{c}-{r}-{i}"})
-                                         for i in range(c)))
+            eps = await asyncio.gather(*(h.post("/api/v1/episodes", json={"task_id": f"bench{tag}-{c}-{r}-{i}"})
+                                         for i, h in enumerate(https)))
             eps = [e.json() for e in eps]
 
             async def chat(ep: dict[str, Any], i: int, r: int = r) -> int:
-                resp = await http.post(
+                resp = await https[i].post(
                     ep["base_url"].rstrip("/") + "/chat/completions",
                     headers={"Authorization": f"Bearer {ep['api_key']}"},
                     json={"model": "m", "messages": MESSAGES, "max_tokens": max_tokens,
@@ -103,9 +107,11 @@ async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature:
             counts = await asyncio.gather(*(chat(ep, i) for i, ep in enumerate(eps)))
             wall += time.perf_counter() - t0
             tokens += sum(counts)
-            await asyncio.gather(*(http.post(f"/api/v1/episodes/{ep['episode_id']}/report",
-                                             headers={"Authorization": f"Bearer {ep['api_key']}"},
-                                             json={"reward": 0.0}) for ep in eps))
+            await asyncio.gather(*(https[i].post(f"/api/v1/episodes/{ep['episode_id']}/report",
+                                                 headers={"Authorization": f"Bearer {ep['api_key']}"},
+                                                 json={"reward": 0.0}) for i, ep in enumerate(eps)))
+    finally:
+        await asyncio.gather(*(h.aclose() for h in https))
     return tokens, wall
 
 
