@@ -209,14 +209,18 @@ class TrainingCycle:
         """The accepted episodes waiting in the pool for a step."""
         return self.pool.view()
 
-    def accept(self, ep: Episode) -> None:
+    async def accept(self, ep: Episode) -> None:
         """Journal the episode (durable) before its reporter is answered.
 
+        The write (an SQLite commit with ``synchronous=FULL``: one fsync, milliseconds) runs in a worker
+        thread, so the event loop serves other calls meanwhile instead of stalling once per report.
         A journal that refuses it raises (the reporter retries) and ``last_error`` says why until
         the journal takes an episode again.
         """
         try:
-            self.pool.add(pool_record(ep))
+            await asyncio.to_thread(self.pool.add, pool_record(ep))
+            # back on the loop: a rollback (retire_after, then the fence) is atomic here, so an episode it
+            # did not see in the pool is filtered now
             if self._fence is not None and _sampled_after(ep, *self._fence):
                 self.pool.mark_filtered([ep.id], self._fence[1])  # its tokens came from weights a rollback undid
         except Exception as exc:
