@@ -123,8 +123,9 @@ class AdapterBank:
         out = []
         for mod_name, mod in self.engine.policy.causal_lm.named_modules():
             if isinstance(mod, LoraLayer) and name in mod.lora_A:
-                out.append(LoraTensors(mod_name, mod.lora_A[name].weight.detach().clone(),
-                                       mod.lora_B[name].weight.detach().clone(), float(mod.scaling[name])))
+                layer: Any = mod  # peft's ModuleDicts are typed loosely
+                out.append(LoraTensors(mod_name, layer.lora_A[name].weight.detach().clone(),
+                                       layer.lora_B[name].weight.detach().clone(), float(layer.scaling[name])))
         return out
 
     def save_adapter(self, name: str, folder: str | Path) -> None:
