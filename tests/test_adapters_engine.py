@@ -53,11 +53,12 @@ def test_config_refuses_what_adapters_do_not_support_yet():
         compose(["model=tiny", "model.lora_rank=4", "model.adapters=[spy,civ]", "backend=vllm", "trainer.mode=async",
                  "optim=deepspeed"])
     text = str(err.value)
-    for part in ("backend=vllm", "trainer.mode=async", "optim=deepspeed", "not supported with model.adapters yet"):
+    for part in ("backend=vllm", "trainer.mode=async", "optim=deepspeed", "not supported with model.adapters yet",
+                 "mode=local runs one task client"):
         assert part in text, (part, text)
     with pytest.raises(ConfigError, match="lora_rank > 0"):
         compose(["model=tiny", "model.adapters=[spy,civ]"])
-    cfg = compose(["model=tiny", "model.lora_rank=4", "model.adapters=[spy,{name:civ,lr:0.01}]"])
+    cfg = compose(["mode=server", "model=tiny", "model.lora_rank=4", "model.adapters=[spy,{name:civ,lr:0.01}]"])
     assert ModelConfig.of(cfg.model).adapter_specs() == [AdapterSpec("spy"), AdapterSpec("civ", 0.01)]
 
 

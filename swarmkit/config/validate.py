@@ -141,6 +141,9 @@ def _check_adapters(result: dict[str, Any], problems: list[str]) -> None:
         for key in ("nprocs", "nnodes"):
             if int(optim.get(key, 1) or 1) > 1:
                 problems.append(f"optim.{key}={optim.get(key)}: a training group of several processes is {later}")
+    if str(result.get("_mode", "")) == "local":
+        problems.append("mode=local runs one task client for one model; with model.adapters run mode=server and a "
+                        "client per adapter (python -m swarmkit.apps.task_client --adapter NAME, docs/multi_model.md)")
     trainer = result.get("trainer")
     if trainer is not None and str(trainer.mode) != "sync":
         problems.append(f"trainer.mode={trainer.mode}: asynchronous training is {later}; use trainer.mode=sync")
@@ -228,7 +231,7 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             resolve_chat_template(str(model.chat_template), str(model.path))
         except ValueError as exc:
             problems.append(str(exc))
-    _check_adapters(result, problems)
+    _check_adapters({**result, "_mode": cfg.get("mode", "local")}, problems)
     trainer = result.get("trainer")
     if trainer is not None:
         if trainer.mode not in TRAINER_MODES:
