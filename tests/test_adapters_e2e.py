@@ -82,9 +82,13 @@ def test_two_adapters_learn_two_rules_on_one_server(tmp_path):
         rows = _train_rows(tmp_path)
         per = {a: [r for r in rows if f"adapter/{a}/step" in r] for a in ADAPTERS}
         assert all(len(per[a]) >= 25 for a in ADAPTERS), {a: len(v) for a, v in per.items()}
-        # every trained episode trained its own adapter's step; none is without an adapter
+        # every episode has an adapter, and every step trained the episodes of one adapter only
+        by_step: dict[int, set[str]] = {}
         for eid, adapter, step, _ in _journal(tmp_path):
             assert adapter in ADAPTERS, eid
+            if step is not None:
+                by_step.setdefault(step, set()).add(adapter)
+        assert by_step and all(len(v) == 1 for v in by_step.values()), by_step
         status = ctl.status()
         assert set(status["pool"]["adapters"]) == set(ADAPTERS)
     finally:
@@ -149,7 +153,7 @@ def test_routing_isolation_and_refusals(tmp_path):
 @pytest.mark.slow
 def test_kill_9_and_resume_keeps_each_adapters_weights_and_pool(tmp_path):
     port = _free_port()
-    cfg = [*CONFIG, "trainer.checkpoint_every=2", "trainer.total_steps=0"]
+    cfg = [*CONFIG, "trainer.checkpoint_every=2", "trainer.total_steps=0", "trainer.resume=true"]
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
     try:
