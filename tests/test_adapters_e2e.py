@@ -75,7 +75,6 @@ def test_two_adapters_learn_two_rules_on_one_server(tmp_path):
             time.sleep(1)
         _stop(clients)
         after = {a: _eval(port, a) for a in ADAPTERS}
-        # each adapter also scored on the other's rule: it learnt its own letter, not "any vowel"
         print("held-out reward before", before, "after", after)
         for a in ADAPTERS:
             assert after[a] > before[a] + 0.3, (a, before, after)

@@ -132,15 +132,15 @@ def _check_adapters(result: dict[str, Any], problems: list[str]) -> None:
     backend = result.get("backend")
     if backend is not None and str(backend.name) not in ADAPTER_BACKENDS:
         problems.append(f"backend={backend.name}: serving several adapters is {later}; use backend=hf")
-    if backend is not None and int(backend.get("replicas", 1) or 1) > 1:
+    if backend is not None and "replicas" in backend and int(backend["replicas"]) > 1:
         problems.append(f"backend.replicas={backend.replicas}: inference replicas are {later}")
     optim = result.get("optim")
     if optim is not None:
         if str(optim.name) not in ADAPTER_OPTIMS:
             problems.append(f"optim={optim.name}: training several adapters is {later}; use optim=fsdp")
-        for key in ("nprocs", "nnodes"):
-            if int(optim.get(key, 1) or 1) > 1:
-                problems.append(f"optim.{key}={optim.get(key)}: a training group of several processes is {later}")
+        for key in ("nprocs", "nnodes"):  # the fsdp schema's launch keys (another engine is refused above)
+            if key in optim and int(optim[key]) > 1:
+                problems.append(f"optim.{key}={optim[key]}: a training group of several processes is {later}")
     if str(result.get("_mode", "")) == "local":
         problems.append("mode=local runs one task client for one model; with model.adapters run mode=server and a "
                         "client per adapter (python -m swarmkit.apps.task_client --adapter NAME, docs/multi_model.md)")
