@@ -56,12 +56,15 @@ def run_episode(
     temperature: float,
     eval: bool = False,
     http: httpx.Client | None = None,
+    adapter: str | None = None,
 ) -> EpisodeResult:
-    """One episode of ``task`` through the swarm endpoint (one call, or an agent loop), graded and reported."""
+    """One episode of ``task`` through the swarm endpoint (one call, or an agent loop), graded and reported;
+    ``adapter``: the LoRA adapter it samples with and trains (a server with ``model.adapters``)."""
     own = http is None
     http = http or httpx.Client(timeout=600.0)
     try:
-        with client.episode(task_id=task.task_id, eval=eval, meta={"task_family": task.family}) as ep:
+        with client.episode(task_id=task.task_id, eval=eval, meta={"task_family": task.family},
+                            adapter=adapter) as ep:
             outcome = run_task(http, ep.base_url, ep.api_key, task, max_tokens=max_tokens, temperature=temperature)
             answer = ep.report(outcome.reward)
         return EpisodeResult(task.task_id, outcome.reward, outcome.completion, eval, outcome.metrics,
@@ -117,12 +120,14 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 
 
 def evaluate(
-    client: SwarmClient, tasks: list[Task], *, max_tokens: int, concurrency: int = 8, temperature: float = 0.0
+    client: SwarmClient, tasks: list[Task], *, max_tokens: int, concurrency: int = 8, temperature: float = 0.0,
+    adapter: str | None = None,
 ) -> EvalResult:
     """Eval episodes (never trained on) over ``tasks``; mean reward (and metrics) with 95% intervals."""
     def one(task: Task, http: httpx.Client) -> EpisodeResult:
         try:
-            return run_episode(client, task, max_tokens=max_tokens, temperature=temperature, eval=True, http=http)
+            return run_episode(client, task, max_tokens=max_tokens, temperature=temperature, eval=True, http=http,
+                               adapter=adapter)
         except Exception as exc:  # noqa: BLE001 - a failed eval episode scores 0 and is counted, not lost
             log.warning("eval episode %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
             return EpisodeResult(task.task_id, 0.0, "", True, {"failed": 1.0})
@@ -274,7 +279,9 @@ class TrainingClient(EpisodeLoop):
         ready_every: int = 0,
         eval_tasks: list[Task] | None = None,
         eval_every: int = 0,
+        adapter: str | None = None,
     ):
+        self.adapter = adapter
         super().__init__(tasks, rollouts_per_task=rollouts_per_task, concurrency=concurrency, seed=seed,
                          eval_every=eval_every if eval_tasks else 0)
         self._eval_jobs = cycle(list(eval_tasks or []), seed + 1) if eval_tasks else None
@@ -289,12 +296,13 @@ class TrainingClient(EpisodeLoop):
         self.client.close()
 
     def run_one(self, task: Task, http: httpx.Client) -> EpisodeResult:
-        return run_episode(self.client, task, max_tokens=self.max_tokens, temperature=self.temperature, http=http)
+        return run_episode(self.client, task, max_tokens=self.max_tokens, temperature=self.temperature, http=http,
+                           adapter=self.adapter)
 
     def run_eval(self, http: httpx.Client) -> float:
         assert self._eval_jobs is not None
         return run_episode(self.client, next(self._eval_jobs), max_tokens=self.max_tokens, temperature=0.0,
-                           eval=True, http=http).reward
+                           eval=True, http=http, adapter=self.adapter).reward
 
     def handle(self, result: EpisodeResult) -> None:
         if self.on_result:
@@ -402,13 +410,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="print a summary line (episodes/min, mean reward, failures) at most this often")
     p.add_argument("--verbose", action="store_true",
                    help="a line per episode, per HTTP request (httpx) and per retry")
+    p.add_argument("--adapter", default=None,
+                   help="the LoRA adapter its episodes sample with and train (a server with model.adapters)")
     args = p.parse_args(argv)
     quiet_logs(args.verbose)
     options = dict(_option(o) for o in args.task_option)
     client = SwarmClient(args.url, token=args.token, retry_for=900, client_id=args.client_id)
     eval_tasks = make_tasks(args.task, args.eval_size, split="eval", options=options)
     if args.eval:
-        result = evaluate(client, eval_tasks, max_tokens=args.max_tokens)
+        result = evaluate(client, eval_tasks, max_tokens=args.max_tokens, adapter=args.adapter)
         print(f"eval reward: {result}")
         return 0
     if args.demonstrations:
@@ -430,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     tc = TrainingClient(client, make_tasks(args.task, args.train_size, options=options),
                         rollouts_per_task=args.rollouts_per_task, max_tokens=args.max_tokens,
                         concurrency=args.concurrency, ready_every=args.ready_every, on_result=on_result,
-                        eval_tasks=eval_tasks, eval_every=args.eval_every)
+                        eval_tasks=eval_tasks, eval_every=args.eval_every, adapter=args.adapter)
     if not args.verbose:
         summary = Summary(tc, args.summary_every, out=lambda text: print(text, flush=True)).start()
     print(f"task client: {args.task} episodes against {args.url}, {args.concurrency} at a time; "

@@ -294,22 +294,25 @@ class SwarmClient(HoldsClientId):
 
     # ------------------------------------------------------------------ episodes
     def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
-                 roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Episode:
-        """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
-        body = register_body(task_id, eval, timeout_s, roles, meta)
+                 roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
+                 adapter: str | None = None) -> Episode:
+        """Register an episode (retries while the server is busy); prefer :meth:`episode`. ``adapter``: the
+        LoRA adapter it samples with and trains, on a server with ``model.adapters``."""
+        body = register_body(task_id, eval, timeout_s, roles, meta, adapter)
         return self._opened(Episode(self, self._call("POST", "/api/v1/episodes", json_body=body,
                                                      key=self._sampling_key(),
                                                      extra_headers=self._key_header(create=True))))
 
     @contextmanager
     def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
-                roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Iterator[Episode]:
+                roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
+                adapter: str | None = None) -> Iterator[Episode]:
         """Register an episode for the ``with`` block.
 
         An exception inside the block aborts the episode (and propagates); a
         block that ends without ``report``/``abort`` aborts it too.
         """
-        ep = self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta)
+        ep = self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta, adapter=adapter)
         try:
             yield ep
         except BaseException as exc:

@@ -66,7 +66,7 @@ async def completions(request: Request) -> Response:
             scored[i] = await srv.score_prompt(ep, turn.prompt_ids, req.logprobs or 0)
     if req.scores_only:
         return JSONResponse(_echo_only(turns, scored, tt, req, cid, created, model), headers=headers)
-    params = turn_params(srv, turns, req)
+    params = turn_params(srv, turns, req, ep)
     if req.stream:
         if len(turns) != 1:
             raise ApiError(400, "streaming supports one prompt per request", "unsupported_value", param="stream")
