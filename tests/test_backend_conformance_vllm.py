@@ -10,6 +10,7 @@ LoRA kernels take no float32; tolerance ``LORA_TOL``), one engine after the othe
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -83,43 +84,56 @@ def test_vllm_batches_concurrent_requests(conformance):
     assert backend.stats["steps"] - steps0 < 40
 
 
-def test_vllm_weights_from_folder_and_merged_lora(model_dir, tmp_path):
+def test_vllm_weights_from_folder_and_merged_lora(conformance, model_dir, tmp_path):
     """Without enable_lora, an adapter folder is merged into the weights; a safetensors
-    folder reloads in place; both match a transformers forward pass of the same weights."""
+    folder reloads in place; both match a transformers forward pass of the same weights.
+    On a GPU the suite's float32 engine is such an engine; on CPU a second engine is started (and closed
+    after the suite's last use of its own: closing one of two live in-process engines tears down vLLM's
+    process-wide parallel groups under the other)."""
+    if conformance.backend.enable_lora and TEST_DEVICE != "cpu":
+        pytest.skip("runs on the float32 engine (enable_lora off)")
+    with contextlib.ExitStack() as stack:
+        suite = conformance if not conformance.backend.enable_lora else stack.enter_context(_merging_engine(model_dir))
+        _merged_lora_and_folder_reload(suite, tmp_path)
+
+
+def _merging_engine(model_dir):
+    from swarmkit_plugins.backend_vllm.engine import VLLMBackend, conformance_backend
+
+    _, config = conformance_backend(TEST_DEVICE, lora=False)
+    return BackendConformance.started(VLLMBackend, config=config, model={"path": str(model_dir), "max_context": 1024},
+                                      reference_dir=model_dir, tol=1e-3)
+
+
+def _merged_lora_and_folder_reload(suite, tmp_path):
     import copy
 
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from swarmkit_plugins.backend_vllm.engine import VLLMBackend, conformance_backend
+    p = suite.prompts[2]
+    before = suite.generate(p)[0]
+    torch.manual_seed(3)
+    peft_model = get_peft_model(copy.deepcopy(suite.ref), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, t in peft_model.named_parameters():
+            if "lora_B" in name:
+                t.copy_(torch.randn(t.shape) * 0.5)
+    peft_model.eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    suite.update(path=str(tmp_path / "adapter"))
+    after = suite.generate(p)[0]
+    suite.assert_matches_reference(p, after, greedy=True, model=peft_model, what="merged LoRA")
+    # a second adapter replaces the first instead of stacking on it
+    suite.update(path=str(tmp_path / "adapter"))
+    suite.assert_same_greedy(after, suite.generate(p)[0], "same adapter twice")
 
-    _, config = conformance_backend(TEST_DEVICE, lora=False)
-    with BackendConformance.started(VLLMBackend, config=config,
-                                    model={"path": str(model_dir), "max_context": 1024},
-                                    reference_dir=model_dir, tol=1e-3) as suite:
-        p = suite.prompts[2]
-        before = suite.generate(p)[0]
-        torch.manual_seed(3)
-        peft_model = get_peft_model(copy.deepcopy(suite.ref), LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-        with torch.no_grad():
-            for name, t in peft_model.named_parameters():
-                if "lora_B" in name:
-                    t.copy_(torch.randn(t.shape) * 0.5)
-        peft_model.eval()
-        peft_model.save_pretrained(tmp_path / "adapter")
-        suite.update(path=str(tmp_path / "adapter"))
-        after = suite.generate(p)[0]
-        suite.assert_matches_reference(p, after, greedy=True, model=peft_model, what="merged LoRA")
-        # a second adapter replaces the first instead of stacking on it
-        suite.update(path=str(tmp_path / "adapter"))
-        suite.assert_same_greedy(after, suite.generate(p)[0], "same adapter twice")
-
-        # reload from a folder of safetensors: back to the original weights
-        v = suite.update(path=str(model_dir))
-        restored = suite.generate(p)[0]
-        assert restored.policy_version == v
-        suite.assert_same_greedy(before, restored, "reloaded from the model folder")
+    # reload from a folder of safetensors: back to the original weights
+    v = suite.update(path=str(suite.reference_dir))
+    restored = suite.generate(p)[0]
+    assert restored.policy_version == v
+    suite.assert_same_greedy(before, restored, "reloaded from the model folder")
 
 
 def test_vllm_engine_args_on_a_gpu(model_dir, monkeypatch):

@@ -236,7 +236,7 @@ class VLLMBackend(InferenceBackend):
         cpu = _is_cpu()
         dtype = str(c.dtype)
         if dtype == "auto" and not cpu:
-            dtype = "bfloat16"  # what a GPU serves (as the hf backend); CPU: the checkpoint's
+            dtype = "bfloat16"  # what a GPU serves (as the hf backend); CPU: vLLM's own choice
         if self.enable_lora and not cpu and dtype in ("float32", "float", "fp32"):
             raise ValueError("vllm backend: LoRA on a GPU needs dtype bfloat16 or float16 (vLLM's CUDA LoRA "
                              "kernels take no float32); set backend.dtype, or enable_lora=false to merge "

@@ -7,7 +7,7 @@ from typing import Any
 @dataclass
 class VLLMBackendConfig:
     name: str = "vllm"
-    #: "auto" = bfloat16 on a GPU, the checkpoint's dtype on CPU (LoRA on a GPU needs bfloat16 or float16)
+    #: "auto" = bfloat16 on a GPU, vLLM's choice on CPU (LoRA on a GPU needs bfloat16 or float16)
     dtype: str = "auto"
     #: GPU: the share of the GPU's memory this engine takes (weights, activations, KV cache); a trainer on the
     #: same GPU needs the rest
