@@ -166,6 +166,9 @@ async def part_sync(backend: Any, model_dir: Path, device: str, repeats: int, pr
     out["after_sync_max_abs_dlogprob_vs_fp32_ref"] = max(abs(a - b) for a, b in zip(
         scores.logprobs[1:], want, strict=True))
     del ref
+    t0 = time.perf_counter()  # back to the checkpoint (a reload from its folder), which the later parts compare with
+    await backend.update_weights(path=str(model_dir), version=len(states) + 1)
+    out["reload_from_folder_s"] = time.perf_counter() - t0
     log(f"sync: {out['sync_s']:.4f} s ({out['x_floor']:.1f}x a device copy of {out['mib_fp32']:.0f} MiB); "
         f"max |dlogprob| after it {out['after_sync_max_abs_dlogprob_vs_fp32_ref']:.3g}")
 
@@ -233,22 +236,23 @@ async def part_guided(backend: Any, model_dir: Path, device: str, n: int) -> dic
     out: dict[str, Any] = {"answers": [o.text for o in outs], "fit_schema": sum(_fits(o.text) for o in outs),
                            "n": len(outs), "finish_reasons": [o.finish_reason for o in outs]}
     ref = _reference(model_dir, None, device, torch.float32)
-    forced = above = total = 0
-    worst_rescore = worst_vs_ref = 0.0
+    forced = changed = violations = total = 0
+    gain = worst_vs_ref = 0.0
     for o in outs:
         rescored = (await backend.score_prompt(prompt + list(o.token_ids))).logprobs[len(prompt):]
         want = _ref_logprobs(ref, prompt + list(o.token_ids))[len(prompt) - 1:]
         for masked, mine, w in zip(o.logprobs, rescored, want, strict=True):
             total += 1
             forced += masked == 0.0
-            above += masked > mine + 1e-6  # the grammar only removes mass: masked >= raw
-            worst_rescore = max(worst_rescore, mine - masked)  # how far below the reported the policy's is
+            changed += masked > mine + 1e-6  # the grammar removed mass from this token's distribution
+            violations += masked < mine - 1e-3  # a mask only removes mass: the masked logprob is never lower
+            gain = max(gain, masked - mine)
             worst_vs_ref = max(worst_vs_ref, abs(mine - w))
     del ref
-    out.update(tokens=total, reported_0_forced=forced, masked_above_rescored=above,
-               max_rescored_below_reported=worst_rescore, rescored_max_abs_vs_ref=worst_vs_ref)
+    out.update(tokens=total, reported_0_forced=forced, masked_above_rescored=changed,
+               masked_below_rescored=violations, max_masked_minus_rescored=gain, rescored_max_abs_vs_ref=worst_vs_ref)
     log(f"guided: {out['fit_schema']}/{out['n']} fit the schema; {forced}/{total} tokens reported 0.0 (forced); "
-        f"the rescoring lies up to {worst_rescore:.3g} below; rescored vs reference {worst_vs_ref:.3g}")
+        f"masked minus rescored up to {gain:.3g} ({violations} below); rescored vs reference {worst_vs_ref:.3g}")
     return out
 
 
