@@ -272,23 +272,35 @@ async def run_setup(setup: str, n: int, args: argparse.Namespace) -> dict[str, A
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
-    step_times = []
-    for _, _, run_dir in servers:
+    step_times: list[float] = []
+    train_rewards: dict[str, list[float]] = {p.name: [] for p in policies}
+    for k, (_, _, run_dir) in enumerate(servers):
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        step_times += [float(r["step_time_s"]) for r in rows if r.get("kind", "train") == "train" and "step_time_s" in r]
+        rows = [r for r in rows if r.get("kind", "train") == "train" and "step_time_s" in r]
+        step_times += [float(r["step_time_s"]) for r in rows]
+        for p in policies:  # each policy's training reward, step by step
+            key = f"adapter/{p.adapter}/reward_mean" if p.adapter else "reward_mean"
+            if p.adapter or p.url == servers[k][1]:
+                train_rewards[p.name] += [float(r[key]) for r in rows if key in r]
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     row = {"setup": setup, "n": n, "processes": n_proc, "torch_threads": threads, "boot_s": boot_s,
            "rss_after_boot_bytes": rss_boot, "rss_peak_bytes": rss_peak, "cuda_max_allocated_bytes": cuda,
            "rollout": tp, "train": tr, "step_time_s": summary(step_times), "steps_total": len(step_times),
            "policies": {p.name: {"letter": p.letter, "before": before[p.name], "after": after[p.name],
-                                 **tr["per_policy"][p.name]} for p in policies}}
+                                 "train_reward": train_rewards[p.name], **tr["per_policy"][p.name]} for p in policies}}
     if args.keep:
         row["run_dir"] = str(root)
-    learned = ", ".join(f"{p.letter} {before[p.name]['mean']:.2f}->{after[p.name]['mean']:.2f}" for p in policies)
+    learned = ", ".join(f"{p.letter} {before[p.name]['mean']:.2f}->{after[p.name]['mean']:.2f} (train "
+                        f"{_ends(train_rewards[p.name])})" for p in policies)
     print(f"  {setup} N={n}: peak RSS {rss_peak / 2**20:.0f} MiB, step {summary(step_times)['mean']:.2f} s, "
           f"train {tr['wall_s']:.0f} s; {learned}", flush=True)
     return row
+
+
+def _ends(xs: list[float], k: int = 3) -> str:
+    """The mean of the first and of the last ``k`` values: a training curve in one glance."""
+    return f"{statistics.fmean(xs[:k]):.2f}->{statistics.fmean(xs[-k:]):.2f}" if xs else "-"
 
 
 def _mib(b: float) -> str:
