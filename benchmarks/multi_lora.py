@@ -207,7 +207,7 @@ async def train(policies: list[Policy], args: argparse.Namespace) -> dict[str, A
     return {"wall_s": time.perf_counter() - t0, "per_policy": per}
 
 
-def _start_server(run_dir: Path, port: int, threads: int) -> subprocess.Popen:
+def _start_server(run_dir: Path, port: int, threads: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ, SWARMKIT_ADMIN_TOKEN=TOKEN, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS=str(threads))
     return subprocess.Popen(
         [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={port}", f"server.run_dir={run_dir}",
@@ -242,7 +242,7 @@ async def run_setup(setup: str, n: int, args: argparse.Namespace) -> dict[str, A
     threads = args.threads or max(1, (os.cpu_count() or 1) // n_proc)
     root = Path(tempfile.mkdtemp(prefix=f"swarmkit-multilora-{setup}{n}-"))
     names = [f"rule_{LETTERS[k % len(LETTERS)]}{'' if k < len(LETTERS) else k}" for k in range(n)]
-    servers: list[tuple[subprocess.Popen, str, Path]] = []
+    servers: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     try:
         for i in range(n_proc):
             run_dir = root / f"server_{i}"
@@ -260,7 +260,7 @@ async def run_setup(setup: str, n: int, args: argparse.Namespace) -> dict[str, A
                 await ctl.wait_for_state("ROLLING", timeout=900)
         await asyncio.gather(*(boot(url) for _, url, _ in servers))
         boot_s = time.perf_counter() - t_boot
-        rss_boot = sum(peak_rss_bytes(p.pid) for p, _, _ in servers)
+        rss_boot = sum(peak_rss_bytes(proc.pid) for proc, _, _ in servers)
         if setup == "adapters":
             policies = [Policy(k, servers[0][1], names[k]) for k in range(n)]
         else:
@@ -271,19 +271,19 @@ async def run_setup(setup: str, n: int, args: argparse.Namespace) -> dict[str, A
         print(f"  {setup} N={n}: {tp['tokens_per_s']:.1f} tok/s", flush=True)
         tr = await train(policies, args)
         after = await evaluate(policies, args)
-        rss_peak = sum(peak_rss_bytes(p.pid) for p, _, _ in servers)
+        rss_peak = sum(peak_rss_bytes(proc.pid) for proc, _, _ in servers)
         cuda = 0.0
         for _, url, _ in servers:
             async with AsyncSwarmClient(url, token=TOKEN) as ctl:
                 cuda += float((await ctl.status())["engine"].get("cuda_max_allocated_bytes", 0.0))
     finally:
-        for p, _, _ in servers:
-            p.terminate()
-        for p, _, _ in servers:
+        for proc, _, _ in servers:
+            proc.terminate()
+        for proc, _, _ in servers:
             try:
-                p.wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                p.kill()
+                proc.kill()
     step_times: list[float] = []
     train_rewards: dict[str, list[float]] = {p.name: [] for p in policies}
     for k, (_, _, run_dir) in enumerate(servers):
@@ -402,11 +402,20 @@ def main(argv: list[str] | None = None) -> int:
     ns = [int(x) for x in args.ns.split(",") if x.strip()]
     if max(ns) > len(LETTERS):
         p.error(f"--ns: at most {len(LETTERS)} policies (one letter each)")
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def save() -> None:  # after every row: a run stopped half way keeps what it measured
+        if args.json:
+            payload = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "cpu_count": os.cpu_count(),
+                       "args": vars(args), "rows": rows, "compare": compare(rows)}
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(payload, indent=1))
+
     for n in ns:
         for setup in args.setups.split(","):
             print(f"running {setup} N={n} ...", flush=True)
             rows.append(asyncio.run(run_setup(setup, n, args)))
+            save()
     print()
     print(f"{args.model} on {args.device}, LoRA r={args.lora_rank}, {args.steps} steps per policy of "
           f"{args.batch_size}×{args.rollouts} episodes, {os.cpu_count()} CPUs")
@@ -419,11 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"N={c['n']}: memory adapters/servers {c['memory_ratio']:.2f}, "
                   f"adapters / one server {c['memory_vs_one_server']:.2f}")
-    payload = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "cpu_count": os.cpu_count(),
-               "args": vars(args), "rows": rows, "compare": cmp}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+        save()
         print(f"\nwrote {args.json}")
     return 0
 
