@@ -251,7 +251,12 @@ class HFBackend(InferenceBackend):
         }
 
     def engine_stats(self) -> dict[str, float]:
-        return {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
+        out = {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
+        if self.device is not None and self.device.type == "cuda":  # the process's peak (engine and trainer)
+            import torch
+
+            out["cuda_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
+        return out
 
     async def start(self) -> None:
         if self._model is not None:
