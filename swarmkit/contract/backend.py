@@ -210,6 +210,9 @@ class InferenceBackend(ABC):
     #: ``logit_bias``, ``response_format``, ``structural_tag``); the server refuses a request that needs another
     #: (none by default); with ``structural_tag`` it constrains calls of ``strict`` tools (``server.strict_tools``)
     sampling_fields: frozenset[str] = frozenset()
+    #: why an engine that could take ``structural_tag`` does not now (e.g. a missing package to install);
+    #: ``server.strict_tools: constrain`` says it when the server refuses to start
+    structural_tag_hint: str | None = None
     #: whether outputs label each token with the version that sampled it (``token_versions``) when
     #: weights are swapped mid-generation; otherwise every token is labelled with the version its
     #: request started with, which over-states the staleness of a partial rollout (safe, not exact)
