@@ -52,13 +52,13 @@ def check_mode(mode: str, backend: Any) -> str:
         (the engine's ``structural_tag_hint`` says why, if it has one).
     """
     if mode not in MODES:
-        raise ConfigError(f"server.strict_tools must be one of {', '.join(MODES)}, got {mode!r}")
+        raise ConfigError([f"server.strict_tools must be one of {', '.join(MODES)}, got {mode!r}"])
     able = can_constrain(backend)
     if mode == "constrain" and not able:
         hint = getattr(backend, "structural_tag_hint", None) or "pick an engine that constrains decoding (backend=vllm)"
-        raise ConfigError(f"server.strict_tools=constrain: the {type(backend).__name__} engine cannot constrain tool "
-                          f"calls: {hint}; or set server.strict_tools=auto (constrain where the engine can, else "
-                          "check and report) or check")
+        raise ConfigError([f"server.strict_tools=constrain: the {type(backend).__name__} engine cannot constrain tool "
+                           f"calls: {hint}; or set server.strict_tools=auto (constrain where the engine can, else "
+                           "check and report) or check"])
     return "constrain" if mode != "check" and able else "check"
 
 
