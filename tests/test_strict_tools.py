@@ -110,7 +110,7 @@ def test_the_hf_engine_constrains_only_with_xgrammar(monkeypatch):
 def _chat(ep: Any, body: dict[str, Any]) -> httpx.Response:
     r = httpx.post(f"{ep.base_url}/chat/completions", timeout=120, headers={"Authorization": f"Bearer {ep.api_key}"},
                    json={"messages": [{"role": "user", "content": "the forecast?"}], "tools": TOOLS,
-                         "max_tokens": 64, "temperature": 1.0, "parallel_tool_calls": False, **body})
+                         "max_tokens": 96, "temperature": 1.0, "parallel_tool_calls": False, **body})
     assert r.status_code == 200, r.text[:400]
     return r
 
