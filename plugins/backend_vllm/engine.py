@@ -31,11 +31,12 @@ Semantics (the same contract as the ``hf`` backend)
   logits before temperature / top-p); ``top_logprobs`` are the ``k`` best of
   the same distribution.
 - ``top_k``, ``min_p``, the penalties and ``logit_bias`` map onto vLLM's own, and
-  ``response_format`` onto its guided decoding (``structured_outputs``); logprobs stay
-  raw (``logprobs_mode="raw_logprobs"``: before temperature, penalties and ``logit_bias``) but
-  for the grammar: vLLM applies its bitmask to the logits in place before the sampler (0.26 and
-  0.32 alike), so a token the grammar forces reports 0.0. The server marks such calls
-  ``structured`` and training rescores them (``swarmkit.training.samples``).
+  ``response_format`` and ``structural_tag`` (calls of strict tools) onto its guided decoding
+  (``structured_outputs``); logprobs stay raw (``logprobs_mode="raw_logprobs"``: before
+  temperature, penalties and ``logit_bias``) but for the grammar: vLLM applies its bitmask to the
+  logits in place before the sampler (0.26 and 0.32 alike), so a token the grammar forces reports
+  0.0. The server marks such calls ``structured`` and training rescores them
+  (``swarmkit.training.samples``).
 - ``temperature``, ``top_p``, ``max_tokens``, ``n``, ``seed``, ``stop``,
   ``stop_token_ids`` map one-to-one onto ``vllm.SamplingParams`` (vLLM seeds
   the ``i``-th of ``n`` continuations with ``seed + i``, as ``hf`` does; greedy
@@ -89,6 +90,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -155,7 +157,7 @@ class VLLMBackend(InferenceBackend):
     reports_token_versions = True
     scores_prompts = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                                 "logit_bias", "response_format"})
+                                 "logit_bias", "response_format", "structural_tag"})
 
     def __init__(self, config: Mapping[str, Any] | None = None, model: Mapping[str, Any] | None = None):
         if not model or "path" not in model:
@@ -835,14 +837,19 @@ def conformance_backend(device: str = "cpu", lora: bool = True) -> tuple[type[VL
 
 def _shaping(p: SamplingParams) -> dict[str, Any]:
     """The distribution-shaping fields ``p`` sets, in ``vllm.SamplingParams`` names (the same, but
-    ``response_format``: guided decoding through ``structured_outputs``)."""
+    ``response_format`` and ``structural_tag``: guided decoding through ``structured_outputs``)."""
     out: dict[str, Any] = {name: getattr(p, name) for name in p.shaping()}
     if "logit_bias" in out:
         out["logit_bias"] = {int(k): float(v) for k, v in out["logit_bias"].items()}
     fmt = out.pop("response_format", None)
-    if fmt is not None:
+    tag = out.pop("structural_tag", None)
+    if fmt is not None or tag is not None:
         from vllm.sampling_params import StructuredOutputsParams
 
-        out["structured_outputs"] = (StructuredOutputsParams(json_object=True) if fmt["type"] == "json_object"
-                                     else StructuredOutputsParams(json=fmt["schema"]))
+        if tag is not None:  # calls of strict tools (swarmkit.timelines.strict_tools): xgrammar's format
+            out["structured_outputs"] = StructuredOutputsParams(structural_tag=json.dumps(tag))
+        elif fmt["type"] == "json_object":
+            out["structured_outputs"] = StructuredOutputsParams(json_object=True)
+        else:
+            out["structured_outputs"] = StructuredOutputsParams(json=fmt["schema"])
     return out
