@@ -85,8 +85,18 @@ from swarmkit.contract import (
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
+from swarmkit_plugins.backend_hf.budget import (
+    MIN_CAPACITY,
+    available_ram,
+    budget_bytes,
+    cache_shape,
+    human_bytes,
+    kv_bytes_per_token,
+    longest_sequence,
+    parse_memory,
+)
 from swarmkit_plugins.backend_hf.multi_lora import MultiLora
-from swarmkit_plugins.backend_hf.runner import SlotRunner, bucket
+from swarmkit_plugins.backend_hf.runner import MIN_WINDOW, SlotRunner
 from swarmkit_plugins.backend_hf.sampler import RowSampling, sample, to_host
 from swarmkit_plugins.backend_hf.schema import HFBackendConfig
 from swarmkit_plugins.backend_hf.slots import SlotCache, register_attention
@@ -170,6 +180,11 @@ class _Seq:
     def __post_init__(self) -> None:
         self.text_out = StreamTextBuffer(self.req.params.stop)
 
+    @property
+    def need(self) -> int:
+        """Cache positions the sequence holds at most (its prompt and ``max_tokens``): reserved at admission."""
+        return len(self.prompt) + self.max_tokens
+
 
 # --------------------------------------------------------------------------- backend
 class HFBackend(InferenceBackend):
@@ -196,6 +211,11 @@ class HFBackend(InferenceBackend):
         self.batch_wait_s = float(self.cfg.batch_wait_s)
         self.batch_wait_max_s = max(self.batch_wait_s, float(self.cfg.batch_wait_max_s))
         self.max_prefill_tokens = int(self.cfg.max_prefill_tokens)
+        self.kv_memory = parse_memory(self.cfg.kv_cache_memory)  # ValueError now, before any model is loaded
+        #: the KV cache's budget: bytes, cached positions (a slot takes capacity + 1), the longest sequence
+        self.kv_budget_bytes = 0
+        self._kv_positions = 0
+        self._kv_longest: int | None = None
         self.policy_version = 0
         #: several LoRA adapters served per row over the one base (model.adapters; :mod:`.multi_lora`)
         self.adapter_specs = self.model_cfg.adapter_specs()
@@ -251,7 +271,11 @@ class HFBackend(InferenceBackend):
         }
 
     def engine_stats(self) -> dict[str, float]:
-        return {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
+        cache = self._cache
+        return {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"]),
+                "kv_cache_bytes": float(cache.nbytes() if cache is not None else 0),
+                "kv_budget_bytes": float(self.kv_budget_bytes),
+                "waiting_sequences": float(len(self._pending))}
 
     async def start(self) -> None:
         if self._model is not None:
@@ -500,6 +524,14 @@ class HFBackend(InferenceBackend):
                 raise ValueError(
                     f"prompt of {len(prompt)} tokens leaves no room in the context of {self.max_context}")
             max_tokens = min(max_tokens, room)
+        if self._kv_longest is not None:
+            if len(prompt) + 1 > self._kv_longest:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens cannot fit the KV cache: backend.kv_cache_memory="
+                    f"{self.cfg.kv_cache_memory} ({human_bytes(self.kv_budget_bytes)}) holds {self._kv_longest} "
+                    f"tokens of one sequence ({human_bytes(self._cache.bytes_per_token())} each); raise "
+                    "backend.kv_cache_memory or send a shorter prompt")
+            max_tokens = min(max_tokens, self._kv_longest - len(prompt))
 
         stop_ids = frozenset(self._eos_ids | {int(t) for t in p.stop_token_ids})
         adapter = p.adapter
@@ -525,13 +557,36 @@ class HFBackend(InferenceBackend):
         operations gets its own OpenMP team, and idle teams of other threads slow the decode loop down."""
         cfg = self._model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        import torch
+
         heads = int(cfg.num_attention_heads)
-        self._cache = SlotCache(
-            layers=int(cfg.num_hidden_layers), slots=self.max_batch_size, capacity=256,
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-            dtype=self.dtype, device=self.device)
-        self._free = list(range(self.max_batch_size))
+        layers = int(cfg.num_hidden_layers)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        per_token = kv_bytes_per_token(layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                                       element_size=torch.empty((), dtype=self.dtype).element_size())
+        cuda = self.device.type == "cuda"
+        free = int(torch.cuda.mem_get_info(self.device)[0]) if cuda else available_ram()
+        self.kv_budget_bytes = budget_bytes(self.kv_memory, cuda=cuda, free_bytes=free)
+        self._kv_positions = self.kv_budget_bytes // per_token
+        self._kv_longest = longest_sequence(self._kv_positions)
+        if self._kv_longest < MIN_WINDOW:
+            raise ValueError(
+                f"backend.kv_cache_memory={self.cfg.kv_cache_memory} gives the KV cache "
+                f"{human_bytes(self.kv_budget_bytes)}: {self._kv_positions} positions of "
+                f"{human_bytes(per_token)}; it needs at least {MIN_WINDOW + 1} ({human_bytes((MIN_WINDOW + 1) * per_token)})")
+        shape = None
+        count = self.max_batch_size
+        while shape is None:  # today's start (every slot, MIN_CAPACITY positions), or as many slots as fit
+            shape = cache_shape(count, min(MIN_CAPACITY, self._kv_longest), positions=self._kv_positions,
+                                max_slots=self.max_batch_size, limit=MIN_CAPACITY)
+            count = max(count // 2, 1)
+        log.info("hf backend: KV cache budget %s (backend.kv_cache_memory=%s), %d tokens of %s; the cache "
+                 "starts at %d slots x %d", human_bytes(self.kv_budget_bytes), self.cfg.kv_cache_memory,
+                 self._kv_positions, human_bytes(per_token), shape[0], shape[1])
+        self._cache = SlotCache(layers=layers, slots=shape[0], capacity=shape[1], kv_heads=kv_heads,
+                                head_dim=head_dim, dtype=self.dtype, device=self.device)
+        self._free = list(range(shape[0]))
         self._runner = SlotRunner(self._model, self._cache, graphs=bool(self.cfg.cuda_graphs),
                                   logits_to_keep=self._logits_to_keep)
         self._probe()
@@ -633,8 +688,8 @@ class HFBackend(InferenceBackend):
         Fair share: while sequences of more than one request wait, a request holds at most half the slots
         (its other continuations wait for its own to finish), so one ``n: 128`` request cannot make every
         later call wait for all of its tokens."""
-        room = len(self._free)
-        if not self._pending or not room:
+        room = self.max_batch_size - len(self._active)
+        if not self._pending or room <= 0:
             return []
         reqs = {id(s.req) for s in self._pending if not s.req.cancelled}
         share = max(1, self.max_batch_size // 2) if len(reqs) > 1 else self.max_batch_size
@@ -644,6 +699,7 @@ class HFBackend(InferenceBackend):
         out: list[_Seq] = []
         later: deque[_Seq] = deque()
         longest = 0
+        count, reach = len(self._active), max((s.need for s in self._active), default=0)
         while self._pending:
             seq = self._pending.popleft()
             if seq.req.cancelled:
@@ -658,6 +714,11 @@ class HFBackend(InferenceBackend):
             if out and longest2 * (len(out) + 1) > self.max_prefill_tokens:
                 later.append(seq)
                 break
+            if not self._fits(count + 1, max(reach, seq.need)):  # waits for running sequences to finish
+                later.append(seq)
+                self.stats["kv_waits"] = self.stats.get("kv_waits", 0) + 1
+                break
+            count, reach = count + 1, max(reach, seq.need)
             longest = longest2
             held[id(seq.req)] = held.get(id(seq.req), 0) + 1
             out.append(seq)
@@ -677,16 +738,43 @@ class HFBackend(InferenceBackend):
                 seq.slot = -1
         self._active = keep
 
+    def _fits(self, count: int, longest: int) -> bool:
+        """Whether ``count`` sequences of at most ``longest`` positions fit: the cache as it is, or a shape the
+        KV budget holds."""
+        cache = self._cache
+        if count <= cache.slots and longest <= cache.capacity:
+            return True
+        return self._shape_for(count, longest) is not None
+
+    def _shape_for(self, count: int, longest: int) -> tuple[int, int] | None:
+        return cache_shape(count, longest, positions=self._kv_positions, max_slots=self.max_batch_size,
+                           limit=int(self.max_context or longest), current=(self._cache.slots, self._cache.capacity))
+
     def _reserve(self, joiners: list[_Seq]) -> None:
-        """Give each joiner the lowest free slot (decode batches stay as narrow as possible) and make the
-        cache long enough for its prompt and ``max_tokens``."""
+        """Give each joiner the lowest free slot (decode batches stay as narrow as possible); reshape the cache
+        first when the running sequences and the joiners do not fit it (admission checked that the budget
+        holds them): the running ones move to slots ``0..k-1`` with what they have cached."""
+        cache = self._cache
+        count = len(self._active) + len(joiners)
+        longest = max(s.need for s in (*self._active, *joiners))
+        if count > cache.slots or longest > cache.capacity:
+            shape = self._shape_for(count, longest)
+            if shape is None:
+                raise RuntimeError(f"hf backend: {count} sequences of up to {longest} tokens do not fit the KV "
+                                   f"cache budget ({human_bytes(self.kv_budget_bytes)})")
+            running = sorted(self._active, key=lambda s: s.slot)
+            moves = {s.slot: i for i, s in enumerate(running)}
+            written = max((len(s.prompt) + len(s.out_ids) for s in running), default=0)
+            t0 = time.perf_counter()
+            self._runner.reshape(shape[0], shape[1], moves, written)
+            for s in running:
+                s.slot = moves[s.slot]
+            self._free = list(range(len(running), shape[0]))  # ascending: a heap
+            self.stats["kv_reshapes"] = self.stats.get("kv_reshapes", 0) + 1
+            log.debug("hf backend: KV cache reshaped to %d slots x %d (%s) in %.3fs", shape[0], shape[1],
+                      human_bytes(self._cache.nbytes()), time.perf_counter() - t0)
         for seq in joiners:
             seq.slot = heapq.heappop(self._free)
-        need = max(len(s.prompt) + s.max_tokens for s in joiners)
-        limit = int(self.max_context or need)
-        if need > self._cache.capacity:
-            self._cache.grow(bucket(need, max(limit, need), 256))
-            self._runner.grew()
 
     def _prefill(self, joiners: list[_Seq]) -> None:
         """Prefill the joiners' prompts into their slots (a request's ``n`` continuations share one pass)
