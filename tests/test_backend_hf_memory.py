@@ -64,14 +64,19 @@ def test_bytes_per_token_of_smollm2():
 
 def test_cache_shape_takes_large_steps_and_tighter_shapes_only_when_the_budget_asks():
     big = 1 << 40
-    # plenty of room: powers of two (capacity from 256), never smaller than the current shape
+    # plenty of room: powers of two (capacity from 256)
     assert cache_shape(3, 300, positions=big, max_slots=32, limit=8192) == (4, 512)
+    # the current shape's dimensions are kept where that costs at most twice the larger of it and the new one
     assert cache_shape(1, 10, positions=big, max_slots=32, limit=8192, current=(32, 256)) == (32, 256)
-    assert cache_shape(2, 5000, positions=big, max_slots=32, limit=8192, current=(32, 256)) == (32, 8192)
+    assert cache_shape(3, 300, positions=big, max_slots=32, limit=8192, current=(32, 256)) == (32, 512)
+    assert cache_shape(9, 300, positions=big, max_slots=32, limit=8192, current=(8, 1024)) == (16, 1024)
+    # ... but one long sequence does not take every slot's worth of it
+    assert cache_shape(1, 5000, positions=big, max_slots=32, limit=8192, current=(32, 256)) == (1, 8192)
+    assert cache_shape(5, 300, positions=big, max_slots=32, limit=8192, current=(2, 8192)) == (8, 512)
     # the capacity never passes the context (limit), unless a sequence needs more
     assert cache_shape(1, 5000, positions=big, max_slots=32, limit=6000) == (1, 6000)
     # tight: the current shape is given up, then the power-of-two count, then the power-of-two length
-    assert cache_shape(2, 5000, positions=3 * 8193, max_slots=32, limit=8192, current=(32, 256)) == (2, 8192)
+    assert cache_shape(2, 300, positions=16 * 513, max_slots=32, limit=8192, current=(32, 256)) == (2, 512)
     assert cache_shape(3, 5000, positions=3 * 8193, max_slots=32, limit=8192) == (3, 8192)
     assert cache_shape(3, 5000, positions=3 * 6001, max_slots=32, limit=8192) == (3, 6000)
     assert cache_shape(3, 5000, positions=3 * 5001, max_slots=32, limit=8192) == (3, 5000)

@@ -103,25 +103,29 @@ def cache_shape(count: int, longest: int, *, positions: int, max_slots: int, lim
     within ``positions`` (the budget in cached positions, a slot taking ``capacity + 1``); None: none fits.
 
     Large steps, so reshapes (and CUDA graph captures) stay few: slots and capacity are powers of two
-    (capacity from :data:`MIN_CAPACITY`, at most ``max(limit, longest)``; slots at most ``max_slots``), no
-    smaller than the ``current`` shape while that fits; tighter shapes only when the budget asks for them:
-    the exact count, then the exact length."""
+    (capacity from :data:`MIN_CAPACITY`, at most ``max(limit, longest)``; slots at most ``max_slots``). The
+    ``current`` shape's larger dimension is kept where that costs at most twice the larger of the current
+    cache and the power-of-two one (so one long sequence does not take every slot's worth of it); tighter
+    shapes only when the budget asks for them: the exact count, then the exact length."""
     if count < 1 or count > max_slots or longest < 1:
         return None
     top = max(int(limit), longest)
     cap = min(pow2_at_least(longest, MIN_CAPACITY), top)
     slots = min(pow2_at_least(count), max_slots)
-    cur_slots, cur_cap = current
-    tries = [
-        (max(slots, min(cur_slots, max_slots)), max(cap, min(cur_cap, top))),
-        (slots, cap),
-        (count, cap),
-        (count, max(longest, min(cap, positions // count - 1))),
-    ]
+    cur_slots, cur_cap = min(current[0], max_slots), min(current[1], top)
+    sticky = (max(slots, cur_slots), max(cap, cur_cap))
+    tries = [(slots, cap), (count, cap), (count, max(longest, min(cap, positions // count - 1)))]
+    if _size(sticky) <= 2 * max(_size((cur_slots, cur_cap)), _size((slots, cap))):
+        tries.insert(0, sticky)
     for s, c in tries:
-        if s * (c + 1) <= positions:
+        if _size((s, c)) <= positions:
             return s, c
     return None
+
+
+def _size(shape: tuple[int, int]) -> int:
+    """Positions a ``(slots, capacity)`` cache holds (a trash column per slot)."""
+    return shape[0] * (shape[1] + 1) if shape[0] else 0
 
 
 def longest_sequence(positions: int) -> int:
