@@ -83,6 +83,7 @@ from swarmkit.contract import (
     decode_generated,
 )
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
+from swarmkit.errors import EngineError
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
 from swarmkit_plugins.backend_hf.budget import (
@@ -102,6 +103,10 @@ from swarmkit_plugins.backend_hf.schema import HFBackendConfig
 from swarmkit_plugins.backend_hf.slots import SlotCache, register_attention
 
 log = logging.getLogger(__name__)
+
+#: a generation step that raises fails the requests in it, then a check step (a short prefill and one decode
+#: step) decides whether the engine goes on; after this many failed steps in a row it is given up anyway
+MAX_FAILED_STEPS = 3
 
 _STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 
@@ -245,6 +250,8 @@ class HFBackend(InferenceBackend):
         self._free: list[int] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: why the engine died (its worker: see _die); None while it serves
+        self._failure: str | None = None
         self._lora_base: dict[str, Any] = {}
         self._rng: random.Random | None = None
         self.stats: dict[str, float] = {}
@@ -337,8 +344,7 @@ class HFBackend(InferenceBackend):
         loop = asyncio.get_running_loop()
         job = _Job(loop, loop.create_future(), lambda: self._score(prompt, int(top_logprobs)))
         with self._cv:
-            if self._closed:
-                raise RuntimeError("hf backend closed")
+            self._check_open()
             self._jobs.append(job)
             self._cv.notify_all()
         result: PromptScores = await job.future
@@ -501,8 +507,23 @@ class HFBackend(InferenceBackend):
                  self.dtype, self.load_time_s)
 
     def _require_started(self) -> None:
+        if self._failure is not None:
+            raise self._dead_error()
         if self._model is None or self._thread is None:
             raise RuntimeError("hf backend not started: await backend.start() first")
+
+    def _check_open(self) -> None:
+        """Refuse new work on a closed or dead engine (caller holds ``_cv``)."""
+        if self._failure is not None:
+            raise self._dead_error()
+        if self._closed:
+            raise RuntimeError("hf backend closed")
+
+    def _dead_error(self) -> EngineError:
+        return EngineError(f"the hf engine failed and serves no more requests: {self._failure}", dead=True)
+
+    def failure(self) -> str | None:
+        return self._failure
 
     # ------------------------------------------------------------------ submission
     def _submit(self, req: _Request, prompt_ids: Sequence[int]) -> None:
@@ -546,8 +567,7 @@ class HFBackend(InferenceBackend):
                                  out_top=[] if p.top_logprobs > 0 else None, shaped=bool(p.shaping()),
                                  adapter=adapter, adapter_index=self._lora.index[adapter] if adapter else 0))
         with self._cv:
-            if self._closed:
-                raise RuntimeError("hf backend closed")
+            self._check_open()
             self._pending.extend(req.seqs)
             self._cv.notify_all()
 
@@ -624,6 +644,18 @@ class HFBackend(InferenceBackend):
             return
         finally:
             self._ready.set()
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - nothing may wait for a worker that is gone
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _serve(self) -> None:
+        """The decode loop, until :meth:`close`; raises when the engine cannot go on (see :meth:`_step_failed`)."""
+        import torch
+
+        failed = 0
         while True:
             with self._cv:
                 while not self._closed and not self._pending and not self._active and not self._jobs:
@@ -648,12 +680,63 @@ class HFBackend(InferenceBackend):
                     if self._active:
                         self._decode_step()
                     self.stats["busy_s"] += time.perf_counter() - t0
-            except Exception as exc:  # the forward itself failed: fail what was in it, keep serving
-                log.exception("hf backend: generation step failed")
-                for seq in {id(s): s for s in joiners + self._active}.values():
-                    self._fail(seq.req, exc)
-                self._active = []
-                self._free = list(range(self._cache.slots))
+                failed = 0
+            except Exception as exc:  # noqa: BLE001 - the forward itself failed
+                failed += 1
+                self._step_failed(exc, joiners, failed)
+
+    def _step_failed(self, exc: Exception, joiners: list[_Seq], failed: int) -> None:
+        """A step raised: fail the requests that were in it (the others keep waiting), then check that a short
+        prefill and decode step still run; raise (the engine is dead) if not, or after ``MAX_FAILED_STEPS``."""
+        log.exception("hf backend: a generation step failed (%d in a row)", failed)
+        err = EngineError(f"the hf engine failed on this request: {type(exc).__name__}: {exc}")
+        for seq in {id(s): s for s in joiners + self._active}.values():
+            seq.req.cancelled = True  # its other continuations (n > 1) still waiting are dropped
+            self._fail(seq.req, err)
+        self._active = []
+        self._free = list(range(self._cache.slots))
+        self.stats["failed_steps"] = self.stats.get("failed_steps", 0) + 1
+        if failed >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{failed} generation steps in a row failed; the last: {type(exc).__name__}: {exc}")
+        why = self._check_step()
+        if why is not None:
+            raise RuntimeError(f"a generation step failed ({type(exc).__name__}: {exc}) and so does a check step "
+                               f"after it ({why})")
+
+    def _check_step(self) -> str | None:
+        """Run a short prefill into slot 0 and one decode step (every slot is free); why they fail, or None."""
+        import torch
+
+        vocab = self._model.get_input_embeddings().num_embeddings
+        ids = [(7 * i + 3) % vocab for i in range(8)]
+        try:
+            with self._weights_lock, torch.inference_mode():
+                if self._lora is not None:
+                    self._lora.set_rows([0])
+                self._runner.prefill([ids], [0], self._pad_id)
+                self._runner.decode([ids[-1]], [len(ids)])
+        except Exception as exc:  # noqa: BLE001 - the answer is the message
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine cannot go on: record why (:meth:`failure`), fail every pending, running and queued request
+        and job with it at once, and refuse every later one (:meth:`_check_open`)."""
+        why = f"{type(exc).__name__}: {exc}"
+        log.error("hf backend: the engine is dead and fails every request from now on: %s", why,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        with self._cv:
+            self._failure = why
+            seqs = list(self._pending) + list(self._active)
+            jobs = list(self._jobs)
+            self._pending.clear()
+            self._jobs.clear()
+            self._active = []
+        err = self._dead_error()
+        for seq in seqs:
+            self._fail(seq.req, err)
+        for job in jobs:
+            job.settle(error=err)
 
     def _run_jobs(self, jobs: list[_Job]) -> None:
         """Run queued jobs (caller holds the weights lock); a job that fails fails alone."""
