@@ -19,7 +19,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from swarmkit.apps.main_job import JobError, Sampler, ServerInfo, ServerSession, console, run_main_job
+from swarmkit.apps.main_job import (
+    JobError,
+    Sampler,
+    ServerInfo,
+    ServerSession,
+    console,
+    run_main_job,
+)
 from swarmkit.apps.quiet import quiet_loggers
 from swarmkit.apps.task_client import EvalResult
 from swarmkit.server.run import token_hint
