@@ -19,6 +19,8 @@ from swarmkit_plugins.backend_hf.budget import (
 from swarmkit_plugins.backend_hf.schema import HFBackendConfig
 
 GiB = 1024 ** 3
+#: where the engine tests run (SWARMKIT_TEST_DEVICE=cuda: on a GPU, CUDA graphs included)
+TEST_DEVICE = __import__("os").environ.get("SWARMKIT_TEST_DEVICE", "cpu")
 
 
 # --------------------------------------------------------------------------- the maths (pure)
@@ -146,7 +148,7 @@ def _params(seed: int, max_tokens: int) -> SamplingParams:
 
 
 def _started(model_dir, **cfg):
-    return HFBackend(config={"device": "cpu", "dtype": "float32", "batch_wait_s": 0.05, "max_batch_size": 8,
+    return HFBackend(config={"device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.05, "max_batch_size": 8,
                              "kv_cache_memory": BUDGET, **cfg}, model={"path": str(model_dir)})
 
 

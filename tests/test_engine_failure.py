@@ -24,6 +24,8 @@ from swarmkit.testing import build_test_model  # noqa: E402
 from swarmkit_plugins.backend_hf.engine import HFBackend  # noqa: E402
 
 TOKEN = "engine-failure-admin-" + "x" * 16
+#: where the engine tests run (SWARMKIT_TEST_DEVICE=cuda: on a GPU, CUDA graphs included)
+TEST_DEVICE = os.environ.get("SWARMKIT_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def _params(seed: int = 0, max_tokens: int = 6) -> SamplingParams:
 
 
 def _engine(model_dir, **cfg) -> HFBackend:
-    return HFBackend(config={"device": "cpu", "dtype": "float32", "batch_wait_s": 0.0, **cfg},
+    return HFBackend(config={"device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.0, **cfg},
                      model={"path": str(model_dir)})
 
 
