@@ -41,6 +41,18 @@ class ConfigError(SwarmkitError, ValueError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
+class EngineError(SwarmkitError, RuntimeError):
+    """The inference engine failed to run a request: its fault, not the request's (the server answers 500).
+
+    :param dead: the engine serves no more requests (its step keeps failing, its worker died): every
+        pending and later request fails with this at once, and the server stops (answers 503 meanwhile).
+    """
+
+    def __init__(self, message: str, *, dead: bool = False):
+        super().__init__(message)
+        self.dead = dead
+
+
 class ApiError(SwarmkitError):
     """An error answer of the server's API: raise it anywhere below an endpoint.
 

@@ -111,10 +111,11 @@ class FakeSampler:
         self.server.sample(True, seed)
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, abandon: bool = False) -> None:
         if self.server.sampling:
             self.finished += 8
         self.server.sample(False)
+        self.abandoned = abandon
 
 
 def _run_local(monkeypatch, cfg: Any) -> tuple[dict[str, Any], FakeSession]:
@@ -315,6 +316,28 @@ def test_a_server_that_goes_offline_stops_the_job_and_tears_down(monkeypatch, tm
     _, (server,) = _run_ray(monkeypatch, cfg, rc=1)
     assert "error: the server went OFFLINE: engine lost" in capsys.readouterr().err
     assert server.events[-1] == ("shutdown",) and not (tmp_path / "summary.json").exists()
+
+
+def test_a_server_that_goes_offline_stops_the_local_job_with_1_and_the_cause(monkeypatch, tmp_path, capsys):
+    """The local driver too (it raised the error through Hydra before, and its exit then waited for the clients'
+    retries): exit status 1, the cause on stderr, the server shut down and the sampler abandoned."""
+    cfg = _cfg(tmp_path)
+    real_status = FakeServer.status
+
+    def offline_at_2(self: FakeServer) -> dict[str, Any]:
+        st = real_status(self)
+        return {**st, "state": "OFFLINE", "last_error": "the inference engine failed: boom"} \
+            if st["global_step"] >= 2 else st
+
+    monkeypatch.setattr(FakeServer, "status", offline_at_2)
+    made: list[FakeSession] = []
+    samplers: list[FakeSampler] = []
+    monkeypatch.setattr(local, "ServerSession", lambda c, *a, **k: made.append(FakeSession(c)) or made[-1])
+    monkeypatch.setattr(local, "Sampler", lambda *a, **k: samplers.append(FakeSampler(*a, **k)) or samplers[-1])
+    assert local.run_local(cfg) == 1
+    assert "error: the server went OFFLINE: the inference engine failed: boom" in capsys.readouterr().err
+    assert ("shutdown",) in made[0].events and samplers[0].abandoned
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_the_summary_says_what_the_tasks_reward_means(monkeypatch, tmp_path, capsys):

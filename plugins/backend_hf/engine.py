@@ -83,16 +83,31 @@ from swarmkit.contract import (
     decode_generated,
 )
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
+from swarmkit.errors import EngineError
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
 from swarmkit_plugins.backend_hf import grammar
+from swarmkit_plugins.backend_hf.budget import (
+    MIN_CAPACITY,
+    available_ram,
+    budget_bytes,
+    cache_shape,
+    human_bytes,
+    kv_bytes_per_token,
+    longest_sequence,
+    parse_memory,
+)
 from swarmkit_plugins.backend_hf.multi_lora import MultiLora
-from swarmkit_plugins.backend_hf.runner import SlotRunner, bucket
+from swarmkit_plugins.backend_hf.runner import MIN_WINDOW, SlotRunner
 from swarmkit_plugins.backend_hf.sampler import RowSampling, sample, to_host
 from swarmkit_plugins.backend_hf.schema import HFBackendConfig
 from swarmkit_plugins.backend_hf.slots import SlotCache, register_attention
 
 log = logging.getLogger(__name__)
+
+#: a generation step that raises fails the requests in it, then a check step (a short prefill and one decode
+#: step) decides whether the engine goes on; after this many failed steps in a row it is given up anyway
+MAX_FAILED_STEPS = 3
 
 _STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 
@@ -172,6 +187,11 @@ class _Seq:
     def __post_init__(self) -> None:
         self.text_out = StreamTextBuffer(self.req.params.stop)
 
+    @property
+    def need(self) -> int:
+        """Cache positions the sequence holds at most (its prompt and ``max_tokens``): reserved at admission."""
+        return len(self.prompt) + self.max_tokens
+
 
 # --------------------------------------------------------------------------- backend
 class HFBackend(InferenceBackend):
@@ -198,6 +218,11 @@ class HFBackend(InferenceBackend):
         self.batch_wait_s = float(self.cfg.batch_wait_s)
         self.batch_wait_max_s = max(self.batch_wait_s, float(self.cfg.batch_wait_max_s))
         self.max_prefill_tokens = int(self.cfg.max_prefill_tokens)
+        self.kv_memory = parse_memory(self.cfg.kv_cache_memory)  # ValueError now, before any model is loaded
+        #: the KV cache's budget: bytes, cached positions (a slot takes capacity + 1), the longest sequence
+        self.kv_budget_bytes = 0
+        self._kv_positions = 0
+        self._kv_longest: int | None = None
         self.policy_version = 0
         #: several LoRA adapters served per row over the one base (model.adapters; :mod:`.multi_lora`)
         self.adapter_specs = self.model_cfg.adapter_specs()
@@ -227,6 +252,8 @@ class HFBackend(InferenceBackend):
         self._free: list[int] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: why the engine died (its worker: see _die); None while it serves
+        self._failure: str | None = None
         self._lora_base: dict[str, Any] = {}
         self._rng: random.Random | None = None
         self.stats: dict[str, float] = {}
@@ -259,7 +286,11 @@ class HFBackend(InferenceBackend):
         }
 
     def engine_stats(self) -> dict[str, float]:
-        out = {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
+        cache = self._cache
+        out = {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"]),
+               "kv_cache_bytes": float(cache.nbytes() if cache is not None else 0),
+               "kv_budget_bytes": float(self.kv_budget_bytes),
+               "waiting_sequences": float(len(self._pending))}
         if self.device is not None and self.device.type == "cuda":  # the process's peak (engine and trainer)
             import torch
 
@@ -326,8 +357,7 @@ class HFBackend(InferenceBackend):
         loop = asyncio.get_running_loop()
         job = _Job(loop, loop.create_future(), lambda: self._score(prompt, int(top_logprobs)))
         with self._cv:
-            if self._closed:
-                raise RuntimeError("hf backend closed")
+            self._check_open()
             self._jobs.append(job)
             self._cv.notify_all()
         result: PromptScores = await job.future
@@ -490,8 +520,23 @@ class HFBackend(InferenceBackend):
                  self.dtype, self.load_time_s)
 
     def _require_started(self) -> None:
+        if self._failure is not None:
+            raise self._dead_error()
         if self._model is None or self._thread is None:
             raise RuntimeError("hf backend not started: await backend.start() first")
+
+    def _check_open(self) -> None:
+        """Refuse new work on a closed or dead engine (caller holds ``_cv``)."""
+        if self._failure is not None:
+            raise self._dead_error()
+        if self._closed:
+            raise RuntimeError("hf backend closed")
+
+    def _dead_error(self) -> EngineError:
+        return EngineError(f"the hf engine failed and serves no more requests: {self._failure}", dead=True)
+
+    def failure(self) -> str | None:
+        return self._failure
 
     # ------------------------------------------------------------------ submission
     def _submit(self, req: _Request, prompt_ids: Sequence[int]) -> None:
@@ -513,6 +558,14 @@ class HFBackend(InferenceBackend):
                 raise ValueError(
                     f"prompt of {len(prompt)} tokens leaves no room in the context of {self.max_context}")
             max_tokens = min(max_tokens, room)
+        if self._kv_longest is not None:
+            if len(prompt) + 1 > self._kv_longest:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens cannot fit the KV cache: backend.kv_cache_memory="
+                    f"{self.cfg.kv_cache_memory} ({human_bytes(self.kv_budget_bytes)}) holds {self._kv_longest} "
+                    f"tokens of one sequence ({human_bytes(self._cache.bytes_per_token())} each); raise "
+                    "backend.kv_cache_memory or send a shorter prompt")
+            max_tokens = min(max_tokens, self._kv_longest - len(prompt))
 
         stop_ids = frozenset(self._eos_ids | {int(t) for t in p.stop_token_ids})
         adapter = p.adapter
@@ -527,8 +580,7 @@ class HFBackend(InferenceBackend):
                                  out_top=[] if p.top_logprobs > 0 else None, shaped=bool(p.shaping()),
                                  adapter=adapter, adapter_index=self._lora.index[adapter] if adapter else 0))
         with self._cv:
-            if self._closed:
-                raise RuntimeError("hf backend closed")
+            self._check_open()
             self._pending.extend(req.seqs)
             self._cv.notify_all()
 
@@ -538,13 +590,36 @@ class HFBackend(InferenceBackend):
         operations gets its own OpenMP team, and idle teams of other threads slow the decode loop down."""
         cfg = self._model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        import torch
+
         heads = int(cfg.num_attention_heads)
-        self._cache = SlotCache(
-            layers=int(cfg.num_hidden_layers), slots=self.max_batch_size, capacity=256,
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-            dtype=self.dtype, device=self.device)
-        self._free = list(range(self.max_batch_size))
+        layers = int(cfg.num_hidden_layers)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        per_token = kv_bytes_per_token(layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                                       element_size=torch.empty((), dtype=self.dtype).element_size())
+        cuda = self.device.type == "cuda"
+        free = int(torch.cuda.mem_get_info(self.device)[0]) if cuda else available_ram()
+        self.kv_budget_bytes = budget_bytes(self.kv_memory, cuda=cuda, free_bytes=free)
+        self._kv_positions = self.kv_budget_bytes // per_token
+        self._kv_longest = longest_sequence(self._kv_positions)
+        if self._kv_longest < MIN_WINDOW:
+            raise ValueError(
+                f"backend.kv_cache_memory={self.cfg.kv_cache_memory} gives the KV cache "
+                f"{human_bytes(self.kv_budget_bytes)}: {self._kv_positions} positions of "
+                f"{human_bytes(per_token)}; it needs at least {MIN_WINDOW + 1} ({human_bytes((MIN_WINDOW + 1) * per_token)})")
+        shape = None
+        count = self.max_batch_size
+        while shape is None:  # today's start (every slot, MIN_CAPACITY positions), or as many slots as fit
+            shape = cache_shape(count, min(MIN_CAPACITY, self._kv_longest), positions=self._kv_positions,
+                                max_slots=self.max_batch_size, limit=MIN_CAPACITY)
+            count = max(count // 2, 1)
+        log.info("hf backend: KV cache budget %s (backend.kv_cache_memory=%s), %d tokens of %s; the cache "
+                 "starts at %d slots x %d", human_bytes(self.kv_budget_bytes), self.cfg.kv_cache_memory,
+                 self._kv_positions, human_bytes(per_token), shape[0], shape[1])
+        self._cache = SlotCache(layers=layers, slots=shape[0], capacity=shape[1], kv_heads=kv_heads,
+                                head_dim=head_dim, dtype=self.dtype, device=self.device)
+        self._free = list(range(shape[0]))
         self._runner = SlotRunner(self._model, self._cache, graphs=bool(self.cfg.cuda_graphs),
                                   logits_to_keep=self._logits_to_keep)
         self._probe()
@@ -582,6 +657,18 @@ class HFBackend(InferenceBackend):
             return
         finally:
             self._ready.set()
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - nothing may wait for a worker that is gone
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _serve(self) -> None:
+        """The decode loop, until :meth:`close`; raises when the engine cannot go on (see :meth:`_step_failed`)."""
+        import torch
+
+        failed = 0
         while True:
             with self._cv:
                 while not self._closed and not self._pending and not self._active and not self._jobs:
@@ -606,12 +693,63 @@ class HFBackend(InferenceBackend):
                     if self._active:
                         self._decode_step()
                     self.stats["busy_s"] += time.perf_counter() - t0
-            except Exception as exc:  # the forward itself failed: fail what was in it, keep serving
-                log.exception("hf backend: generation step failed")
-                for seq in {id(s): s for s in joiners + self._active}.values():
-                    self._fail(seq.req, exc)
-                self._active = []
-                self._free = list(range(self._cache.slots))
+                failed = 0
+            except Exception as exc:  # noqa: BLE001 - the forward itself failed
+                failed += 1
+                self._step_failed(exc, joiners, failed)
+
+    def _step_failed(self, exc: Exception, joiners: list[_Seq], failed: int) -> None:
+        """A step raised: fail the requests that were in it (the others keep waiting), then check that a short
+        prefill and decode step still run; raise (the engine is dead) if not, or after ``MAX_FAILED_STEPS``."""
+        log.exception("hf backend: a generation step failed (%d in a row)", failed)
+        err = EngineError(f"the hf engine failed on this request: {type(exc).__name__}: {exc}")
+        for seq in {id(s): s for s in joiners + self._active}.values():
+            seq.req.cancelled = True  # its other continuations (n > 1) still waiting are dropped
+            self._fail(seq.req, err)
+        self._active = []
+        self._free = list(range(self._cache.slots))
+        self.stats["failed_steps"] = self.stats.get("failed_steps", 0) + 1
+        if failed >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{failed} generation steps in a row failed; the last: {type(exc).__name__}: {exc}")
+        why = self._check_step()
+        if why is not None:
+            raise RuntimeError(f"a generation step failed ({type(exc).__name__}: {exc}) and so does a check step "
+                               f"after it ({why})")
+
+    def _check_step(self) -> str | None:
+        """Run a short prefill into slot 0 and one decode step (every slot is free); why they fail, or None."""
+        import torch
+
+        vocab = self._model.get_input_embeddings().num_embeddings
+        ids = [(7 * i + 3) % vocab for i in range(8)]
+        try:
+            with self._weights_lock, torch.inference_mode():
+                if self._lora is not None:
+                    self._lora.set_rows([0])
+                self._runner.prefill([ids], [0], self._pad_id)
+                self._runner.decode([ids[-1]], [len(ids)])
+        except Exception as exc:  # noqa: BLE001 - the answer is the message
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine cannot go on: record why (:meth:`failure`), fail every pending, running and queued request
+        and job with it at once, and refuse every later one (:meth:`_check_open`)."""
+        why = f"{type(exc).__name__}: {exc}"
+        log.error("hf backend: the engine is dead and fails every request from now on: %s", why,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        with self._cv:
+            self._failure = why
+            seqs = list(self._pending) + list(self._active)
+            jobs = list(self._jobs)
+            self._pending.clear()
+            self._jobs.clear()
+            self._active = []
+        err = self._dead_error()
+        for seq in seqs:
+            self._fail(seq.req, err)
+        for job in jobs:
+            job.settle(error=err)
 
     def _run_jobs(self, jobs: list[_Job]) -> None:
         """Run queued jobs (caller holds the weights lock); a job that fails fails alone."""
@@ -646,8 +784,8 @@ class HFBackend(InferenceBackend):
         Fair share: while sequences of more than one request wait, a request holds at most half the slots
         (its other continuations wait for its own to finish), so one ``n: 128`` request cannot make every
         later call wait for all of its tokens."""
-        room = len(self._free)
-        if not self._pending or not room:
+        room = self.max_batch_size - len(self._active)
+        if not self._pending or room <= 0:
             return []
         reqs = {id(s.req) for s in self._pending if not s.req.cancelled}
         share = max(1, self.max_batch_size // 2) if len(reqs) > 1 else self.max_batch_size
@@ -657,6 +795,7 @@ class HFBackend(InferenceBackend):
         out: list[_Seq] = []
         later: deque[_Seq] = deque()
         longest = 0
+        count, reach = len(self._active), max((s.need for s in self._active), default=0)
         while self._pending:
             seq = self._pending.popleft()
             if seq.req.cancelled:
@@ -671,6 +810,11 @@ class HFBackend(InferenceBackend):
             if out and longest2 * (len(out) + 1) > self.max_prefill_tokens:
                 later.append(seq)
                 break
+            if not self._fits(count + 1, max(reach, seq.need)):  # waits for running sequences to finish
+                later.append(seq)
+                self.stats["kv_waits"] = self.stats.get("kv_waits", 0) + 1
+                break
+            count, reach = count + 1, max(reach, seq.need)
             longest = longest2
             held[id(seq.req)] = held.get(id(seq.req), 0) + 1
             out.append(seq)
@@ -690,16 +834,43 @@ class HFBackend(InferenceBackend):
                 seq.slot = -1
         self._active = keep
 
+    def _fits(self, count: int, longest: int) -> bool:
+        """Whether ``count`` sequences of at most ``longest`` positions fit: the cache as it is, or a shape the
+        KV budget holds."""
+        cache = self._cache
+        if count <= cache.slots and longest <= cache.capacity:
+            return True
+        return self._shape_for(count, longest) is not None
+
+    def _shape_for(self, count: int, longest: int) -> tuple[int, int] | None:
+        return cache_shape(count, longest, positions=self._kv_positions, max_slots=self.max_batch_size,
+                           limit=int(self.max_context or longest), current=(self._cache.slots, self._cache.capacity))
+
     def _reserve(self, joiners: list[_Seq]) -> None:
-        """Give each joiner the lowest free slot (decode batches stay as narrow as possible) and make the
-        cache long enough for its prompt and ``max_tokens``."""
+        """Give each joiner the lowest free slot (decode batches stay as narrow as possible); reshape the cache
+        first when the running sequences and the joiners do not fit it (admission checked that the budget
+        holds them): the running ones move to slots ``0..k-1`` with what they have cached."""
+        cache = self._cache
+        count = len(self._active) + len(joiners)
+        longest = max(s.need for s in (*self._active, *joiners))
+        if count > cache.slots or longest > cache.capacity:
+            shape = self._shape_for(count, longest)
+            if shape is None:
+                raise RuntimeError(f"hf backend: {count} sequences of up to {longest} tokens do not fit the KV "
+                                   f"cache budget ({human_bytes(self.kv_budget_bytes)})")
+            running = sorted(self._active, key=lambda s: s.slot)
+            moves = {s.slot: i for i, s in enumerate(running)}
+            written = max((len(s.prompt) + len(s.out_ids) for s in running), default=0)
+            t0 = time.perf_counter()
+            self._runner.reshape(shape[0], shape[1], moves, written)
+            for s in running:
+                s.slot = moves[s.slot]
+            self._free = list(range(len(running), shape[0]))  # ascending: a heap
+            self.stats["kv_reshapes"] = self.stats.get("kv_reshapes", 0) + 1
+            log.debug("hf backend: KV cache reshaped to %d slots x %d (%s) in %.3fs", shape[0], shape[1],
+                      human_bytes(self._cache.nbytes()), time.perf_counter() - t0)
         for seq in joiners:
             seq.slot = heapq.heappop(self._free)
-        need = max(len(s.prompt) + s.max_tokens for s in joiners)
-        limit = int(self.max_context or need)
-        if need > self._cache.capacity:
-            self._cache.grow(bucket(need, max(limit, need), 256))
-            self._runner.grew()
 
     def _prefill(self, joiners: list[_Seq]) -> None:
         """Prefill the joiners' prompts into their slots (a request's ``n`` continuations share one pass)

@@ -8,7 +8,8 @@ replayed: one launch for the whole forward instead of hundreds. The graph reads 
 inputs from two static device buffers (token ids and positions, filled with one copy
 per step), builds the attention mask itself and writes the logits to a static output.
 Weight swaps copy into the live parameters, so a captured graph stays valid; a cache
-that grows (new storage) drops the graphs, which are captured again on demand.
+that is reshaped (new storage, :meth:`SlotRunner.reshape`: rare, in large steps, see
+:mod:`.budget`) drops the graphs, which are captured again on demand.
 A prefill runs eagerly (its shapes vary) and writes into the same slots.
 """
 
@@ -57,13 +58,20 @@ class SlotRunner:
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None
         self.capture_s = 0.0
+        #: storage changes since the start (each drops the captured graphs)
+        self.reshapes = 0
         self.graph_failed: str | None = None
 
     # ------------------------------------------------------------------ storage
-    def grew(self) -> None:
-        """The cache has new storage: captured graphs point at the old one."""
+    def reshape(self, slots: int, capacity: int, moves: dict[int, int] | None = None, length: int = 0) -> None:
+        """New cache storage (:meth:`SlotCache.reshape`): the captured graphs point at the old one and are
+        dropped first (captured again on demand); the input buffers follow the new number of slots."""
         self._graphs.clear()
-        self._arange = torch.arange(self.cache.capacity, device=self.device)
+        self.cache.reshape(slots, capacity, moves, length)
+        self.io = torch.zeros((2, slots), dtype=torch.long, device=self.device)
+        self.rows = torch.arange(slots, device=self.device)
+        self._arange = torch.arange(capacity, device=self.device)
+        self.reshapes += 1
 
     @property
     def graphs(self) -> int:

@@ -20,3 +20,21 @@ class HFBackendConfig:
     max_prefill_tokens: int = 16384
     #: on CUDA, capture each decode step's shape once as a CUDA graph and replay it (one launch per step)
     cuda_graphs: bool = True
+    #: the most memory the KV cache may take: "auto" (CUDA: half the device memory free after the weights;
+    #: CPU: a quarter of the available RAM, at most 4 GiB), a size ("4GiB", "512MB", bytes), or a share of
+    #: the free memory ("0.3"). The cache grows to it as requests need; a request that does not fit
+    #: beside the running ones waits, one that can never fit is refused (docs/backends.md)
+    kv_cache_memory: str = "auto"
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings (checked with the config, before any model is loaded)."""
+        from swarmkit_plugins.backend_hf.budget import parse_memory
+
+        out = []
+        try:
+            parse_memory(self.kv_cache_memory)
+        except ValueError as exc:
+            out.append(f"backend.{exc}")
+        if self.max_batch_size < 1:
+            out.append("backend.max_batch_size must be >= 1")
+        return out

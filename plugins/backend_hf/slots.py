@@ -98,33 +98,43 @@ class SlotCache(_cache_base()):  # type: ignore[misc]
     def __init__(self, *, layers: int, slots: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
-        self.n_layers, self.slots, self.kv_heads, self.head_dim = layers, slots, kv_heads, head_dim
+        self.n_layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.capacity = 0
+        self.slots = self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._write: tuple[torch.Tensor, torch.Tensor] | None = None
         self._read: tuple[torch.Tensor | None, int] = (None, 0)
-        self.grow(capacity)
+        self.reshape(slots, capacity)
 
     # ------------------------------------------------------------------ storage
     def bytes_per_token(self) -> int:
         """Bytes one position of one slot takes over all layers (keys and values)."""
         return 2 * self.n_layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
-    def grow(self, capacity: int) -> bool:
-        """Make room for ``capacity`` positions per slot (a copy into new storage); True if it grew."""
-        if capacity <= self.capacity:
-            return False
-        shape = (self.slots, self.kv_heads, capacity + 1, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-        old = self.capacity
-        for new, cur in ((keys, self.keys), (values, self.values)):
-            for dst, src in zip(new, cur, strict=False):
-                dst[:, :, :old].copy_(src[:, :, :old])
-        self.keys, self.values, self.capacity = keys, values, capacity
-        return True
+    def nbytes(self) -> int:
+        """Bytes the storage takes now (every slot, every position, the trash column included)."""
+        return self.slots * (self.capacity + 1) * self.bytes_per_token()
+
+    def reshape(self, slots: int, capacity: int, moves: dict[int, int] | None = None, length: int = 0) -> None:
+        """New storage of ``slots`` x ``capacity`` positions; the first ``length`` positions of slot ``old`` go to
+        slot ``new`` for each ``old: new`` of ``moves`` (the sequences that keep running). One layer at a time,
+        the old one freed before the next is built: the peak is the larger shape plus one layer, not both."""
+        moves = moves or {}
+        length = min(int(length), self.capacity, capacity)
+        src = torch.tensor(list(moves), dtype=torch.long, device=self.device)
+        dst = torch.tensor(list(moves.values()), dtype=torch.long, device=self.device)
+        shape = (slots, self.kv_heads, capacity + 1, self.head_dim)
+        for store in (self.keys, self.values):
+            for i in range(self.n_layers):
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if i < len(store):
+                    if moves and length:
+                        new[dst, :, :length] = store[i][src, :, :length]
+                    store[i] = new
+                else:
+                    store.append(new)
+        self.slots, self.capacity = int(slots), int(capacity)
 
     def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slots ``dsts`` (``n > 1`` continuations)."""

@@ -13,12 +13,20 @@ summary. Everything lands in the run folder: ``metrics.jsonl``,
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from swarmkit.apps.main_job import Sampler, ServerInfo, ServerSession, console, run_main_job
+from swarmkit.apps.main_job import (
+    JobError,
+    Sampler,
+    ServerInfo,
+    ServerSession,
+    console,
+    run_main_job,
+)
 from swarmkit.apps.quiet import quiet_loggers
 from swarmkit.apps.task_client import EvalResult
 from swarmkit.server.run import token_hint
@@ -86,13 +94,21 @@ class LocalDriver:
         return [{"slot": 0, "name": "local", "replacements": 0, "finished": finished, "nodes": []}]
 
     def stop(self) -> None:
-        if self.sampler is not None:
-            self.sampler.stop()
+        """The server first (the controller's calls share the sampler's client), then the sampler, whose
+        episodes still running (a job that failed midway) give up their retries at once: an exit never
+        waits out a client's hour of retrying a server that is gone."""
         if self.server is not None:
             self.server.shutdown()
+        if self.sampler is not None:
+            self.sampler.stop(abandon=True)
 
 
 def run_local(cfg: DictConfig) -> int:
-    """``mode=local``: the main job on this machine; the exit status."""
+    """``mode=local``: the main job on this machine; the exit status (1: the job could not go on, such as a
+    server that went OFFLINE because its engine failed; the error is printed)."""
     with quiet_loggers():
-        return run_main_job(LocalDriver(cfg), cfg)
+        try:
+            return run_main_job(LocalDriver(cfg), cfg)
+        except JobError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1

@@ -209,9 +209,17 @@ class Sampler:
         self.loop.start()
         return self
 
-    def stop(self) -> None:
-        """No new episode (a running one finishes or is abandoned when the loop's thread is joined)."""
+    def stop(self, *, abandon: bool = False) -> None:
+        """No new episode (a running one finishes or is abandoned when the loop's thread is joined).
+
+        ``abandon``: the job is over (its server may be gone): running episodes give up at once instead of
+        retrying for the client's ``retry_for`` (an hour), which would hold the process's exit; the client is
+        closed, so the sampler cannot start again."""
         loop = self.loop
+        if abandon:
+            if loop is not None:
+                loop.stop_event.set()
+            self.client.close()
         if loop is not None:
             loop.stop()
             with self._lock:

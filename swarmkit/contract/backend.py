@@ -290,3 +290,13 @@ class InferenceBackend(ABC):
         ``tokens_generated``: tokens sampled.
         """
         return {}
+
+    def failure(self) -> str | None:
+        """Why this engine can serve no more requests (it died: its worker thread, its device), else None.
+
+        The server checks it a few times a second and stops with this as its ``last_error`` (a main job
+        then exits non-zero); the engine fails every pending and later request with
+        :class:`swarmkit.errors.EngineError` (``dead=True``) at once, never leaving one waiting. A failure
+        of one request only (the engine goes on) is an ``EngineError`` of that request, not this.
+        """
+        return None

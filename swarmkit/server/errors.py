@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from swarmkit.errors import ApiError
+from swarmkit.errors import ApiError, EngineError
+from swarmkit.swarm.gateway import engine_error
 
 #: HTTP status -> OpenAI error ``type``
 _TYPES = {
@@ -138,8 +139,17 @@ async def unexpected_error_handler(request: Request, exc: Exception) -> Response
                           "details", "internal_error")
 
 
+async def engine_error_handler(request: Request, exc: Exception) -> Response:
+    """An engine that failed on a request (a stream's first chunk, where the gateway does not answer): 500, or
+    503 when the engine is dead (:func:`swarmkit.swarm.gateway.engine_error`)."""
+    assert isinstance(exc, EngineError)
+    err = engine_error(exc)
+    return protocol_error(request, err.status, err.message, err.code, headers=err.headers)
+
+
 EXCEPTION_HANDLERS = {
     ApiError: api_error_handler,
+    EngineError: engine_error_handler,
     HTTPException: http_error_handler,
     Exception: unexpected_error_handler,
 }

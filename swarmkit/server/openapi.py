@@ -308,8 +308,9 @@ def _controller_paths() -> dict[str, Schema]:
     return {
         "/api/v1/health": {"get": op(
             "State and step; no token (load balancers, waiting clients)", tag, PUBLIC, operation_id="health",
-            responses={"200": answer("the state", obj({"state": string(), "global_step": integer()},
-                                                      ("state", "global_step")))})},
+            responses={"200": answer("the state", obj({"state": string(), "global_step": integer(),
+                                                       "error": nullable(string())},
+                                                      ("state", "global_step", "error")))})},
         "/api/v1/status": {"get": op(
             "The whole status", tag, ADMIN, operation_id="status",
             responses={"200": answer("the status", status), **errors(401, 403)})},

@@ -18,7 +18,7 @@ from typing import Any
 from swarmkit.chat_templates import resolve_chat_template
 from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import GenerationOutput, InferenceBackend, PromptScores, SamplingParams
-from swarmkit.errors import ApiError, busy
+from swarmkit.errors import ApiError, EngineError, busy
 from swarmkit.timelines.render import ChatRenderer, TokenText
 from swarmkit.timelines.track import ContextTracker
 
@@ -28,6 +28,14 @@ CALLER_GONE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("swar
 
 #: renderers kept per server: the default one and the newest sets of template variables
 MAX_RENDERERS = 9
+
+
+def engine_error(exc: EngineError) -> ApiError:
+    """The answer to an engine that failed on a request: 500 (the engine goes on: a retry may pass), or 503
+    when the engine is dead (the server stops; its status has the cause as ``last_error``)."""
+    if exc.dead:
+        return busy(f"{exc}; the server is stopping", 5.0, "engine_failed")
+    return ApiError(500, str(exc), "engine_error")
 
 
 async def unless_caller_gone(work: Awaitable[Any]) -> Any:
@@ -153,6 +161,15 @@ class InferenceGateway:
             return default
         return int(getattr(self.backend, "policy_version", default))
 
+    def failure(self) -> str | None:
+        """Why the served engine can serve no more (:meth:`InferenceBackend.failure`); None while it can."""
+        if self.backend is None:
+            return None
+        try:
+            return self.backend.failure()
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot even say is not serving
+            return f"the engine's failure() raised {type(exc).__name__}: {exc}"
+
     def engine_stats(self) -> dict[str, float]:
         """The engine's counters (``busy_s``...); {} without an engine or counters."""
         if self.backend is None:
@@ -184,6 +201,8 @@ class InferenceGateway:
             raise
         except ValueError as exc:
             raise ApiError(400, f"the backend refused this request: {exc}", "invalid_request") from None
+        except EngineError as exc:
+            raise engine_error(exc) from None
         return outputs
 
     async def score_prompt(self, prompt_ids: list[int], top_logprobs: int = 0) -> PromptScores:
@@ -202,4 +221,6 @@ class InferenceGateway:
             raise
         except ValueError as exc:
             raise ApiError(400, f"the backend refused this request: {exc}", "invalid_request") from None
+        except EngineError as exc:
+            raise engine_error(exc) from None
         return scores

@@ -274,6 +274,20 @@ class ReplicaSet(InferenceBackend):
             except Exception:  # noqa: BLE001 - close the others
                 log.exception("closing replica %d failed", rep.index)
 
+    def failure(self) -> str | None:
+        """None while a replica serves: one whose engine died is taken out of rotation here (the others go on);
+        when none is left, why each one failed."""
+        for rep in self.balancer.live():
+            try:
+                why = rep.backend.failure()
+            except Exception as exc:  # noqa: BLE001 - an engine that cannot even say is not serving
+                why = f"failure() raised {type(exc).__name__}: {exc}"
+            if why is not None:
+                self._retire(rep, why)
+        if self.balancer.live():
+            return None
+        return "every inference replica failed: " + "; ".join(f"replica {r.index}: {r.error}" for r in self.replicas)
+
     def engine_stats(self) -> dict[str, float]:
         """The replicas' counters summed, plus ``replicas`` and ``replicas_alive``."""
         total: dict[str, float] = {}

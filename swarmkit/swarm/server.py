@@ -623,8 +623,8 @@ class SwarmServer:
         except Exception:  # noqa: BLE001
             log.exception("closing the backend failed")
 
-    async def stop(self, reason: str = "server stopped") -> None:
-        """Any state → OFFLINE: abort running episodes, free the engine.
+    async def stop(self, reason: str = "server stopped", *, error: str | None = None) -> None:
+        """Any state → OFFLINE: abort running episodes, free the engine; ``error``: the ``last_error`` to report.
 
         A stop slower than :data:`SLOW_STOP_S` logs every thread's stack once (what it waits on).
         """
@@ -633,14 +633,14 @@ class SwarmServer:
         watchdog = asyncio.get_running_loop().call_later(SLOW_STOP_S, log_thread_stacks,
                                                          f"stopping the server takes over {SLOW_STOP_S:g} s")
         try:
-            await self._stop(reason)
+            await self._stop(reason, error)
         finally:
             watchdog.cancel()
         # a server that was OFFLINE already (stopped by the controller, then shut down) had nothing to stop
         log.log(logging.DEBUG if was is ServerState.OFFLINE else logging.INFO,
                 "server stopped in %.1f s (%s)", time.perf_counter() - t0, reason)
 
-    async def _stop(self, reason: str) -> None:
+    async def _stop(self, reason: str, error: str | None = None) -> None:
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()
             try:
@@ -661,7 +661,7 @@ class SwarmServer:
         await self._close_backend(backend)
         log.debug("stop: the backend closed in %.1f s", time.perf_counter() - t)
         if self.state.state is not ServerState.OFFLINE:
-            self.state.transition(ServerState.OFFLINE)
+            self.state.transition(ServerState.OFFLINE, error=error)
             try:
                 get_hooks().run_end({"global_step": self.global_step, "reason": reason,
                                      "episodes": dict(self.episodes.counts)}, str(self.run_dir or ""))
@@ -876,8 +876,20 @@ class SwarmServer:
                     log.info("episode %s (task %s) passed its deadline: aborted", ep.id, ep.task_id)
                 await self.resolve_prepared(self.episodes.prepared_past_deadline(), final=False)
                 self.clients.prune()
+                await self.check_engine()
             except Exception:  # noqa: BLE001 - the reaper must keep running
                 log.exception("reaper failed")
+
+    async def check_engine(self) -> None:
+        """A dead engine (:meth:`InferenceBackend.failure`) stops the server, its cause the ``last_error``: a
+        main job exits non-zero with it, clients see OFFLINE, nothing waits on an engine that is gone."""
+        if self.state.state in (ServerState.OFFLINE, ServerState.BOOTING):
+            return
+        why = self.inference.failure()
+        if why is None:
+            return
+        log.error("the inference engine failed: %s; the server stops", why)
+        await self.stop("the inference engine failed", error=f"the inference engine failed: {why}")
 
     async def startup(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())

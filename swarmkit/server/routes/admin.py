@@ -63,9 +63,13 @@ async def root(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """State only; no token needed (for load balancers and waiting clients)."""
+    """State only; no token needed (for load balancers and waiting clients). ``error``: what stops the server
+    from serving (``"the inference engine failed"``, ``"boot failed"``: the head of the status's
+    ``last_error``, whose cause only the admin status shows: an exception's text can hold paths), else null."""
     srv = _server(request)
-    return JSONResponse({"state": str(srv.state.state), "global_step": srv.global_step})
+    last = "the inference engine failed" if srv.inference.failure() is not None else srv.state.last_error
+    return JSONResponse({"state": str(srv.state.state), "global_step": srv.global_step,
+                         "error": last.split(":")[0] if last else None})
 
 
 async def status(request: Request) -> Response:
