@@ -20,3 +20,7 @@ class HFBackendConfig:
     max_prefill_tokens: int = 16384
     #: on CUDA, capture each decode step's shape once as a CUDA graph and replay it (one launch per step)
     cuda_graphs: bool = True
+    #: decode with one step in flight: step t+1 (forward and plain sampling fused, fed from the device) is
+    #: launched before the host processes step t's tokens. "auto" = on where CUDA graphs are used; "on"
+    #: also on the CPU (same tokens, no faster there: for tests); "off" = one step at a time
+    pipeline: str = "auto"
