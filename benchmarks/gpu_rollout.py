@@ -311,7 +311,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "copy_bandwidth_gb_s": bw / 1e9, "weights_bytes": params, "kv_bytes_per_token": per_token_kv,
             "cuda_graphs": runner.use_graphs, "pipelined": backend.pipelined, "graphs_captured": runner.graphs,
             "graph_capture_s": runner.capture_s,
-            "graph_failed": runner.graph_failed, "torch": torch.__version__}
+            "graph_failed": runner.graph_failed, "fused_failed": runner.fused_failed, "torch": torch.__version__}
     await backend.close()
     return {"info": info, "rows": rows, "weight_sync": sync_res, "profile": profile}
 
@@ -321,7 +321,8 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"device {i['device']}, {i['dtype']}, model {i['model']}, {i['prompt']} + {i['new']} tokens, "
              f"copy bandwidth {i['copy_bandwidth_gb_s']:.0f} GB/s, pipeline {'on' if i.get('pipelined') else 'off'}, "
              f"graphs {i['graphs_captured']} "
-             f"({i['graph_capture_s']:.1f} s to capture){', FAILED: ' + i['graph_failed'] if i['graph_failed'] else ''}",
+             f"({i['graph_capture_s']:.1f} s to capture){', FAILED: ' + i['graph_failed'] if i['graph_failed'] else ''}"
+             f"{', fused step FAILED: ' + i['fused_failed'] if i.get('fused_failed') else ''}",
              "", "| C | engine tok/s | ms/step | bandwidth limit tok/s | of limit | generate(static) tok/s "
              "| mean abs dlogprob | KL (k3) |", "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:

@@ -468,3 +468,74 @@ def test_a_weight_swap_between_pipelined_steps_labels_tokens_with_the_weights_th
     torch.testing.assert_close(torch.tensor(lps[:k]), torch.tensor(solo.logprobs[:k]), atol=1e-5, rtol=0)
     assert ids[k:] == [0] * (len(ids) - k)
     assert all(abs(x + math.log(vocab)) < 1e-4 for x in lps[k:]), lps[k:]
+
+
+class _FakeGraph:
+    """A CPU stand-in for a captured CUDA graph: replaying runs the captured body on the same static buffers."""
+
+    def __init__(self, body, b, length, out):
+        self.body, self.b, self.length, self.out = body, b, length, out
+
+    def replay(self):
+        self.out.copy_(self.body(self.b, self.length))
+
+
+def _fake_graphs(runner, fail_fused=False):
+    """Make ``runner`` take its CUDA-graph branches on the CPU: a capture runs the body twice (the warm-up, which
+    writes the cache and the feedback as on a GPU) and keeps it to replay; ``fail_fused``: fused captures fail."""
+    captured = []
+
+    def capture(b, length, fused=False):
+        if fused and fail_fused:
+            runner.fused_failed = "RuntimeError: injected"
+            return None
+        body = runner._step_body if fused else runner._decode_body
+        for _ in range(2):
+            out = body(b, length)
+        graph = _FakeGraph(body, b, length, out.clone())
+        store = runner._fused if fused else runner._graphs
+        store[(b, length)] = (graph, graph.out)
+        captured.append((fused, b, length))
+        return store[(b, length)]
+
+    runner.use_graphs = True
+    runner._capture = capture
+    return captured
+
+
+@pytest.mark.parametrize("fail_fused", [False, True])
+def test_pipelined_steps_over_graphs_capture_from_host_rows_only(model_dir, fail_fused):
+    """The engine's graph branches, on the CPU with stand-in graphs: a fused step whose shape (rows, window) is
+    new is captured only with every row's input from the host (the step in flight is drained first: a
+    capture's warm-up consumes the feedback; the runner refuses otherwise, which would fail the requests), as
+    sequences cross window buckets and finish; the tokens are the serial path's. A failed capture of the fused
+    step leaves the engine decoding the serial way."""
+    prompts = [[5 + i, 6, 7, 8, 9 + i] * (1 + i % 3) for i in range(6)]
+
+    def params(i):
+        return sp(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=20 + 17 * (5 - i), stop_token_ids=[])
+
+    async def go():
+        serial, piped = _engine(model_dir, "off"), _engine(model_dir, "on")
+        await serial.start()
+        await piped.start()
+        try:
+            serial._eos_ids = piped._eos_ids = frozenset()
+            captured = _fake_graphs(piped._runner, fail_fused)
+            want = [(await serial.generate(p, params(i)))[0] for i, p in enumerate(prompts)]
+            got = await asyncio.gather(*(piped.generate(p, params(i)) for i, p in enumerate(prompts)))
+            return want, [g[0] for g in got], captured, dict(piped.stats)
+        finally:
+            await serial.close()
+            await piped.close()
+
+    want, got, captured, stats = asyncio.run(go())
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and len(w.token_ids) >= 20
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    fused = [c for c in captured if c[0]]
+    if fail_fused:
+        assert not fused and stats["fused_steps"] == 1 and captured, (captured, stats)  # then decode graphs
+    else:
+        assert len({c[2] for c in fused}) >= 2 and len({c[1] for c in fused}) >= 2, captured  # windows, widths
+        assert stats["fused_steps"] == stats["decode_steps"], stats

@@ -784,14 +784,14 @@ class HFBackend(InferenceBackend):
     def _pipelined_step(self) -> bool:
         """Launch the next fused step, then process the one in flight (their work overlaps on a GPU).
 
-        False (nothing in flight then): a row needs the sampler's other paths, so the caller runs this step
-        the serial way. A step in flight is drained first when the next step cannot continue from it: a
+        False (nothing in flight then): a row needs the sampler's other paths (or the fused step could not
+        be captured), so the caller runs this step the serial way. A step in flight is drained first when the next step cannot continue from it: a
         non-plain row, or a shape whose graph is not captured yet (a capture needs every input from the
         host)."""
         seqs = self._active
         prev = self._flight
         carried = {id(s) for s in prev.seqs} if prev is not None else set()
-        if not all(self._plain(s) for s in seqs) or (prev is not None and not self._runner.step_ready(
+        if not self._runner.fused_ok or not all(self._plain(s) for s in seqs) or (prev is not None and not self._runner.step_ready(
                 max(s.slot for s in seqs) + 1,
                 max(len(s.prompt) + len(s.out_ids) - (id(s) not in carried) for s in seqs))):
             if prev is None:
@@ -811,10 +811,12 @@ class HFBackend(InferenceBackend):
         their input from the host. Each sequence draws its uniform now, in order, as the serial path does
         (so seeded tokens do not change)."""
         width = max(s.slot for s in seqs) + 1
-        ids, pos = [float(self._pad_id)] * width, [0.0] * width
+        ids: list[float] = [self._pad_id] * width  # ints and floats: one float64 tensor
+        pos: list[float] = [0] * width
         temp, draw, host = [0.0] * width, [0.5] * width, [1.0] * width
         versions: list[int] = []
         max_pos = 0
+        rng, base, adapters = self._rng, self.policy_version, self.adapter_versions
         for s in seqs:
             r = s.slot
             p = len(s.prompt) + len(s.out_ids) - 1
@@ -822,12 +824,13 @@ class HFBackend(InferenceBackend):
                 p += 1
                 host[r] = 0.0
             else:
-                ids[r] = float(s.out_ids[-1])
-            pos[r] = float(p)
-            max_pos = max(max_pos, p)
-            temp[r] = float(s.req.params.temperature)
-            draw[r] = _uniform(s.rng or self._rng)
-            versions.append(self._version_of(s.adapter))
+                ids[r] = s.out_ids[-1]
+            pos[r] = p
+            if p > max_pos:
+                max_pos = p
+            temp[r] = s.req.params.temperature
+            draw[r] = _uniform(s.rng or rng)
+            versions.append(base if s.adapter is None else adapters[s.adapter])  # self._version_of
         if self._lora is not None:
             lora_rows = [0] * width
             for s in seqs:

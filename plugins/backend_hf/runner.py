@@ -13,7 +13,7 @@ A prefill runs eagerly (its shapes vary) and writes into the same slots.
 
 The *fused step* (:meth:`SlotRunner.step`) is a decode step with the sampling of the plain case
 (temperature or greedy only, :func:`~.sampler.sample_plain`) inside the same graph, and its own
-inputs on the device: one packed host-to-device copy per step (``step_in``, float64 ``[5, rows]``:
+inputs on the device: one packed host-to-device copy per step (``step_in``, float64 ``[5, B]``:
 token id, position, temperature, uniform draw and ``use_host`` per row) and a feedback buffer
 (``fed``: each row's last sampled token and next position, written by the step itself). A row with
 ``use_host = 0`` continues from ``fed``, so the engine can launch step ``t + 1`` before it has read
@@ -67,9 +67,10 @@ class SlotRunner:
         #: the decode inputs: row 0 token ids, row 1 positions (one host-to-device copy per step)
         self.io = torch.zeros((2, rows), dtype=torch.long, device=self.device)
         self.rows = torch.arange(rows, device=self.device)
-        #: the fused step's inputs: the packed host rows (IN_*), and the device feedback (row 0 the last
-        #: sampled token ids, row 1 the next positions), written by each fused step for the next one
-        self.step_in = torch.zeros((5, rows), dtype=torch.float64, device=self.device)
+        #: the fused step's inputs: the packed host rows (IN_*; a step of B rows reads the first 5·B values as
+        #: [5, B], so its input is one contiguous copy), and the device feedback (row 0 the last sampled
+        #: token ids, row 1 the next positions), written by each fused step for the next one
+        self.step_in = torch.zeros(5 * rows, dtype=torch.float64, device=self.device)
         self.fed = torch.zeros((2, rows), dtype=torch.long, device=self.device)
         self._arange = torch.arange(cache.capacity, device=self.device)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
@@ -77,6 +78,8 @@ class SlotRunner:
         self._pool: Any = None
         self.capture_s = 0.0
         self.graph_failed: str | None = None
+        #: why the fused step could not be captured (the engine then decodes the serial way, with graphs)
+        self.fused_failed: str | None = None
 
     # ------------------------------------------------------------------ storage
     def grew(self) -> None:
@@ -124,7 +127,7 @@ class SlotRunner:
     def _step_body(self, b: int, length: int) -> torch.Tensor:
         """The fused step over rows ``0..B-1``: inputs from ``step_in`` (or ``fed`` where ``use_host`` is 0),
         forward, plain sampling, feedback; returns ``[B, 3]`` float64 (token, logprob, bad)."""
-        inp = self.step_in[:, :b]
+        inp = self.step_in[: 5 * b].view(5, b)
         use_host = inp[IN_HOST] > 0.5
         ids = torch.where(use_host, inp[IN_IDS].long(), self.fed[0, :b])
         pos = torch.where(use_host, inp[IN_POS].long(), self.fed[1, :b])
@@ -136,6 +139,11 @@ class SlotRunner:
     def step_shape(self, rows: int, max_pos: int) -> tuple[int, int]:
         """``(B, L)`` of a decode step of ``rows`` rows whose largest position is ``max_pos``."""
         return bucket(rows, self.cache.slots), bucket(max_pos + 1, self.cache.capacity, MIN_WINDOW)
+
+    @property
+    def fused_ok(self) -> bool:
+        """Whether fused steps run as graphs where graphs run (False after a failed capture of one)."""
+        return self.fused_failed is None
 
     def step_ready(self, rows: int, max_pos: int) -> bool:
         """Whether a fused step of this shape runs without a capture (a capture needs ``use_host = 1`` on
@@ -153,7 +161,7 @@ class SlotRunner:
         cuda = self.device.type == "cuda"
         host = torch.tensor([row + [pad] * (b - n) for row, pad in zip(inputs, IN_PAD, strict=True)],
                             dtype=torch.float64, pin_memory=cuda)
-        self.step_in[:, :b].copy_(host, non_blocking=True)  # the allocator keeps `host` until it is copied
+        self.step_in[: 5 * b].copy_(host.view(-1), non_blocking=True)  # `host` is kept until it is copied
         out: torch.Tensor | None = None
         if self._replaying:
             graph = self._fused.get((b, length))
@@ -166,8 +174,8 @@ class SlotRunner:
                 out = graph[1]
         if out is None:
             out = self._step_body(b, length)
-        if not cuda:
-            return out[:n], None
+        if not cuda:  # computed: copied out of the step's buffer (a graph's output is overwritten next step)
+            return out[:n].clone(), None
         dst = torch.empty((n, 3), dtype=torch.float64, pin_memory=True)
         dst.copy_(out[:n], non_blocking=True)
         event = torch.cuda.Event()
@@ -209,8 +217,14 @@ class SlotRunner:
                 out = body(b, length)
             self._pool = graph.pool()
         except Exception as exc:  # noqa: BLE001 - eager decoding still works
-            self.graph_failed = f"{type(exc).__name__}: {exc}"
-            log.warning("hf backend: CUDA graph capture failed, decoding eagerly: %s", self.graph_failed)
+            why = f"{type(exc).__name__}: {exc}"
+            if fused:  # this step runs eagerly, later ones the serial way (decode graphs, then the sampler)
+                self.fused_failed = why
+                log.warning("hf backend: CUDA graph capture of the fused step failed, decoding one step at a "
+                            "time: %s", why)
+            else:
+                self.graph_failed = why
+                log.warning("hf backend: CUDA graph capture failed, decoding eagerly: %s", why)
             torch.cuda.synchronize(self.device)
             return None
         store = self._fused if fused else self._graphs
