@@ -785,15 +785,18 @@ class HFBackend(InferenceBackend):
         """Launch the next fused step, then process the one in flight (their work overlaps on a GPU).
 
         False (nothing in flight then): a row needs the sampler's other paths (or the fused step could not
-        be captured), so the caller runs this step the serial way. A step in flight is drained first when the next step cannot continue from it: a
-        non-plain row, or a shape whose graph is not captured yet (a capture needs every input from the
-        host)."""
+        be captured), so the caller runs this step the serial way. The step in flight is drained first when
+        the next step cannot continue from it: a non-plain row, or a shape whose graph is not captured yet
+        (a capture needs every row's input from the host)."""
         seqs = self._active
         prev = self._flight
         carried = {id(s) for s in prev.seqs} if prev is not None else set()
-        if not self._runner.fused_ok or not all(self._plain(s) for s in seqs) or (prev is not None and not self._runner.step_ready(
-                max(s.slot for s in seqs) + 1,
-                max(len(s.prompt) + len(s.out_ids) - (id(s) not in carried) for s in seqs))):
+        fusable = self._runner.fused_ok and all(self._plain(s) for s in seqs)
+        if fusable and prev is not None:
+            width = max(s.slot for s in seqs) + 1
+            max_pos = max(len(s.prompt) + len(s.out_ids) - (id(s) not in carried) for s in seqs)  # as _launch
+            fusable = self._runner.step_ready(width, max_pos)
+        if not fusable:
             if prev is None:
                 return False
             self._drain()

@@ -133,7 +133,8 @@ class SlotRunner:
         pos = torch.where(use_host, inp[IN_POS].long(), self.fed[1, :b])
         out = sample_plain(self._forward_rows(ids, pos, length), inp[IN_TEMP], inp[IN_DRAW])
         self.fed[0, :b].copy_(out[:, 0].long())
-        self.fed[1, :b].copy_(pos + 1)
+        # a finished sequence's wasted next row stays within its cache room; at worst it writes the trash column
+        self.fed[1, :b].copy_((pos + 1).clamp_max(self.cache.capacity))
         return out
 
     def step_shape(self, rows: int, max_pos: int) -> tuple[int, int]:
@@ -148,7 +149,7 @@ class SlotRunner:
     def step_ready(self, rows: int, max_pos: int) -> bool:
         """Whether a fused step of this shape runs without a capture (a capture needs ``use_host = 1`` on
         every row: its warm-up runs consume the feedback)."""
-        return not self._replaying or self.step_shape(rows, max_pos) in self._fused
+        return not (self._replaying and self.fused_ok) or self.step_shape(rows, max_pos) in self._fused
 
     def step(self, inputs: list[list[float]], max_pos: int) -> tuple[torch.Tensor, Any]:
         """Launch one fused step: ``inputs`` the five IN_* rows, one value per row (slot) ``0..R-1``;
@@ -163,7 +164,7 @@ class SlotRunner:
                             dtype=torch.float64, pin_memory=cuda)
         self.step_in[: 5 * b].copy_(host.view(-1), non_blocking=True)  # `host` is kept until it is copied
         out: torch.Tensor | None = None
-        if self._replaying:
+        if self._replaying and self.fused_ok:
             graph = self._fused.get((b, length))
             if graph is None:
                 if not all(v == 1.0 for v in inputs[IN_HOST]):
