@@ -28,6 +28,7 @@ saved in bf16 to a temporary folder (nothing can be downloaded on the GPU
 machine), or any model folder / ``builtin:NAME`` (``--model``).
 
     python benchmarks/gpu_rollout.py [--concurrency 1,8,32,128] [--prompt 256] [--new 256] [--generate 32,128] [--json out.json]
+    python benchmarks/gpu_rollout.py --profile 32 [--pipeline on|off]  # where a step's time goes, at 32
     python benchmarks/gpu_rollout.py --smoke     # a 2-layer model on the CPU, seconds
 """
 
@@ -167,40 +168,62 @@ async def weight_sync(backend: Any, dev: torch.device, repeats: int) -> dict[str
     return {"update_weights_s": up, "copy_same_tensors_s": cp, "ratio_vs_copy": up / cp, "tensors": len(named)}
 
 
+#: the parts of a decode step that profile_round times. The serial path's are synchronised (the device's work
+#: is in them); the pipelined path's are host time only (a sync would stop the overlap they are there for)
+SYNCED_PARTS = {"decode (graph replay)": "runner.decode", "sample (device)": "engine.sample",
+                "to_host": "engine.to_host"}
+HOST_PARTS = {"fused launch (inputs, replay)": "backend._launch", "wait for the step": "backend._await_flight",
+              "bookkeeping (append, stops)": "backend._append_rows"}
+
+
 async def profile_round(backend: Any, prompts: list[list[int]], new: int, dev: torch.device) -> dict[str, Any]:
     """Where a decode step's time goes, at one concurrency: (1) a round with the engine's parts timed
-    (each part synchronised, so the parts add up to more than an unsynchronised step); (2) a round under
+    (:data:`SYNCED_PARTS`, each synchronised, so they add up to more than an unsynchronised step, and
+    :data:`HOST_PARTS`, the host's time in each: with one step in flight the device computes step t + 1
+    during the bookkeeping of step t, and "wait for the step" is the host idle); (2) a round under
     torch.profiler, its ops by self CPU time and by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     from swarmkit_plugins.backend_hf import engine as engine_mod
 
-    parts: dict[str, float] = {"decode (graph replay)": 0.0, "sample (device)": 0.0, "to_host": 0.0}
-    runner = backend._runner
-    orig_decode, orig_sample, orig_host = runner.decode, engine_mod.sample, engine_mod.to_host
+    owners = {"runner": backend._runner, "engine": engine_mod, "backend": backend}
+    parts: dict[str, float] = dict.fromkeys([*SYNCED_PARTS, *HOST_PARTS], 0.0)
+    saved: list[tuple[Any, str, Any]] = []
 
-    def timed(name: str, fn: Any) -> Any:
+    def timed(name: str, fn: Any, synced: bool) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
-            sync(dev)
+            if synced:
+                sync(dev)
             t = time.perf_counter()
             out = fn(*a, **k)
-            sync(dev)
+            if synced:
+                sync(dev)
             parts[name] += time.perf_counter() - t
             return out
         return wrapper
 
-    runner.decode = timed("decode (graph replay)", orig_decode)
-    engine_mod.sample = timed("sample (device)", orig_sample)
-    engine_mod.to_host = timed("to_host", orig_host)
+    for table_, synced in ((SYNCED_PARTS, True), (HOST_PARTS, False)):
+        for name, where in table_.items():
+            owner, attr = where.split(".")
+            obj = owners[owner]
+            saved.append((obj, attr, obj.__dict__.get(attr)))
+            setattr(obj, attr, timed(name, getattr(obj, attr), synced))
     try:
         backend.reset_stats()
         _, wall = await engine_round(backend, prompts, new, 2000)
     finally:
-        runner.decode, engine_mod.sample, engine_mod.to_host = orig_decode, orig_sample, orig_host
+        for obj, attr, old in saved:
+            if old is None:
+                delattr(obj, attr)  # an instance's wrapper over its class's method
+            else:
+                setattr(obj, attr, old)
     steps = max(1, int(backend.stats["decode_steps"]))
+    fused = int(backend.stats.get("fused_steps", 0))
     rest = wall - sum(parts.values())
-    lines = [f"C={len(prompts)}: {1000 * wall / steps:.2f} ms per decode step with synchronised parts:"]
-    lines += [f"  {k:24s} {1000 * v / steps:7.3f} ms" for k, v in [*parts.items(), ("the rest (Python)", rest)]]
+    lines = [f"C={len(prompts)}: {1000 * wall / steps:.2f} ms per decode step ({fused} of {steps} fused, one "
+             f"in flight; pipeline {'on' if backend.pipelined else 'off'}); its parts:"]
+    lines += [f"  {k:30s} {1000 * v / steps:7.3f} ms" for k, v in [*parts.items(), ("the rest (Python)", rest)]
+              if v or k == "the rest (Python)"]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities) as prof:
         await engine_round(backend, prompts, new, 3000)
@@ -209,6 +232,7 @@ async def profile_round(backend: Any, prompts: list[list[int]], new: int, dev: t
     if dev.type == "cuda":
         ops += "\n" + ka.table(sort_by="self_device_time_total", row_limit=12)
     return {"breakdown": "\n".join(lines), "ms_per_step_parts": {k: 1000 * v / steps for k, v in parts.items()},
+            "fused_steps": fused, "decode_steps": steps,
             "ms_per_step_rest": 1000 * rest / steps, "ops": ops}
 
 
@@ -224,6 +248,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     backend = HFBackend(config={"device": str(dev), "dtype": str(dtype).split(".")[-1],
                                 "max_batch_size": max(concurrency), "cuda_graphs": not args.no_graphs,
+                                "pipeline": args.pipeline,
                                 "max_prefill_tokens": max(16384, args.prompt * 32)},
                         model={"path": str(folder), "max_context": args.prompt + args.new + 64})
     await backend.start()
@@ -249,6 +274,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {
             "concurrency": c, "tokens": tokens, "wall_s": wall, "engine_tok_s": tokens / wall,
             "ms_per_step": 1000 * wall / steps, "decode_steps": steps,
+            "fused_steps": int(backend.stats.get("fused_steps", 0)),
             "bandwidth_limit_tok_s": c * bw / step_bytes,
         }
         if ref is not None:
@@ -283,8 +309,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype),
             "model": str(args.model or args.shape), "prompt": args.prompt, "new": args.new,
             "copy_bandwidth_gb_s": bw / 1e9, "weights_bytes": params, "kv_bytes_per_token": per_token_kv,
-            "cuda_graphs": runner.use_graphs, "graphs_captured": runner.graphs, "graph_capture_s": runner.capture_s,
-            "graph_failed": runner.graph_failed, "torch": torch.__version__}
+            "cuda_graphs": runner.use_graphs, "pipelined": backend.pipelined, "graphs_captured": runner.graphs,
+            "graph_capture_s": runner.capture_s,
+            "graph_failed": runner.graph_failed, "fused_failed": runner.fused_failed, "torch": torch.__version__}
     await backend.close()
     return {"info": info, "rows": rows, "weight_sync": sync_res, "profile": profile}
 
@@ -292,8 +319,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(res: dict[str, Any]) -> str:
     i = res["info"]
     lines = [f"device {i['device']}, {i['dtype']}, model {i['model']}, {i['prompt']} + {i['new']} tokens, "
-             f"copy bandwidth {i['copy_bandwidth_gb_s']:.0f} GB/s, graphs {i['graphs_captured']} "
-             f"({i['graph_capture_s']:.1f} s to capture){', FAILED: ' + i['graph_failed'] if i['graph_failed'] else ''}",
+             f"copy bandwidth {i['copy_bandwidth_gb_s']:.0f} GB/s, pipeline {'on' if i.get('pipelined') else 'off'}, "
+             f"graphs {i['graphs_captured']} "
+             f"({i['graph_capture_s']:.1f} s to capture){', FAILED: ' + i['graph_failed'] if i['graph_failed'] else ''}"
+             f"{', fused step FAILED: ' + i['fused_failed'] if i.get('fused_failed') else ''}",
              "", "| C | engine tok/s | ms/step | bandwidth limit tok/s | of limit | generate(static) tok/s "
              "| mean abs dlogprob | KL (k3) |", "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -317,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generate", default="", help="concurrencies at which to also time model.generate with "
                     "a static cache, e.g. 32,128 (compiles: minutes)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    ap.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
+                    help="the engine's backend.pipeline: one fused step in flight (auto: on with CUDA graphs)")
     ap.add_argument("--no-mismatch", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="C",
                     help="also profile one round at concurrency C: each part's time, and torch.profiler's ops")

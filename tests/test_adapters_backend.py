@@ -42,9 +42,12 @@ def test_row_lora_delta_is_each_rows_own_adapter():
         torch.testing.assert_close(got[r], scale[i] * x[r] @ a[i].T @ b[i].T)
 
 
-def test_each_request_is_served_by_its_adapter_in_one_mixed_batch():
+@pytest.mark.parametrize("pipeline", ["off", "on"])
+def test_each_request_is_served_by_its_adapter_in_one_mixed_batch(pipeline):
+    """pipeline=on: the adapters' engine decodes with one fused step in flight (its rows' adapter indices set for
+    the step launched), against the serial reference."""
     async def go():
-        multi = HFBackend(config=CFG, model={**MODEL, "adapters": ["left", "right"]})
+        multi = HFBackend(config={**CFG, "pipeline": pipeline}, model={**MODEL, "adapters": ["left", "right"]})
         ref = HFBackend(config=CFG, model=MODEL)  # one model: the adapter merged into its weights
         await multi.start()
         await ref.start()
@@ -65,6 +68,7 @@ def test_each_request_is_served_by_its_adapter_in_one_mixed_batch():
             assert by["left"].token_versions == [3] * len(by["left"].token_ids)
             assert by["right"].token_versions == [2] * len(by["right"].token_ids)
             assert by[None].token_versions == [5] * len(by[None].token_ids)
+            assert multi.stats["fused_steps"] > 0 if pipeline == "on" else multi.stats["fused_steps"] == 0
             base = (await ref.generate(prompt, sp(None)))[0]
             assert base.token_ids == by[None].token_ids
             torch.testing.assert_close(torch.tensor(base.logprobs), torch.tensor(by[None].logprobs), atol=1e-4, rtol=0)

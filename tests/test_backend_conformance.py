@@ -10,6 +10,9 @@ from swarmkit.testing import CONFORMANCE_CHECKS, BackendConformance, build_test_
 
 #: where the hf engine runs in these tests (SWARMKIT_TEST_DEVICE=cuda runs the suite on a GPU, float32)
 TEST_DEVICE = __import__("os").environ.get("SWARMKIT_TEST_DEVICE", "cpu")
+#: the engine's backend.pipeline in these tests (SWARMKIT_TEST_PIPELINE=on runs them with one decode step in
+#: flight on the CPU too; auto: on where CUDA graphs run)
+TEST_PIPELINE = __import__("os").environ.get("SWARMKIT_TEST_PIPELINE", "auto")
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -19,7 +22,7 @@ def _hf_backend():
     from swarmkit_plugins.backend_hf.engine import HFBackend
 
     return HFBackend, {"name": "hf", "device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.01,
-                       "max_batch_size": 32}
+                       "max_batch_size": 32, "pipeline": TEST_PIPELINE}
 
 
 BACKENDS = {"hf": _hf_backend}

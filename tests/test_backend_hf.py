@@ -9,6 +9,9 @@ import pytest
 
 #: where the hf engine runs in these tests (SWARMKIT_TEST_DEVICE=cuda runs the suite on a GPU, float32)
 TEST_DEVICE = __import__("os").environ.get("SWARMKIT_TEST_DEVICE", "cpu")
+#: the engine's backend.pipeline in these tests (SWARMKIT_TEST_PIPELINE=on runs them with one decode step in
+#: flight on the CPU too; auto: on where CUDA graphs run)
+TEST_PIPELINE = __import__("os").environ.get("SWARMKIT_TEST_PIPELINE", "auto")
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -26,7 +29,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def suite(model_dir):
-    cfg = {"device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.02, "max_batch_size": 32}
+    cfg = {"device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.02, "max_batch_size": 32,
+           "pipeline": TEST_PIPELINE}
     with BackendConformance.started(HFBackend, config=cfg, model={"path": str(model_dir), "max_context": 64},
                                     reference_dir=model_dir, tol=1e-4) as s:
         yield s
@@ -344,3 +348,194 @@ def test_the_inverse_cdf_draw_is_exact_and_never_picks_a_zero():
     assert torch.all((counts - p).abs() <= 4 * (p * (1 - p) / 40_000).sqrt() + 1e-12)
     edges = inverse_cdf(probs[:3], torch.tensor([1e-12, 0.05, 1.0 - 1e-12], dtype=torch.float64))
     assert edges.tolist() == [1, 1, 4]
+
+
+def _engine(model_dir, pipeline, **cfg):
+    return HFBackend(config={"device": TEST_DEVICE, "dtype": "float32", "batch_wait_s": 0.02, "max_batch_size": 16,
+                             "pipeline": pipeline, **cfg}, model={"path": str(model_dir), "max_context": 128})
+
+
+def test_one_step_in_flight_decodes_what_the_serial_path_does(model_dir):
+    """backend.pipeline=on (step t+1 launched before step t is processed, fused forward + sampling, fed from
+    the device) gives the serial path's tokens, logprobs, texts and finish reasons for the same requests:
+    greedy and seeded, n > 1, stop strings and ids, plain and non-plain rows in one batch, a request joining
+    mid-flight, streaming, and cancelled requests beside them."""
+
+    async def workload(b, stop_text, stop_id):
+        prompts = [b.tokenizer(t)["input_ids"] for t in ("What is 12 + 7?", "The weather in Paris is",
+                                                          "hello world apple banana", "0 1 2 3 4 5")]
+        calls = []
+        for i, p in enumerate(prompts):
+            calls.append(b.generate(p, sp(max_tokens=4 + 5 * i, stop_token_ids=[])))
+            calls.append(b.generate(p, sp(temperature=1.0, seed=i, max_tokens=18)))
+            calls.append(b.generate(p, sp(temperature=0.7, seed=10 + i, n=3, max_tokens=7 + 2 * i)))
+        calls.append(b.generate(prompts[0], sp(max_tokens=20, stop=[stop_text])))
+        calls.append(b.generate(prompts[0], sp(max_tokens=20, stop_token_ids=[stop_id])))
+        calls.append(b.generate(prompts[1], sp(temperature=0.9, top_p=0.8, seed=5, max_tokens=15)))  # non-plain
+
+        async def late(delay, p, **kw):
+            await asyncio.sleep(delay)
+            return await b.generate(p, sp(**kw))
+
+        async def streamed(p, **kw):
+            chunks = [c async for c in b.stream(p, sp(**kw))]
+            return [type(chunks[-1])(token_ids=[t for c in chunks for t in c.token_ids],
+                                     logprobs=[x for c in chunks for x in c.logprobs],
+                                     text="".join(c.text for c in chunks), finish_reason=chunks[-1].finish_reason,
+                                     token_versions=[v for c in chunks for v in c.token_versions])]
+
+        async def cancelled(p):
+            task = asyncio.ensure_future(b.generate(p, sp(max_tokens=100, temperature=1.0, stop_token_ids=[])))
+            await asyncio.sleep(0.03)
+            task.cancel()
+            gen = b.stream(p, sp(max_tokens=100, stop_token_ids=[]))
+            got = [await gen.__anext__() for _ in range(2)]
+            await gen.aclose()  # a consumer that leaves early
+            return got
+
+        calls += [late(0.03, prompts[2], temperature=1.0, seed=77, max_tokens=12),
+                  late(0.05, prompts[3], temperature=1.0, seed=78, max_tokens=6, top_logprobs=2),  # non-plain
+                  streamed(prompts[2], temperature=1.0, seed=3, max_tokens=16, stop=[stop_text]),
+                  cancelled(prompts[3])]
+        outs = await asyncio.gather(*calls)
+        outs.append(await b.generate(prompts[1], sp(temperature=1.0, seed=9, max_tokens=10)))  # still serving
+        return outs[:-2] + outs[-1:]
+
+    async def go():
+        serial, piped = _engine(model_dir, "off"), _engine(model_dir, "on")
+        await serial.start()
+        await piped.start()
+        try:
+            assert not serial.pipelined and piped.pipelined
+            full = (await serial.generate(serial.tokenizer("What is 12 + 7?")["input_ids"], sp(max_tokens=20)))[0]
+            stop_text, stop_id = full.text[3:5], full.token_ids[6]
+            return (await workload(serial, stop_text, stop_id), await workload(piped, stop_text, stop_id),
+                    dict(piped.stats))
+        finally:
+            await serial.close()
+            await piped.close()
+
+    want, got, stats = asyncio.run(go())
+    assert stats["fused_steps"] >= 10 and stats["fused_steps"] < stats["decode_steps"], stats  # both paths ran
+    assert len(want) == len(got)
+    for i, (ws, gs) in enumerate(zip(want, got, strict=True)):
+        assert len(ws) == len(gs), i
+        for w, g in zip(ws, gs, strict=True):
+            assert g.token_ids == w.token_ids, (i, w.token_ids, g.token_ids)
+            assert (g.text, g.finish_reason) == (w.text, w.finish_reason), i
+            assert g.token_versions == w.token_versions and len(g.logprobs) == len(w.token_ids), i
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    assert any(o.finish_reason == "stop" and o.text for o in want[-6]), want[-6]  # the stop string hit
+
+
+def test_a_weight_swap_between_pipelined_steps_labels_tokens_with_the_weights_that_computed_them(model_dir):
+    """With a step in flight, a swap lands between two steps: the tokens labelled with the old version are the
+    old weights' (the solo greedy continuation), those labelled new the new weights' (a zero final norm: all
+    logits 0, so token 0 at logprob -log V), old ones first."""
+    import math
+
+    async def go():
+        b = _engine(model_dir, "on")
+        await b.start()
+        try:
+            b._eos_ids = frozenset()  # run to max_tokens
+            p = b.tokenizer("The weather in Paris is")["input_ids"]
+            vocab = b.model.get_input_embeddings().num_embeddings
+            norm = "model.norm.weight"
+            original = b.model.state_dict()[norm].detach().clone()
+            for max_tokens in (48, 100):
+                solo = (await b.generate(p, sp(max_tokens=max_tokens)))[0]
+                chunks = []
+                async for c in b.stream(p, sp(max_tokens=max_tokens)):
+                    chunks.append(c)
+                    if len(chunks) == 3:
+                        await b.update_weights([(norm, torch.zeros_like(original))], version=b.policy_version + 1)
+                new = b.policy_version
+                await b.update_weights([(norm, original)], version=new + 1)
+                ids = [t for c in chunks for t in c.token_ids]
+                lps = [x for c in chunks for x in c.logprobs]
+                vers = [v for c in chunks for v in c.token_versions]
+                if vers[-1] == new:
+                    return ids, lps, vers, solo, new, vocab
+            raise AssertionError("the swap never landed mid-generation")
+        finally:
+            await b.close()
+
+    ids, lps, vers, solo, new, vocab = asyncio.run(go())
+    k = vers.index(new)
+    assert 3 <= k < len(ids) and vers == sorted(vers) and set(vers) == {new - 1, new}, vers
+    assert ids[:k] == solo.token_ids[:k]
+    torch.testing.assert_close(torch.tensor(lps[:k]), torch.tensor(solo.logprobs[:k]), atol=1e-5, rtol=0)
+    assert ids[k:] == [0] * (len(ids) - k)
+    assert all(abs(x + math.log(vocab)) < 1e-4 for x in lps[k:]), lps[k:]
+
+
+class _FakeGraph:
+    """A CPU stand-in for a captured CUDA graph: replaying runs the captured body on the same static buffers."""
+
+    def __init__(self, body, b, length, out):
+        self.body, self.b, self.length, self.out = body, b, length, out
+
+    def replay(self):
+        self.out.copy_(self.body(self.b, self.length))
+
+
+def _fake_graphs(runner, fail_fused=False):
+    """Make ``runner`` take its CUDA-graph branches on the CPU: a capture runs the body twice (the warm-up, which
+    writes the cache and the feedback as on a GPU) and keeps it to replay; ``fail_fused``: fused captures fail."""
+    captured = []
+
+    def capture(b, length, fused=False):
+        if fused and fail_fused:
+            runner.fused_failed = "RuntimeError: injected"
+            return None
+        body = runner._step_body if fused else runner._decode_body
+        for _ in range(2):
+            out = body(b, length)
+        graph = _FakeGraph(body, b, length, out.clone())
+        store = runner._fused if fused else runner._graphs
+        store[(b, length)] = (graph, graph.out)
+        captured.append((fused, b, length))
+        return store[(b, length)]
+
+    runner.use_graphs = True
+    runner._capture = capture
+    return captured
+
+
+@pytest.mark.parametrize("fail_fused", [False, True])
+def test_pipelined_steps_over_graphs_capture_from_host_rows_only(model_dir, fail_fused):
+    """The engine's graph branches, on the CPU with stand-in graphs: a fused step whose shape (rows, window) is
+    new is captured only with every row's input from the host (the step in flight is drained first: a
+    capture's warm-up consumes the feedback; the runner refuses otherwise, which would fail the requests), as
+    sequences cross window buckets and finish; the tokens are the serial path's. A failed capture of the fused
+    step leaves the engine decoding the serial way."""
+    prompts = [[5 + i, 6, 7, 8, 9 + i] * (1 + i % 3) for i in range(6)]
+
+    def params(i):
+        return sp(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=20 + 17 * (5 - i), stop_token_ids=[])
+
+    async def go():
+        serial, piped = _engine(model_dir, "off"), _engine(model_dir, "on")
+        await serial.start()
+        await piped.start()
+        try:
+            serial._eos_ids = piped._eos_ids = frozenset()
+            captured = _fake_graphs(piped._runner, fail_fused)
+            want = [(await serial.generate(p, params(i)))[0] for i, p in enumerate(prompts)]
+            got = await asyncio.gather(*(piped.generate(p, params(i)) for i, p in enumerate(prompts)))
+            return want, [g[0] for g in got], captured, dict(piped.stats)
+        finally:
+            await serial.close()
+            await piped.close()
+
+    want, got, captured, stats = asyncio.run(go())
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and len(w.token_ids) >= 20
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    fused = [c for c in captured if c[0]]
+    if fail_fused:
+        assert not fused and stats["fused_steps"] == 1 and captured, (captured, stats)  # then decode graphs
+    else:
+        assert len({c[2] for c in fused}) >= 2 and len({c[1] for c in fused}) >= 2, captured  # windows, widths
+        assert stats["fused_steps"] == stats["decode_steps"], stats

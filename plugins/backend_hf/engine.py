@@ -11,7 +11,14 @@ their slots (continuous batching: a new request never waits for the current batc
 to finish). Each decode step feeds the last sampled token of every active
 sequence in one forward pass (a replayed CUDA graph on CUDA, :mod:`.runner`) and
 samples all rows on the device (:mod:`.sampler`). A finished sequence frees its
-slot at once; nothing is copied. When the worker
+slot at once; nothing is copied. With ``backend.pipeline`` on (by default where
+CUDA graphs run) a step whose rows all sample plainly (temperature or greedy, no
+filter, shaping or top logprobs) is one *fused* graph (forward and sampling), and
+the worker launches step ``t + 1`` before it processes step ``t``: the rows
+continue from the tokens the device fed back, the host uploads only each row's
+temperature and uniform draw, and the GPU computes while the host does the
+bookkeeping of the previous step (:meth:`HFBackend._pipelined_step`). When the
+worker
 was idle, the first request waits for others to batch with: the window stays open
 while requests keep arriving less than ``batch_wait_s`` apart, for at most
 ``batch_wait_max_s``.
@@ -193,6 +200,20 @@ class _Seq:
         return len(self.prompt) + self.max_tokens
 
 
+@dataclass
+class _Flight:
+    """A fused decode step launched and not processed yet (``backend.pipeline``)."""
+
+    seqs: list[_Seq]
+    rows: list[int]  # each sequence's row (slot) in the step
+    versions: list[int]  # each sequence's policy version at launch: the weights that compute its token
+    out: Any  # [rows, 3] float64 host tensor: token, logprob, bad; complete once `event` has completed
+    event: Any  # a CUDA event, or None (the CPU computed the step at launch)
+
+
+PIPELINE_CHOICES = ("auto", "on", "off")
+
+
 # --------------------------------------------------------------------------- backend
 class HFBackend(InferenceBackend):
     """transformers inference with continuous batching on a worker thread (CPU or GPU).
@@ -223,6 +244,11 @@ class HFBackend(InferenceBackend):
         self.kv_budget_bytes = 0
         self._kv_positions = 0
         self._kv_longest: int | None = None
+        if self.cfg.pipeline not in PIPELINE_CHOICES:
+            raise ValueError(f"hf backend: pipeline must be one of {PIPELINE_CHOICES}, not {self.cfg.pipeline!r}")
+        #: one fused step in flight while the host processes the previous one (set once the runner exists)
+        self.pipelined = False
+        self._flight: _Flight | None = None
         self.policy_version = 0
         #: several LoRA adapters served per row over the one base (model.adapters; :mod:`.multi_lora`)
         self.adapter_specs = self.model_cfg.adapter_specs()
@@ -283,6 +309,7 @@ class HFBackend(InferenceBackend):
             "forward_passes": 0, "prefill_passes": 0, "decode_steps": 0,
             "sequences": 0, "tokens_generated": 0, "max_batch_seen": 0,
             "decode_rows": 0, "prefill_tokens": 0, "weight_updates": 0, "busy_s": 0.0,
+            "fused_steps": 0,  # decode steps launched as one fused graph, one step in flight (backend.pipeline)
         }
 
     def engine_stats(self) -> dict[str, float]:
@@ -470,6 +497,7 @@ class HFBackend(InferenceBackend):
         self._jobs.clear()
         self._pending.clear()
         self._active = []
+        self._flight = None
         self._cache = self._runner = None
         self._model = None
 
@@ -622,6 +650,7 @@ class HFBackend(InferenceBackend):
         self._free = list(range(shape[0]))
         self._runner = SlotRunner(self._model, self._cache, graphs=bool(self.cfg.cuda_graphs),
                                   logits_to_keep=self._logits_to_keep)
+        self.pipelined = {"on": True, "off": False}.get(self.cfg.pipeline, self._runner.use_graphs)
         self._probe()
 
     def _probe(self) -> None:
@@ -671,7 +700,8 @@ class HFBackend(InferenceBackend):
         failed = 0
         while True:
             with self._cv:
-                while not self._closed and not self._pending and not self._active and not self._jobs:
+                while (not self._closed and not self._pending and not self._active and not self._jobs
+                       and self._flight is None):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -681,11 +711,15 @@ class HFBackend(InferenceBackend):
                 joiners = self._take_joiners()
                 jobs = list(self._jobs)
                 self._jobs.clear()
-            while self._swap_waiting.is_set():  # a weight swap goes between two steps
-                time.sleep(0.0005)
             try:
+                if self._swap_waiting.is_set():
+                    self._drain()  # a weight swap goes between two steps, none in flight
+                while self._swap_waiting.is_set():
+                    time.sleep(0.0005)
                 with self._weights_lock, torch.inference_mode():
                     t0 = time.perf_counter()
+                    if jobs or joiners or not self._active:
+                        self._drain()  # scoring, a prefill into freed slots: nothing in flight
                     self._run_jobs(jobs)  # never raises: each job gets its own result or error
                     if joiners:
                         self._prefill(joiners)
@@ -706,6 +740,7 @@ class HFBackend(InferenceBackend):
         for seq in {id(s): s for s in joiners + self._active}.values():
             seq.req.cancelled = True  # its other continuations (n > 1) still waiting are dropped
             self._fail(seq.req, err)
+        self._flight = None  # a step in flight belonged to the failed ones
         self._active = []
         self._free = list(range(self._cache.slots))
         self.stats["failed_steps"] = self.stats.get("failed_steps", 0) + 1
@@ -745,6 +780,7 @@ class HFBackend(InferenceBackend):
             self._pending.clear()
             self._jobs.clear()
             self._active = []
+            self._flight = None
         err = self._dead_error()
         for seq in seqs:
             self._fail(seq.req, err)
@@ -900,6 +936,8 @@ class HFBackend(InferenceBackend):
 
     def _decode_step(self) -> None:
         """One token for every active sequence: rows are slots ``0..max slot``."""
+        if self.pipelined and self._pipelined_step():
+            return
         seqs = self._active
         width = max(s.slot for s in seqs) + 1
         ids = [self._pad_id] * width
@@ -922,6 +960,99 @@ class HFBackend(InferenceBackend):
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
         self._sample_and_append(seqs, logits)
 
+    # ------------------------------------------------------------------ one step in flight
+    def _plain(self, seq: _Seq) -> bool:
+        """Whether the fused step can sample ``seq``'s row (:func:`~.sampler.sample_plain`): temperature or
+        greedy only; no top_p/top_k/min_p filter, no logit shaping, no top logprobs."""
+        return not seq.shaped and seq.out_top is None and seq.req.params.top_p >= 1.0
+
+    def _pipelined_step(self) -> bool:
+        """Launch the next fused step, then process the one in flight (their work overlaps on a GPU).
+
+        False (nothing in flight then): a row needs the sampler's other paths (or the fused step could not
+        be captured), so the caller runs this step the serial way. The step in flight is drained first when
+        the next step cannot continue from it: a non-plain row, or a shape whose graph is not captured yet
+        (a capture needs every row's input from the host)."""
+        seqs = self._active
+        prev = self._flight
+        carried = {id(s) for s in prev.seqs} if prev is not None else set()
+        fusable = self._runner.fused_ok and all(self._plain(s) for s in seqs)
+        if fusable and prev is not None:
+            width = max(s.slot for s in seqs) + 1
+            max_pos = max(len(s.prompt) + len(s.out_ids) - (id(s) not in carried) for s in seqs)  # as _launch
+            fusable = self._runner.step_ready(width, max_pos)
+        if not fusable:
+            if prev is None:
+                return False
+            self._drain()
+            self._reap()
+            return not self._active or self._pipelined_step()
+        self._flight = self._launch(seqs, carried)
+        if prev is not None:
+            self._land(prev)
+        return True
+
+    def _launch(self, seqs: list[_Seq], carried: set[int]) -> _Flight:
+        """Launch one fused step for ``seqs`` (rows = slots). A sequence in ``carried`` (ids of those in the
+        step in flight) continues from the device's feedback at the next position (its token there is not
+        known yet); the others, and free rows (a finished sequence's: the pad token at position 0), take
+        their input from the host. Each sequence draws its uniform now, in order, as the serial path does
+        (so seeded tokens do not change)."""
+        width = max(s.slot for s in seqs) + 1
+        ids: list[float] = [self._pad_id] * width  # ints and floats: one float64 tensor
+        pos: list[float] = [0] * width
+        temp, draw, host = [0.0] * width, [0.5] * width, [1.0] * width
+        versions: list[int] = []
+        max_pos = 0
+        rng, base, adapters = self._rng, self.policy_version, self.adapter_versions
+        for s in seqs:
+            r = s.slot
+            p = len(s.prompt) + len(s.out_ids) - 1
+            if id(s) in carried:
+                p += 1
+                host[r] = 0.0
+            else:
+                ids[r] = s.out_ids[-1]
+            pos[r] = p
+            if p > max_pos:
+                max_pos = p
+            temp[r] = s.req.params.temperature
+            draw[r] = _uniform(s.rng or rng)
+            versions.append(base if s.adapter is None else adapters[s.adapter])  # self._version_of
+        if self._lora is not None:
+            lora_rows = [0] * width
+            for s in seqs:
+                lora_rows[s.slot] = s.adapter_index
+            self._lora.set_rows(lora_rows)
+        out, event = self._runner.step([ids, pos, temp, draw, host], max_pos)
+        self.stats["forward_passes"] += 1
+        self.stats["decode_steps"] += 1
+        self.stats["fused_steps"] += 1
+        self.stats["decode_rows"] += len(seqs)
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
+        return _Flight(list(seqs), [s.slot for s in seqs], versions, out, event)
+
+    def _await_flight(self, flight: _Flight) -> list[list[float]]:
+        """Wait until ``flight``'s output has landed on the host; its rows as lists."""
+        if flight.event is not None:
+            flight.event.synchronize()
+        out: list[list[float]] = flight.out.tolist()
+        return out
+
+    def _land(self, flight: _Flight) -> None:
+        """Process a launched step: append each sequence's token (a sequence that finished meanwhile had a
+        wasted row: skipped), labelled with the version at launch."""
+        vals = self._await_flight(flight)
+        rows = [vals[r] for r in flight.rows]
+        self._append_rows(flight.seqs, [int(v[0]) for v in rows], [float(v[1]) for v in rows],
+                          [v[2] > 0.5 for v in rows], None, flight.versions)
+
+    def _drain(self) -> None:
+        """Process the step in flight, if any."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self._land(flight)
+
     # ------------------------------------------------------------------ sampling
     def _sample_and_append(self, seqs: list[_Seq], logits: Any) -> None:
         """Sample every row on the device (one host copy), then append; a row the sampler cannot handle
@@ -942,6 +1073,12 @@ class HFBackend(InferenceBackend):
                 lps += lp
                 bad += b
                 tops.append(tp[0] if tp else [])
+        self._append_rows(seqs, toks, lps, bad, tops)
+
+    def _append_rows(self, seqs: list[_Seq], toks: list[int], lps: list[float], bad: list[bool], tops: Any,
+                     versions: list[int] | None = None) -> None:
+        """Append row ``r``'s token to ``seqs[r]`` (finished sequences skipped; non-finite rows fail their
+        request); ``versions``: each token's policy version (None: the current one)."""
         for row, seq in enumerate(seqs):
             if seq.finish is not None:
                 continue
@@ -953,7 +1090,7 @@ class HFBackend(InferenceBackend):
             if tops is not None and seq.out_top is not None:
                 kk = seq.req.params.top_logprobs
                 top = dict(tops[row][:kk])
-            self._append(seq, toks[row], lps[row], top)
+            self._append(seq, toks[row], lps[row], top, None if versions is None else versions[row])
 
     def _sample(self, seqs: list[_Seq], logits: Any) -> tuple[list[int], list[float], list[bool], Any]:
         shaped = logits
@@ -982,14 +1119,16 @@ class HFBackend(InferenceBackend):
         ids = seq.out_ids[:-1] if seq.hide_last else seq.out_ids
         return decode_generated(self._worker_tok, ids, seq.req.params)
 
-    def _append(self, seq: _Seq, tok: int, lp: float, top: dict[int, float] | None) -> None:
+    def _append(self, seq: _Seq, tok: int, lp: float, top: dict[int, float] | None,
+                version: int | None = None) -> None:
         if seq.req.cancelled:
             seq.finish = "abort"
             self._finish_request(seq)
             return
         seq.out_ids.append(tok)
         seq.out_lp.append(lp)
-        seq.out_ver.append(self._version_of(seq.adapter))  # constant within a step: swaps hold the weights lock
+        # constant within a step: swaps hold the weights lock (a launched step's: its version at launch)
+        seq.out_ver.append(self._version_of(seq.adapter) if version is None else version)
         if seq.out_top is not None:
             seq.out_top.append(top or {})
         self.stats["tokens_generated"] += 1

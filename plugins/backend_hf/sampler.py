@@ -82,6 +82,25 @@ def sample(raw: torch.Tensor, shaped: torch.Tensor, rows: list[RowSampling], top
     return Sampled(tokens=tokens, logprobs=lps, bad=bad, top=top)
 
 
+def sample_plain(raw: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`sample` for rows with no filter, no shaping and no top logprobs, as fixed-shape tensor maths
+    (no host copy, no branch on the data), so a CUDA graph can capture it with the forward.
+
+    ``raw [B, V]`` logits; ``temperature [B]`` (float64; greedy below ``GREEDY_TEMPERATURE``); ``u [B]``
+    (float64) each row's uniform. Returns ``[B, 3]`` float64: token, its raw logprob, 1.0 where the row's
+    logits are not finite. Every row goes through the same operations as a hot row of :func:`sample`, so
+    the tokens are the same for the same draws (a greedy row's draw is computed and not used)."""
+    raw = raw.float()
+    logprobs = torch.log_softmax(raw, dim=-1)
+    bad = ~torch.isfinite(raw).all(dim=-1)
+    hot = temperature >= GREEDY_TEMPERATURE
+    temp = torch.where(hot, temperature, torch.ones_like(temperature))  # no division by ~0 in greedy rows
+    drawn = inverse_cdf(torch.softmax(raw / temp[:, None].float(), dim=-1), u)
+    tokens = torch.where(hot, drawn, torch.argmax(raw, dim=-1))
+    lps = logprobs.gather(1, tokens[:, None])[:, 0]
+    return torch.stack([tokens.double(), lps.double(), bad.double()], dim=1)
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``probs [R, V]`` (non-negative, not necessarily normalised), ``u [R]`` in (0, 1): per row the first
     token whose running sum (float64) reaches ``u · sum``, i.e. a draw from ``probs / sum``; a token of

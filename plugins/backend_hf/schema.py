@@ -25,6 +25,10 @@ class HFBackendConfig:
     #: the free memory ("0.3"). The cache grows to it as requests need; a request that does not fit
     #: beside the running ones waits, one that can never fit is refused (docs/backends.md)
     kv_cache_memory: str = "auto"
+    #: decode with one step in flight: step t+1 (forward and plain sampling fused, fed from the device) is
+    #: launched before the host processes step t's tokens. "auto" = on where CUDA graphs are used; "on"
+    #: also on the CPU (same tokens, no faster there: for tests); "off" = one step at a time
+    pipeline: str = "auto"
 
     def problems(self) -> list[str]:
         """What is wrong with these settings (checked with the config, before any model is loaded)."""
@@ -35,6 +39,8 @@ class HFBackendConfig:
             parse_memory(self.kv_cache_memory)
         except ValueError as exc:
             out.append(f"backend.{exc}")
+        if self.pipeline not in ("auto", "on", "off"):
+            out.append(f"backend.pipeline must be auto, on or off, not {self.pipeline!r}")
         if self.max_batch_size < 1:
             out.append("backend.max_batch_size must be >= 1")
         return out
