@@ -202,8 +202,8 @@ def _rows(run_dir, kind="train"):
 def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, tmp_path, action):
     """Two healthy steps (rewards vary), then every group flat (a constant reward: GRPO has no signal);
     with patience 2 the alarm fires on the second flat step (steps 3-4). pause: no further step trains
-    until the controller resumes; rollback: the server goes back to step 2's checkpoint, halves the
-    learning rate, and trains on."""
+    until the controller resumes; rollback: the server goes back to step 1's checkpoint (step 3's
+    episodes were sampled by step 2's weights: suspect too), halves the learning rate, and trains on."""
     h = _serve(train_cfg, tmp_path, patience=2, action=action)
     try:
         with SwarmClient(h.url, token=TOKEN, retry_for=30) as c:
@@ -213,7 +213,9 @@ def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, t
                 _one_step(c, step_no, flat)
                 if step_no < 4:
                     _wait(lambda n=step_no: len(_rows(tmp_path)) >= n)
-            alarm = _wait(lambda: c.status()["pool"]["alarm"].get("message") and c.status()["pool"]["alarm"])
+            # the alarm is in the status as it fires; "taken" once its action is done (a rollback takes a moment)
+            alarm = _wait(lambda: (a := c.status()["pool"]["alarm"]).get("message") and (a.get("last") or {}).get("taken")
+                          and a)
             rows = _rows(tmp_path)
             assert [r["collapse/flat_groups"] for r in rows[:4]] == [0.0, 0.0, 1.0, 1.0]
             assert all(r["task/valid"] == 1.0 and r["collapse/entropy"] > 0 for r in rows[:4])
@@ -235,17 +237,17 @@ def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, t
                 _wait(lambda: c.status()["global_step"] == 5)
                 assert c.status()["pool"]["alarm"]["paused"] is None
             else:
-                assert alarm["rollbacks"] == 1 and alarm["last"]["rolled_back_to"] == 2
-                assert alarm["last"]["lr_factor"] == 0.5 and alarm["last"]["retired_episodes"] == 8
+                assert alarm["rollbacks"] == 1 and alarm["last"]["rolled_back_to"] == 1
+                assert alarm["last"]["lr_factor"] == 0.5 and alarm["last"]["retired_episodes"] == 12
                 st = c.status()
-                assert st["global_step"] == 2 and st["policy_version"] == 2 and not st["pool"]["alarm"]["paused"]
+                assert st["global_step"] == 1 and st["policy_version"] == 1 and not st["pool"]["alarm"]["paused"]
                 assert "swarmkit_collapse_rollbacks_total 1.0" in text
                 ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
-                assert ckpts[-1] == "step_00000002"
-                _one_step(c, 5, False)  # training goes on from step 2, at half the learning rate
-                _wait(lambda: c.status()["global_step"] == 3)
+                assert ckpts[-1] == "step_00000001"
+                _one_step(c, 5, False)  # training goes on from step 1, at half the learning rate
+                _wait(lambda: c.status()["global_step"] == 2)
                 again = _rows(tmp_path)[-1]
-                assert again["step"] == 3 and again["lr"] == pytest.approx(lr_before * 0.5)
+                assert again["step"] == 2 and again["lr"] == pytest.approx(lr_before * 0.5)
                 assert again["collapse/alarm"] == 0.0
             assert _rows(tmp_path, "alarm")[0]["taken"] == action
     finally:

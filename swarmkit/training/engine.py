@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import logging
+
 import torch
 from torch import nn
 
@@ -34,6 +36,7 @@ from swarmkit.training.config import EngineConfig, resolve_token_budget
 from swarmkit.training.hostmem import release_freed_memory
 from swarmkit.training.lm import default_device, dist_info, load_lm, resolve_dtype
 from swarmkit.training.logprob import DEFAULT_LOGIT_CHUNK_ELEMENTS
+from swarmkit.config.lr import auto_lr, base_param_count, is_auto
 from swarmkit.training.lora import merge_lora_state
 from swarmkit.training.packing import (
     MicroBatch,
@@ -47,6 +50,8 @@ from swarmkit.training.packing import (
     split_mini_batches,
 )
 from swarmkit.training.policy import PolicyModel
+
+log = logging.getLogger(__name__)
 
 #: metric keys of the per-mini-batch entropy sums (summed over micro-batches and ranks, then divided)
 _ENT_SUM, _ENT_TOKENS = "_entropy_sum", "_entropy_tokens"
@@ -107,6 +112,7 @@ class TrainingEngine(OptimEngine):
 
         torch.manual_seed(self.seed)
         lm = load_lm(self.model_path, self.model, self.seed)
+        self._resolve_lr(lm)
         if self.cfg.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         keep = self._keep_logits_bytes()
@@ -126,6 +132,19 @@ class TrainingEngine(OptimEngine):
             self.compiled_layers = self._compute_model().compile_layers(backend)
             if self.reference is not None:
                 self.reference.compile_layers(backend)
+
+    def _resolve_lr(self, lm: nn.Module) -> None:
+        """``optim.lr: auto``: the rate of :func:`~swarmkit.config.lr.auto_lr` for this model's
+        base parameters and LoRA (``lr_auto`` True); a number stays as it is."""
+        self.lr_auto = is_auto(self.cfg.lr)
+        self.base_params = base_param_count(lm.named_parameters())
+        if self.lr_auto:
+            self.cfg.lr = auto_lr(self.base_params, self.lora)
+            if self.rank == 0:
+                log.info("optim.lr=auto: %.3g (%.3gM parameters, %s)", self.cfg.lr, self.base_params / 1e6,
+                         "LoRA" if self.lora else "full weights")
+        else:
+            self.cfg.lr = float(self.cfg.lr)
 
     def _wants_compile(self) -> bool:
         """``optim.compile``: "auto" = on CUDA in one process (no process group); true / false force it."""

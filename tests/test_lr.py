@@ -1,0 +1,85 @@
+"""``optim.lr: auto`` (swarmkit/config/lr.py): the table, its validation, and the engine resolving it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from swarmkit.config.lr import FULL_LR_ANCHORS, LORA_FACTOR, MAX_LR, auto_lr, base_param_count, full_weight_lr, lr_problem
+from swarmkit.training.config import EngineConfig
+
+TINY, SMOLLM2 = 351_488, 134_515_008  # the built-in models' parameters (tied embeddings once)
+
+
+def test_the_table_at_its_anchors_and_between_them():
+    for params, lr in FULL_LR_ANCHORS:
+        assert full_weight_lr(params) == pytest.approx(lr)
+    assert full_weight_lr(1) == FULL_LR_ANCHORS[0][1] and full_weight_lr(1e13) == FULL_LR_ANCHORS[-1][1]
+    # log-log interpolation: halfway in log(params) is the geometric mean of the two rates
+    (n0, lr0), (n1, lr1) = FULL_LR_ANCHORS[1], FULL_LR_ANCHORS[2]
+    assert full_weight_lr(math.sqrt(n0 * n1)) == pytest.approx(math.sqrt(lr0 * lr1))
+    sizes = [10 ** (k / 4) for k in range(16, 52)]
+    rates = [full_weight_lr(n) for n in sizes]
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # never higher for a bigger model
+
+
+def test_auto_lr_of_the_built_in_models_and_lora():
+    assert auto_lr(TINY, lora=False) == 1e-2
+    assert auto_lr(SMOLLM2, lora=False) == pytest.approx(3e-5, rel=0.01)
+    assert auto_lr(SMOLLM2, lora=True) == pytest.approx(3e-4, rel=0.01)  # the rate tuned for LoRA on SmolLM2
+    assert auto_lr(7_000_000_000, lora=False) == pytest.approx(1e-6)
+    assert auto_lr(7_000_000_000, lora=True) == pytest.approx(1e-6 * LORA_FACTOR)
+    assert auto_lr(TINY, lora=True) == MAX_LR  # capped
+    with pytest.raises(ValueError, match="0 parameters"):
+        auto_lr(0, lora=False)
+
+
+def test_lr_values_are_checked():
+    assert EngineConfig().lr == "auto"
+    for ok in ("auto", "AUTO", 1e-3, 1, "3e-4"):
+        assert lr_problem("lr", ok) is None, ok
+    assert lr_problem("sft_lr", None, allow_none=True) is None
+    assert lr_problem("lr", "fast") == "optim.lr: Value 'fast' is not a number > 0 or 'auto'"
+    assert lr_problem("lr", -1.0) == "optim.lr: must be > 0, got -1.0"
+    assert lr_problem("lr", None) is not None and lr_problem("lr", True) is not None
+
+
+def test_base_param_count_leaves_adapters_and_the_value_head_out():
+    class P:
+        def __init__(self, n):
+            self.n = n
+
+        def numel(self):
+            return self.n
+
+    named = [("model.embed.weight", P(100)), ("model.q_proj.base_layer.weight", P(16)),
+             ("model.q_proj.lora_A.default.weight", P(4)), ("model.q_proj.lora_B.default.weight", P(4)),
+             ("value_head.weight", P(3))]
+    assert base_param_count(named) == 116
+
+
+def test_validation_takes_auto_and_refuses_a_word(tmp_path):
+    from swarmkit.config.compose import compose_checked
+    from swarmkit.errors import ConfigError
+
+    assert compose_checked(["model=tiny"]).optim.lr == "auto"
+    assert compose_checked(["model=tiny", "optim.lr=2e-3"]).optim.lr == 2e-3
+    with pytest.raises(ConfigError, match="optim.lr: Value 'fast' is not a number > 0 or 'auto'"):
+        compose_checked(["model=tiny", "optim.lr=fast"])
+    with pytest.raises(ConfigError, match="optim.lr: must be > 0"):
+        compose_checked(["model=tiny", "optim.lr=0"])
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_engine_resolves_auto_from_the_loaded_model(lora):
+    from swarmkit.models import tiny_model_dir
+    from swarmkit_plugins.algo_rl.grpo import GRPO
+    from swarmkit_plugins.optim_fsdp.engine import FSDPEngine
+
+    model = {"lora_rank": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]} if lora else {"lora_rank": 0}
+    e = FSDPEngine(tiny_model_dir(), model, {"lr": "auto", "device": "cpu"}, GRPO())
+    assert e.lr_auto and e.base_params == TINY
+    assert e.cfg.lr == auto_lr(TINY, lora) and e.current_lr() == pytest.approx(e.cfg.lr)
+    fixed = FSDPEngine(tiny_model_dir(), model, {"lr": 2e-3, "device": "cpu"}, GRPO())
+    assert not fixed.lr_auto and fixed.current_lr() == pytest.approx(2e-3)
