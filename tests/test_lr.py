@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from swarmkit.config.lr import FULL_LR_ANCHORS, LORA_FACTOR, MAX_LR, auto_lr, base_param_count, full_weight_lr, lr_problem
+from swarmkit.config.lr import (
+    FULL_LR_ANCHORS,
+    LORA_FACTOR,
+    MAX_LR,
+    auto_lr,
+    base_param_count,
+    full_weight_lr,
+    lr_problem,
+)
 from swarmkit.training.config import EngineConfig
 
 TINY, SMOLLM2 = 351_488, 134_515_008  # the built-in models' parameters (tied embeddings once)

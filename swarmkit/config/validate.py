@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from swarmkit.chat_templates import resolve_chat_template
+from swarmkit.config.lr import lr_problem
 from swarmkit.config.schema import (
     COLLAPSE_ACTIONS,
     LAUNCHERS,
@@ -24,7 +25,6 @@ from swarmkit.config.schema import (
     ReplicaConfig,
     SwarmkitConfig,
 )
-from swarmkit.config.lr import lr_problem
 from swarmkit.errors import ConfigError, UnknownComponentError
 from swarmkit.plugins.loader import get_hooks
 from swarmkit.plugins.registry import KINDS, Registry

@@ -15,6 +15,7 @@ gets the same list); the engine deals packed micro-batches to ranks itself.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -25,18 +26,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
-import logging
-
 import torch
 from torch import nn
 
+from swarmkit.config.lr import auto_lr, base_param_count, is_auto
 from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import Algorithm, LossInputs, OptimEngine, TrainSample, check_algorithm
 from swarmkit.training.config import EngineConfig, resolve_token_budget
 from swarmkit.training.hostmem import release_freed_memory
 from swarmkit.training.lm import default_device, dist_info, load_lm, resolve_dtype
 from swarmkit.training.logprob import DEFAULT_LOGIT_CHUNK_ELEMENTS
-from swarmkit.config.lr import auto_lr, base_param_count, is_auto
 from swarmkit.training.lora import merge_lora_state
 from swarmkit.training.packing import (
     MicroBatch,
