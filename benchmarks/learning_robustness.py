@@ -35,12 +35,13 @@ seed's numbers, held-out curve and per-step curve.
     python benchmarks/learning_robustness.py --smoke                           # tiny model, 1 task, 2 seeds, 2 steps
 
 ``--unstable``: the collapse alarm on a deliberately unstable run. Per seed it runs one task (default
-``token_rule`` on the tiny model at ``optim.lr=0.1``, 10x the model's auto rate, checkpoints every step)
+``token_rule`` on the tiny model at ``optim.lr=0.1``, 10x the model's auto rate, a checkpoint every 4 steps)
 twice: with ``trainer.collapse.action=warn`` (what the run does unattended: when the sampled answers
 collapsed, when the alarm fired, the reward it is stuck at) and with ``action=rollback`` (back to the
-last checkpoint before the alarm's window, learning rate x ``--rollback-lr-factor``; the reward per
-step after it). Onset of the collapse: the first RL step whose ``collapse/entropy`` is below the
-alarm's ``entropy_min`` (the policy samples one answer). Recovered: the mean sampled reward of the
+last checkpoint before the weights that sampled the alarm's window, learning rate x
+``--rollback-lr-factor``; the reward per step after it; a second alarm pauses training, which ends
+the job: ``--max-rollbacks 1``). Onset of the collapse: the first RL step whose
+``collapse/entropy`` is below the alarm's ``entropy_min`` (the policy samples one answer). Recovered: the mean sampled reward of the
 rollback run's last 3 steps is above the warn run's (stuck) one and at least the reward at the step
 it rolled back to.
 
@@ -236,14 +237,15 @@ TAIL = 3
 
 
 def unstable_command(task: str, seed: int, run_dir: Path, action: str, args: argparse.Namespace) -> list[str]:
-    """The main job of one unstable run: ``--lr`` (too high), a checkpoint every step, the alarm's ``action``."""
+    """The main job of one unstable run: ``--lr`` (too high), ``--checkpoint-every``, the alarm's ``action``."""
     demos = args.warm_steps * args.batch_size * args.rollouts
     return [sys.executable, "-m", "swarmkit", f"task={task}", f"seed={seed}", *model_overrides(args.model),
             f"task.eval_size={args.eval_size}", *([f"task.demonstrations={demos}"] if demos else []),
             f"batching.batch_size={args.batch_size}", f"batching.rollouts_per_task={args.rollouts}",
             f"trainer.total_steps={args.warm_steps + args.steps}", f"optim.lr={args.lr}",
-            *([f"optim.sft_lr={args.sft_lr}"] if demos else []), "trainer.checkpoint_every=1",
+            *([f"optim.sft_lr={args.sft_lr}"] if demos else []), f"trainer.checkpoint_every={args.checkpoint_every}",
             f"trainer.collapse.action={action}", f"trainer.collapse.lr_factor={args.rollback_lr_factor}",
+            f"trainer.collapse.max_rollbacks={args.max_rollbacks}",
             "logger=[]", "server.port=0", f"server.run_dir={run_dir}", f"hydra.run.dir={run_dir}", *args.override]
 
 
@@ -419,6 +421,10 @@ def main() -> int:
                         f"defaults then: {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in UNSTABLE_DEFAULTS.items())}")
     p.add_argument("--rollback-lr-factor", type=float, default=0.1,
                    help="--unstable: trainer.collapse.lr_factor of the rollback run")
+    p.add_argument("--checkpoint-every", type=int, default=4,
+                   help="--unstable: trainer.checkpoint_every (the points a rollback can go back to)")
+    p.add_argument("--max-rollbacks", type=int, default=1,
+                   help="--unstable: trainer.collapse.max_rollbacks (then the alarm pauses, which ends the job)")
     p.add_argument("--entropy-min", type=float, default=0.05,
                    help="--unstable: the collapse onset is the first step below this entropy (the alarm's default)")
     args = p.parse_args()
