@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def main() -> int:
     p.add_argument("--arm", action="append", default=[], help="NAME=OVERRIDE[,OVERRIDE...] (repeat per arm)")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--base", nargs="*", default=[], help="overrides of every job")
+    p.add_argument("--parallel", type=int, default=1, help="jobs at once, each its own process")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default="benchmarks/results/lr_auto.json")
     p.add_argument("--smoke", action="store_true")
@@ -74,7 +76,9 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="swarmkit-lr-")).resolve()
     t0 = time.time()
-    jobs = [run_job(a, o, s, args.base, work) for a, o in arms.items() for s in seeds]
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        jobs = list(pool.map(lambda job: run_job(job[0], job[1], job[2], args.base, work),
+                             [(a, o, s) for a, o in arms.items() for s in seeds]))
     print("\n| arm | seed | lr | before | after | train reward per step | wall |")
     print("|---|---|---|---|---|---|---|")
     for j in jobs:
