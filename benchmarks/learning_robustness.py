@@ -304,7 +304,7 @@ def run_unstable_seed(task: str, seed: int, work: Path, args: argparse.Namespace
 
 
 def print_unstable(results: list[dict[str, Any]]) -> None:
-    print("\nunstable runs: sampled reward per training step (| marks a rollback), the alarm and the rewards")
+    print("\nunstable runs: sampled reward per training step (↩ marks a rollback), the alarm and the rewards")
     print("| task | seed | action | reward per step | collapse onset | alarm at | rolled back to | "
           f"last {TAIL} steps | held-out before -> after |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -316,7 +316,7 @@ def print_unstable(results: list[dict[str, Any]]) -> None:
             x = r[action]
             parts, prev = [], 0
             for c in x["curve"]:
-                parts.append(("| " if c["step"] <= prev else "") + f"{c['reward']:.2f}")
+                parts.append(("↩ " if c["step"] <= prev else "") + f"{c['reward']:.2f}")
                 prev = c["step"]
             alarms = ", ".join(f"{a['step']} ({a.get('taken', '?')})" for a in x["alarms"]) or "-"
             print(f"| {r['task']} | {r['seed']} | {action} | {' '.join(parts)} | {x['onset'] or '-'} | {alarms} | "
