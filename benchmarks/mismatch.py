@@ -23,6 +23,11 @@ truncated or masked, and writes JSON with every run's numbers and per-step curve
     python benchmarks/mismatch.py                                  # every arm, 3 seeds, 20 steps
     python benchmarks/mismatch.py --arms exact,none,token-truncate --seeds 0,1 --noise 1.5
     python benchmarks/mismatch.py --smoke                          # 2 arms, 1 seed, 2 tiny steps; seconds
+
+Another engine's own mismatch (no perturbation: ``--noise 0``), e.g. vLLM in its venv (docs/backends.md)::
+
+    python benchmarks/mismatch.py --arms exact,geometric-truncate --noise 0 --seeds 0,1 \
+        --out benchmarks/results/mismatch_vllm.json +backend=vllm
 """
 
 from __future__ import annotations
@@ -88,12 +93,12 @@ def patch_hf_sampler(kind: str, scale: float, seed: int) -> None:
     original = hf_engine.sample
     gen = torch.Generator().manual_seed(10_007 + seed)
 
-    def perturbed(raw, shaped, rows, rng, top_logprobs=0):
+    def perturbed(raw, shaped, rows, *args, **kwargs):  # the engine's other arguments pass through as they are
         hot = torch.tensor([float(r.temperature >= GREEDY_TEMPERATURE) for r in rows])
         if kind == "logits":
             noise = (torch.randn(raw.shape, generator=gen) * scale * hot[:, None]).to(raw.device, raw.dtype)
-            return original(raw + noise, shaped + noise, rows, rng, top_logprobs=top_logprobs)
-        out = original(raw, shaped, rows, rng, top_logprobs=top_logprobs)
+            return original(raw + noise, shaped + noise, rows, *args, **kwargs)
+        out = original(raw, shaped, rows, *args, **kwargs)
         noise = (torch.randn(out.logprobs.shape, generator=gen) * scale * hot).to(out.logprobs.device)
         out.logprobs = (out.logprobs + noise).clamp(max=0.0)
         return out
@@ -128,8 +133,8 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, base: list[str]) -> d
     rows = [r for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
             for r in [json.loads(line)] if r.get("kind", "train") == "train"]
 
-    def curve(key: str) -> list[float | None]:
-        return [round(r[key], 6) if isinstance(r.get(key), int | float) else None for r in rows]
+    def curve(key: str) -> list[float | None]:  # 6 significant digits (not decimals): a KL of 1e-9 is not 0
+        return [float(f"{r[key]:.6g}") if isinstance(r.get(key), int | float) else None for r in rows]
 
     def mean(key: str) -> float:
         vals = [v for v in curve(key) if v is not None]
@@ -196,6 +201,10 @@ def main() -> int:
     for a in arms:
         arm_overrides(a, args.cap, args.floor)  # unknown arms fail before any run
     seeds = [int(s) for s in args.seeds.split(",") if s]
+    other_engine = [o for o in args.overrides if o.lstrip("+").startswith("backend=") and o.split("=", 1)[1] != "hf"]
+    if other_engine and args.noise > 0 and any(a != "exact" for a in arms):
+        raise SystemExit(f"the perturbation patches the hf engine only: with {other_engine[0]} pass --noise 0 "
+                         "(the engine's own mismatch, uncorrected and corrected)")
     runs: list[dict[str, Any]] = []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 

@@ -8,11 +8,17 @@ concurrent episodes:
 - **direct**: ``C`` concurrent ``backend.generate(prompt_ids, params)`` calls on
   the engine (prompt already rendered with the chat template);
 - **endpoint**: ``C`` episodes registered (``POST /api/v1/episodes``), then ``C``
-  concurrent ``POST /v1/chat/completions`` with each episode's ``api_key`` (so
+  concurrent ``POST /v1/chat/completions`` with each episode's ``api_key``, each
+  episode with its own HTTP client as independent agents have (so
   every call goes through auth, chat rendering, the context tracker and the
   OpenAI answer), then rewards reported; only the chat calls are timed. The
   HTTP client runs in a separate process, as swarm clients do (``--client
   thread`` runs it in this process, where it also competes for the GIL).
+
+``--fake-forward-ms MS`` replaces the model's forward by a sleep (GIL released, as
+while a GPU computes) and fixed random logits, so on a CPU the engine steps at a
+GPU's pace and what the server path costs shows (the 2-core CPU's real forward
+hides it).
 
 No training step runs during the measurement: every episode has its own task
 and the batch asks for far more tasks than the run makes.
@@ -22,7 +28,7 @@ summed over ``--rounds`` rounds. Same messages, ``max_tokens`` and temperature
 in both paths.
 
     python benchmarks/rollout_throughput.py [--model tiny|smollm2|FOLDER] [--max-tokens 32] [--client process|thread]
-        [--device cpu|cuda] [--concurrency 1,8,32] [--json out.json]
+        [--device cpu|cuda] [--concurrency 1,8,32] [--fake-forward-ms 4] [--json out.json]
     python benchmarks/rollout_throughput.py --smoke      # seconds, on the CPU
 """
 
@@ -67,6 +73,23 @@ def _backend(kind: str, model: dict[str, Any], device: str = "cpu", max_batch: i
                                "max_model_len": 1024}, model=model)
 
 
+def _fake_forward(backend: Any, ms: float) -> None:
+    """Replace the engine's model forward (prefill and decode) by a sleep of ``ms`` milliseconds (the GIL is
+    released, as while a GPU computes) returning fixed random logits: the engine then steps at a GPU's pace on
+    a CPU, and sampling, the engine's bookkeeping and the whole server path stay real."""
+    import torch
+
+    vocab = backend.model.get_input_embeddings().num_embeddings
+    table = torch.randn(backend.max_batch_size, vocab, generator=torch.Generator().manual_seed(0))
+
+    def forward(rows: int) -> Any:
+        time.sleep(ms / 1000)
+        return table[:rows]
+
+    backend._runner.decode = lambda ids, pos: forward(len(ids))
+    backend._runner.prefill = lambda prompts, slots, pad_id: forward(len(prompts))
+
+
 async def _direct(backend: Any, prompt: list[int], c: int, rounds: int, params: Any) -> tuple[int, float]:
     tokens, wall = 0, 0.0
     for r in range(rounds):
@@ -83,15 +106,19 @@ async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature:
     import httpx
 
     tokens, wall = 0, 0.0
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    # one HTTP client (one keep-alive connection) per concurrent episode, as independent agents have: a
+    # pool shared by C requests rescans its C connections at every request and response (httpcore), which
+    # made this client process, not the server, the cap at C = 128 (docs/benchmarks.md); plain HTTP, so no
+    # CA bundle is loaded (60 ms a client)
+    https = [httpx.AsyncClient(base_url=url, timeout=600, verify=False) for _ in range(c)]
+    try:
         for r in range(rounds):
-            eps = await asyncio.gather(*(http.post("/api/v1/episodes", json={"task_id": f"bench{tag}-{c}-{r}-{i}"})
-                                         for i in range(c)))
+            eps = await asyncio.gather(*(h.post("/api/v1/episodes", json={"task_id": f"bench{tag}-{c}-{r}-{i}"})
+                                         for i, h in enumerate(https)))
             eps = [e.json() for e in eps]
 
             async def chat(ep: dict[str, Any], i: int, r: int = r) -> int:
-                resp = await http.post(
+                resp = await https[i].post(
                     ep["base_url"].rstrip("/") + "/chat/completions",
                     headers={"Authorization": f"Bearer {ep['api_key']}"},
                     json={"model": "m", "messages": MESSAGES, "max_tokens": max_tokens,
@@ -103,9 +130,11 @@ async def _endpoint(url: str, c: int, rounds: int, max_tokens: int, temperature:
             counts = await asyncio.gather(*(chat(ep, i) for i, ep in enumerate(eps)))
             wall += time.perf_counter() - t0
             tokens += sum(counts)
-            await asyncio.gather(*(http.post(f"/api/v1/episodes/{ep['episode_id']}/report",
-                                             headers={"Authorization": f"Bearer {ep['api_key']}"},
-                                             json={"reward": 0.0}) for ep in eps))
+            await asyncio.gather(*(https[i].post(f"/api/v1/episodes/{ep['episode_id']}/report",
+                                                 headers={"Authorization": f"Bearer {ep['api_key']}"},
+                                                 json={"reward": 0.0}) for i, ep in enumerate(eps)))
+    finally:
+        await asyncio.gather(*(h.aclose() for h in https))
     return tokens, wall
 
 
@@ -117,7 +146,7 @@ def _endpoint_blocking(url: str, c: int, rounds: int, max_tokens: int, temperatu
 
 def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], rounds: int,
                  max_tokens: int, temperature: float, client: str = "process",
-                 device: str = "cpu") -> list[dict[str, Any]]:
+                 device: str = "cpu", fake_forward_ms: float = 0.0) -> list[dict[str, Any]]:
     from swarmkit.apps.serve import start_server_thread
     from swarmkit.config.compose import compose
     from swarmkit.config.validate import validate_config
@@ -158,6 +187,8 @@ def _run_backend(kind: str, model: dict[str, Any], concurrency: list[int], round
             if time.monotonic() > end:
                 raise TimeoutError("server did not reach ROLLING")
             time.sleep(0.05)
+        if fake_forward_ms > 0:
+            _fake_forward(backend, fake_forward_ms)
         prompt = list(backend.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                                             return_dict=True)["input_ids"])
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
@@ -193,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client", choices=["process", "thread"], default="process",
                     help="run the HTTP client in its own process (like a swarm client) or in a thread here")
     ap.add_argument("--device", default="cpu", help="the hf engine's device (cpu, cuda)")
+    ap.add_argument("--fake-forward-ms", type=float, default=0.0,
+                    help="replace the model's forward by a sleep of this many ms and fixed random logits (hf only): "
+                         "the engine steps at a GPU's pace on a CPU, so the server path can be measured here")
     ap.add_argument("--smoke", action="store_true", help="tiny model, C=1,2, 4 tokens, one round, no JSON")
     ap.add_argument("--json", default="benchmarks/results/rollout_throughput.json")
     args = ap.parse_args(argv)
@@ -207,15 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for kind in kinds:
         rows += _run_backend(kind, model, concurrency, args.rounds, args.max_tokens, args.temperature, args.client,
-                             args.device)
-    print(f"model {args.model}, max_tokens {args.max_tokens}, temperature {args.temperature}, "
+                             args.device, args.fake_forward_ms if kind == "hf" else 0.0)
+    fake = f", forward faked as a {args.fake_forward_ms:g} ms sleep" if args.fake_forward_ms else ""
+    print(f"model {args.model}{fake}, max_tokens {args.max_tokens}, temperature {args.temperature}, "
           f"{args.rounds} rounds, client in a {args.client}, {os.cpu_count()} CPUs")
     print(f"{'backend':10}{'episodes':>10}{'direct tok/s':>14}{'endpoint tok/s':>16}{'endpoint/direct':>17}")
     for r in rows:
         print(f"{r['backend']:10}{r['concurrency']:>10}{r['direct_tok_s']:>14.1f}{r['endpoint_tok_s']:>16.1f}"
               f"{r['endpoint_vs_direct']:>17.2f}")
     result = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "rounds": args.rounds, "client": args.client, "rows": rows, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+              "rounds": args.rounds, "client": args.client, "fake_forward_ms": args.fake_forward_ms, "rows": rows, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
     print(json.dumps(result))
     if args.json:
         out = Path(args.json)

@@ -15,8 +15,19 @@ from swarmkit.errors import exit_for_missing_server_extra, missing_server_extra
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``python -m swarmkit`` and the ``swarmkit`` script."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of ``python -m swarmkit`` and the ``swarmkit`` script.
+
+    Ctrl-C is how a server, a monitor or a main job is stopped: each shuts down in its own handlers,
+    then this prints ``interrupted`` and exits 130 (the shell's code for SIGINT) instead of a traceback.
+    """
+    try:
+        _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def _main(args: list[str]) -> None:
     if args and args[0] in LIGHT_COMMANDS:  # they need httpx at most: no Hydra, no torch
         sys.exit(run_command(LIGHT_COMMANDS[args[0]], args[1:]))
     try:

@@ -136,3 +136,13 @@ def make(train_cfg, tokenizer, tmp_path):
     yield factory
     for tc in made:
         tc.__exit__(None, None, None)
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for a child a test stops with SIGINT (Ctrl-C): SIGINT's default action in it. A
+    process started in the background of a non-interactive shell (``cmd &``, as a CI runner may start
+    the test run) inherits SIGINT *ignored*, and Python keeps it ignored: the child would never see the
+    Ctrl-C the test sends, and a server would end its graceful shutdown with exit 0 instead of 130."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -30,8 +30,8 @@ def conformance(model_dir):
     from swarmkit_plugins.backend_vllm.engine import conformance_backend
 
     backend_cls, config = conformance_backend()
-    with BackendConformance.started(backend_cls, config=config,
-                                    model={"path": str(model_dir), "max_context": 1024},
+    # no model.max_context: the context is the backend's max_model_len (1024), which the suite's checks read
+    with BackendConformance.started(backend_cls, config=config, model={"path": str(model_dir)},
                                     reference_dir=model_dir, tol=1e-3) as suite:
         yield suite
 
@@ -39,6 +39,19 @@ def conformance(model_dir):
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS)
 def test_vllm_conformance(conformance, check):
     conformance.run(check)
+
+
+def test_vllm_context_is_the_engines_and_a_refused_prompt_is_a_value_error(conformance):
+    """``max_context`` is the context the engine serves (the server refuses longer prompts with it), and what
+    vLLM refuses (its ``VLLMValidationError``: a prompt with no room to generate) is the contract's ValueError
+    (400 at the server), not an engine error."""
+    backend = conformance.backend
+    assert backend.max_context == backend.engine.model_config.max_model_len == 1024
+    p = conformance.prompts[0]
+    full = (p * (1024 // len(p) + 1))[:1024]
+    with pytest.raises(ValueError, match="maximum model length"):
+        conformance.generate(full, max_tokens=2)
+    assert conformance.generate(p, max_tokens=2)[0].token_ids  # the engine serves on
 
 
 def test_vllm_batches_concurrent_requests(conformance):

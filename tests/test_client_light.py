@@ -260,3 +260,46 @@ def test_the_monitor_and_a_server_do_not_share_a_default_port():
     assert SERVER_PORT == ServerConfig().port and MONITOR_PORT != SERVER_PORT
     docs = (ROOT / "README.md").read_text() + (ROOT / "docs" / "dashboard.md").read_text()
     assert "8765" not in docs and f":{MONITOR_PORT}/dashboard" in docs
+
+
+def test_status_of_a_server_that_is_gone_is_one_error_line(tmp_path, capsys):
+    """A run folder whose server stopped, a wrong --url: one ``error:`` line (it was a ServerUnavailable
+    traceback: status caught swarmkit's own errors, not the SDK's), exit 1."""
+    import socket
+
+    from swarmkit.apps.monitor import status_main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "server.json").write_text(json.dumps({"url": f"http://127.0.0.1:{port}"}))
+    (run_dir / "admin_token").write_text(TOKEN + "\n")
+    assert status_main([str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "is the server running?" in err and f"monitor {run_dir}" in err
+
+
+def test_status_says_training_finished_once():
+    from swarmkit.apps.monitor import status_text
+
+    text = status_text({"state": "ROLLING", "training_finished": "training finished: trainer.total_steps=3 reached",
+                        "last_error": "boom"})
+    assert "training finished: trainer.total_steps=3 reached" in text and "training finished: training" not in text
+    assert "last error: boom" in text
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C stops a server, a monitor or a main job (each shuts down in its own handlers; uvicorn then
+    re-raises KeyboardInterrupt): ``interrupted`` and 130, not a traceback."""
+    import swarmkit.__main__ as entry
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry, "_main", interrupted)
+    with pytest.raises(SystemExit) as info:
+        entry.main(["mode=server"])
+    assert info.value.code == 130 and capsys.readouterr().err == "interrupted\n"

@@ -105,3 +105,62 @@ def test_a_client_of_a_training_server_prints_a_few_lines(training_server, tmp_p
     assert not [line for line in lines if ": reward " in line], lines[:5]
     assert any("episodes in" in line and "mean reward" in line for line in lines), lines  # the final summary
     assert len(lines) <= 12, "\n".join(lines)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_closing_the_client_ends_retries_in_other_threads():
+    """A client closed (Ctrl-C, a shutdown) while another thread retries an unreachable server: that
+    request gives up at once instead of sitting out ``retry_for``."""
+    import threading
+
+    from swarmkit.client import SwarmClient, SwarmError
+
+    client = SwarmClient(f"http://127.0.0.1:{_free_port()}", retry_for=300)
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.health()
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    time.sleep(0.8)  # a few retries in
+    t0 = time.monotonic()
+    client.close()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - t0 < 5
+    assert isinstance(raised[0], SwarmError) and "closed while retrying" in str(raised[0])
+
+
+def test_ctrl_c_stops_mode_client_at_once(tmp_path):
+    """Ctrl-C on ``mode=client`` retrying an unreachable server: it exits 130 within seconds, saying so,
+    no traceback (it sat out its 900 s retry budget per running episode)."""
+    import signal
+
+    from conftest import interruptible
+
+    p = subprocess.Popen(_client(_free_port(), tmp_path / "c"), env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=tmp_path, preexec_fn=interruptible)
+    seen = []
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:  # the SDK says the first retry (a loaded machine may take seconds to get there)
+            seen.append(line)
+            if "retrying" in line:
+                break
+        p.send_signal(signal.SIGINT)
+        rest, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    out = "".join(seen) + (rest or "")
+    assert p.returncode == 130, out[-2000:]
+    assert "Traceback" not in out and "interrupted" in out

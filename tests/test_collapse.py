@@ -213,9 +213,8 @@ def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, t
                 _one_step(c, step_no, flat)
                 if step_no < 4:
                     _wait(lambda n=step_no: len(_rows(tmp_path)) >= n)
-            # the alarm is in the status as it fires; "taken" once its action is done (a rollback takes a moment)
-            alarm = _wait(lambda: (a := c.status()["pool"]["alarm"]).get("message") and (a.get("last") or {}).get("taken")
-                          and a)
+            alarm = _wait(lambda: (a := c.status()["pool"]["alarm"]).get("message")
+                          and a["last"]["taken"] != "pending" and a)  # a rollback takes a moment
             rows = _rows(tmp_path)
             assert [r["collapse/flat_groups"] for r in rows[:4]] == [0.0, 0.0, 1.0, 1.0]
             assert all(r["task/valid"] == 1.0 and r["collapse/entropy"] > 0 for r in rows[:4])
@@ -256,6 +255,24 @@ def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, t
 
 def _metrics_text(url: str) -> str:
     return httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+
+
+def test_a_flat_groups_alarm_says_that_nothing_is_learned():
+    """A newcomer's first alarm is a reward that never varies (the tiny model on arithmetic): the message
+    says what that means and what to do, not only the signal's name."""
+    alarm = CollapseAlarm(CollapseConfig(patience=2))
+    signals = {FLAT: 1.0, IDENTICAL: 0.0, GROUPS: 4.0, ENTROPY: 6.0}
+    assert alarm.observe(1, signals) is None
+    fired = alarm.observe(2, signals)
+    assert fired is not None and "GRPO has no signal and nothing is learned" in fired.message
+    assert "partial credit" in fired.message
+
+
+def test_flat_groups_of_identical_rollouts_are_explained_as_the_collapse():
+    alarm = CollapseAlarm(CollapseConfig(patience=1))
+    fired = alarm.observe(1, {FLAT: 1.0, IDENTICAL: 1.0, GROUPS: 4.0, ENTROPY: 0.0})
+    assert fired is not None and "the policy collapsed" in fired.message and "low entropy" in fired.message
+    assert "partial credit" not in fired.message
 
 
 # ---------------------------------------------------------------------- a real collapse (the main job)

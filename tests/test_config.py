@@ -62,7 +62,8 @@ def test_every_registered_component_has_a_config_option(tmp_path):
     script = tmp_path / "script.yaml"
     script.write_text("replies: [hello]\n")
     #: the keys a component cannot run without (its missing-key error is tested beside the component)
-    required = {("backend", "scripted"): [f"backend.script={script}"]}
+    required = {("backend", "scripted"): [f"backend.script={script}"],
+                ("algo", "distill"): ["algo.teacher_url=http://127.0.0.1:9/v1"]}
     registry = get_registry()
     for kind in KINDS:
         for name in registry.names(kind):
@@ -249,7 +250,7 @@ def test_a_bad_chat_template_is_a_config_error(value):
 # --------------------------------------------------------------------------- issue 36: the first hour of a new user
 @pytest.mark.parametrize("args, choices", [
     (["model=tinyy"], "unknown model 'tinyy'; model options: smollm2, tiny"),
-    (["task=arith"], "unknown task 'arith'; task options: arithmetic, calc_agent, multi_calc, token_rule"),
+    (["task=arith"], "unknown task 'arith'; task options: arithmetic, bfcl, calc_agent, multi_calc, reasoning_gym, token_rule"),
     (["--multirun", "model=tiny,tinyy"], "unknown model 'tinyy'; model options: smollm2, tiny"),
     (["hydra/launcher=nosuch"], "Could not find 'hydra/launcher/nosuch'; options: "),
 ])
@@ -329,7 +330,10 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
     """``mode=server model=tiny`` serves the tiny model (it was OFFLINE with model=tiny dropped); a server given
     no training override still waits OFFLINE and says how to configure it."""
     import os
+    import signal
     import socket
+
+    from conftest import interruptible
 
     from swarmkit.client import SwarmClient
     from swarmkit.config.schema import TrainerConfig
@@ -347,10 +351,12 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={p1}", "model=tiny",
              "optim.lr=1e-3", "logger=[]", f"server.run_dir={tmp_path / 'a'}"],
-            env=env, stdout=open(tmp_path / "a.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path))
+            env=env, stdout=open(tmp_path / "a.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+            preexec_fn=interruptible))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "swarmkit", "mode=server", f"server.port={p2}", f"server.run_dir={tmp_path / 'b'}"],
-            env=env, stdout=open(tmp_path / "b.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path))
+            env=env, stdout=open(tmp_path / "b.out", "w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+            preexec_fn=interruptible))
         with SwarmClient(f"http://127.0.0.1:{p1}", token=token, retry_for=90) as c:
             c.wait_for_state("ROLLING", timeout=120)
             st = c.status()
@@ -360,9 +366,16 @@ def test_a_server_given_training_overrides_configures_itself_and_starts(tmp_path
             assert not c.status()["configured"]
         a, b = (tmp_path / "a.out").read_text(), (tmp_path / "b.out").read_text()
         assert "configured from the command line (model=tiny optim.lr=1e-3 'logger=[]')" in a, a
+        assert f"(python -m swarmkit status {tmp_path / 'a'} --watch follows it)" in a, a  # a command that runs
+        assert "Loading weights" not in a, a  # transformers' progress bars are off
         assert "not configured (OFFLINE)" in b and ".configure([" in b and "mode=server model=tiny" in b, b
         cfg = OmegaConf.load(tmp_path / "a" / ".hydra" / "config.yaml")
         assert cfg.trainer.total_steps == TrainerConfig().total_steps and cfg.optim.lr == 1e-3
+        for p in procs:  # Ctrl-C stops a server: it shuts down, says "interrupted", exits 130, no traceback
+            p.send_signal(signal.SIGINT)
+        assert [p.wait(60) for p in procs] == [130, 130]
+        a, b = (tmp_path / "a.out").read_text(), (tmp_path / "b.out").read_text()
+        assert "Traceback" not in a + b and a.rstrip().endswith("interrupted") and b.rstrip().endswith("interrupted")
     finally:
         for p in procs:
             p.terminate()

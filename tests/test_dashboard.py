@@ -43,7 +43,10 @@ def training(tmp_path_factory):
     ctl = SwarmClient(url, token=TOKEN, retry_for=60)
     ctl.wait_for_state("OFFLINE", timeout=60)
     ctl.configure(["model=tiny", "task=token_rule", "batching=c2", "batching.batch_size=2",
-                   "batching.rollouts_per_task=2", "optim.lr=1e-3"])
+                   "batching.rollouts_per_task=2", "optim.lr=1e-3",
+                   # train until stopped: the browser test watches the step move, which a finished
+                   # run (the default 20 steps, reached within a minute on a fast machine) never does
+                   "trainer.total_steps=0"])
     ctl.start()
     ctl.wait_for_state("ROLLING", timeout=120)
     client = subprocess.Popen(

@@ -96,3 +96,17 @@ def test_echo_on_an_engine_without_prompt_scoring_is_refused_and_echo_without_lo
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello world"
     r = h.tc.post("/v1/completions", headers=auth, json={"prompt": "hello world", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_alternatives_sharing_a_text_keep_the_most_likely():
+    """Two ids that decode to one text (partial UTF-8 bytes: both U+FFFD) must not hide the best
+    alternative of a Completions ``top_logprobs`` row, whatever order the engine lists them in."""
+    from swarmkit.server.routes.openai import completion_logprobs, top_by_text
+
+    def tt(i):
+        return ("\ufffd" if i in (1, 2) else f"t{i}"), None
+
+    assert top_by_text(tt, {1: -1.0, 2: -2.0, 3: -3.0}) == {"\ufffd": -1.0, "t3": -3.0}
+    assert top_by_text(tt, {3: -3.0, 2: -2.0, 1: -1.0}) == {"\ufffd": -1.0, "t3": -3.0}
+    lp = completion_logprobs(tt, [3], [-3.0], [{1: -1.0, 2: -2.0, 3: -3.0}])
+    assert lp["top_logprobs"] == [{"\ufffd": -1.0, "t3": -3.0}]

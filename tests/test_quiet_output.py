@@ -66,6 +66,9 @@ def test_the_main_job_console_has_no_warning_on_a_normal_run(tmp_path):
     ours = [line for line in console.splitlines() if "WARNING" in line and "[swarmkit" in line]
     assert not ours
     assert "draining before the step" not in console
+    # transformers' progress bars (a load, every checkpoint) are off; one stop is one line
+    assert "Loading weights" not in console and "Writing model shards" not in console
+    assert console.count("server stopped in") == 1, console
     log = (tmp_path / "cli.log").read_text()
     assert not [line for line in log.splitlines() if "[WARNING]" in line and "[swarmkit" in line]
 
@@ -99,3 +102,20 @@ def test_the_main_jobs_quiet_loggers_get_their_levels_back():
     finally:
         for lg, lvl in zip(loggers, before, strict=True):
             lg.setLevel(lvl)
+
+
+def test_the_end_of_training_is_said_once_however_many_episodes_learn_it(caplog):
+    """Several running episodes get 409 training_finished at once: one line, not one per episode."""
+    from concurrent.futures import Future
+
+    from swarmkit.apps.task_client import EpisodeLoop
+    from swarmkit.client import SwarmAPIError
+
+    loop = EpisodeLoop([], rollouts_per_task=1)
+    with caplog.at_level(logging.DEBUG, logger="swarmkit.apps.task_client"):
+        for _ in range(3):
+            fut: Future = Future()
+            fut.set_exception(SwarmAPIError(409, "training finished", "training_finished"))
+            loop._collect(fut, None, None)  # type: ignore[arg-type]
+    assert loop.stop_event.is_set() and loop.failures == 0
+    assert [r.getMessage() for r in caplog.records].count("the server finished training; the loop stops sampling") == 1

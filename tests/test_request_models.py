@@ -107,6 +107,9 @@ def test_responses_request_to_sampling_params():
     assert req.logprobs and req.instructions == "be brief" and req.tool_choice.mode == "none"
     plain = ResponsesRequest.parse({"input": "hi", "include": ["message.output_text.logprobs"]})
     assert plain.logprobs and plain.to_sampling_params(30, None).top_logprobs == 0
+    # Codex's include (reasoning items already carry their text in content): accepted, no logprobs
+    codex = ResponsesRequest.parse({"input": "hi", "reasoning": {}, "include": ["reasoning.encrypted_content"]})
+    assert not codex.logprobs
     for body, code, param in [({}, "missing_field", "input"), ({"input": "hi", "truncation": "auto"},
                                                                 "unsupported_field", "truncation"),
                               ({"input": "hi", "reasoning": {"effort": "high"}}, "unsupported_field", "reasoning"),

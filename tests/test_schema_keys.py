@@ -94,6 +94,7 @@ def test_a_component_reads_only_fields_of_its_schema(item):
     unknown = sorted(reads(trees, "cfg") - fields - {"__class__"})
     assert not unknown, f"{component.kind} '{component.name}' reads {unknown}, not fields of {component.schema.__name__}"
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_fields |= {n for n in vars(ModelConfig) if not n.startswith("_") and callable(getattr(ModelConfig, n))}
     unknown_model = sorted((reads(trees, "model") | reads(trees, "model_cfg")) - model_fields)
     assert not unknown_model, f"{component.kind} '{component.name}' reads model.{unknown_model}, not in ModelConfig"
     assert not raw_reads(trees), f"{component.kind} '{component.name}' reads raw config dicts: {raw_reads(trees)}"

@@ -85,6 +85,7 @@ from swarmkit.contract import (
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
+from swarmkit_plugins.backend_hf.multi_lora import MultiLora
 from swarmkit_plugins.backend_hf.runner import SlotRunner, bucket
 from swarmkit_plugins.backend_hf.sampler import RowSampling, sample, to_host
 from swarmkit_plugins.backend_hf.schema import HFBackendConfig
@@ -163,6 +164,8 @@ class _Seq:
     sent_tokens: int = 0
     text_out: StreamTextBuffer = field(init=False)
     slot: int = -1  # the KV-cache slot the sequence owns while it runs
+    adapter: str | None = None  # the LoRA adapter it is sampled with (model.adapters); None: the base
+    adapter_index: int = 0  # its row index in the stacked adapters (0: none)
 
     def __post_init__(self) -> None:
         self.text_out = StreamTextBuffer(self.req.params.stop)
@@ -194,6 +197,12 @@ class HFBackend(InferenceBackend):
         self.batch_wait_max_s = max(self.batch_wait_s, float(self.cfg.batch_wait_max_s))
         self.max_prefill_tokens = int(self.cfg.max_prefill_tokens)
         self.policy_version = 0
+        #: several LoRA adapters served per row over the one base (model.adapters; :mod:`.multi_lora`)
+        self.adapter_specs = self.model_cfg.adapter_specs()
+        self.serves_adapters = bool(self.adapter_specs)
+        #: each adapter's policy version (its trainer's optimizer steps); tokens are labelled with it
+        self.adapter_versions: dict[str, int] = {s.name: 0 for s in self.adapter_specs}
+        self._lora: MultiLora | None = None
         self.model_dir: Path | None = None
         self.device: Any = None
         self.dtype: Any = None
@@ -289,6 +298,8 @@ class HFBackend(InferenceBackend):
         """The prompt's own logprobs: one plain forward over it on the decode thread, between two decode
         steps (so under the weights being served, never across a swap)."""
         self._require_started()
+        if self._lora is not None:
+            raise ValueError("prompt scoring (echo) with model.adapters is not supported yet")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
@@ -353,6 +364,29 @@ class HFBackend(InferenceBackend):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         self._require_started()
         await asyncio.to_thread(self._update_weights_sync, named_tensors, path, version)
+
+    def _version_of(self, adapter: str | None) -> int:
+        """The policy version a token sampled with ``adapter`` gets: the adapter's own (None: the engine's)."""
+        return self.adapter_versions[adapter] if adapter is not None else self.policy_version
+
+    async def update_adapter(self, name: str, lora: Sequence[tuple[str, Any, Any, float]], *, version: int,
+                             policy_version: int | None = None) -> None:
+        """Serve ``lora`` (``(module, A, B, scale)`` per adapted module) as adapter ``name`` from the next
+        decode step on, at that adapter's ``version``; the other adapters and the base are untouched.
+        ``policy_version``: the engine's version too (the server's step counter)."""
+        self._require_started()
+        if self._lora is None:
+            raise ValueError("update_adapter: this engine serves no adapters (model.adapters is empty)")
+
+        def run() -> None:
+            with self._swapping():
+                assert self._lora is not None
+                self._lora.load(name, lora)
+                self.adapter_versions[name] = int(version)
+                if policy_version is not None:
+                    self.policy_version = int(policy_version)
+                self.stats["weight_updates"] += 1
+        await asyncio.to_thread(run)
 
     async def unload_lora(self, version: int | None = None) -> None:
         """Undo a merged LoRA adapter (restore the base weights)."""
@@ -434,6 +468,9 @@ class HFBackend(InferenceBackend):
         if self.max_context is None:
             self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        if self.adapter_specs:
+            self._lora = MultiLora(model, [a.name for a in self.adapter_specs], self.model_cfg.lora_rank,
+                                   self.model_cfg.lora_target_modules, rows=self.max_batch_size)
         self._rng = random.Random()  # unseeded requests' uniforms (seeded from the OS)
         self.load_time_s = time.perf_counter() - t0
         log.info("hf backend: loaded %s on %s (%s) in %.1fs", self.model_dir, self.device,
@@ -465,13 +502,17 @@ class HFBackend(InferenceBackend):
             max_tokens = min(max_tokens, room)
 
         stop_ids = frozenset(self._eos_ids | {int(t) for t in p.stop_token_ids})
+        adapter = p.adapter
+        if adapter is not None and adapter not in self.adapter_versions:
+            raise ValueError(f"adapter {adapter!r} is not served here; adapters: {sorted(self.adapter_versions) or 'none'}")
         for i in range(p.n):
             rng = None
             if p.seed is not None and not p.greedy():
                 rng = random.Random(int(p.seed) + i)  # any integer seed
             req.seqs.append(_Seq(req=req, index=i, prompt=prompt, max_tokens=max_tokens,
-                                 stop_ids=stop_ids, rng=rng, version=self.policy_version,
-                                 out_top=[] if p.top_logprobs > 0 else None, shaped=bool(p.shaping())))
+                                 stop_ids=stop_ids, rng=rng, version=self._version_of(adapter),
+                                 out_top=[] if p.top_logprobs > 0 else None, shaped=bool(p.shaping()),
+                                 adapter=adapter, adapter_index=self._lora.index[adapter] if adapter else 0))
         with self._cv:
             if self._closed:
                 raise RuntimeError("hf backend closed")
@@ -653,9 +694,11 @@ class HFBackend(InferenceBackend):
         self._reserve(joiners)
         uniq: dict[int, _Seq] = {}
         for seq in joiners:
-            seq.version = self.policy_version
+            seq.version = self._version_of(seq.adapter)
             uniq.setdefault(id(seq.req), seq)
         firsts = list(uniq.values())
+        if self._lora is not None:
+            self._lora.set_rows([s.adapter_index for s in firsts])
         logits = self._runner.prefill([s.prompt for s in firsts], [s.slot for s in firsts], self._pad_id)
         self.stats["forward_passes"] += 1
         self.stats["prefill_passes"] += 1
@@ -680,6 +723,11 @@ class HFBackend(InferenceBackend):
         for s in seqs:
             ids[s.slot] = s.out_ids[-1]
             pos[s.slot] = len(s.prompt) + len(s.out_ids) - 1
+        if self._lora is not None:
+            rows = [0] * width
+            for s in seqs:
+                rows[s.slot] = s.adapter_index
+            self._lora.set_rows(rows)
         logits = self._runner.decode(ids, pos)
         slots = [s.slot for s in seqs]
         if slots != list(range(width)):
@@ -748,7 +796,7 @@ class HFBackend(InferenceBackend):
             return
         seq.out_ids.append(tok)
         seq.out_lp.append(lp)
-        seq.out_ver.append(self.policy_version)  # constant within a step: swaps hold the weights lock
+        seq.out_ver.append(self._version_of(seq.adapter))  # constant within a step: swaps hold the weights lock
         if seq.out_top is not None:
             seq.out_top.append(top or {})
         self.stats["tokens_generated"] += 1

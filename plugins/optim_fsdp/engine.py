@@ -82,11 +82,16 @@ class FSDPEngine(TrainingEngine):
         compute.to(self.device)
         masters = dict(self.policy.named_parameters())
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        several = bool(self.adapter_specs)
         for name, p in compute.named_parameters():
             master = masters[name]
             self._pairs.append((master, p))
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_grad_to_master(master))
+            elif several and ".lora_" in name:  # an adapter not active now: its hook for when it is
+                p.requires_grad_(True)
+                p.register_post_accumulate_grad_hook(_grad_to_master(master))
+                p.requires_grad_(False)
         self._compute = compute
         if self.reference is not None:
             with torch.no_grad():
@@ -208,6 +213,9 @@ class FSDPEngine(TrainingEngine):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         path_ = Path(path)
+        if self.adapters is not None:  # several adapters (one process): a folder per adapter
+            self._save_adapters_checkpoint(path_)
+            return
         if self.rank == 0:
             path_.mkdir(parents=True, exist_ok=True)
         self._barrier()
@@ -244,6 +252,9 @@ class FSDPEngine(TrainingEngine):
         )
 
         path_ = Path(path)
+        if self.adapters is not None:
+            self._load_adapters_checkpoint(path_)
+            return
         st = torch.load(path_ / "engine_state.pt", weights_only=False)
         opts = self._dcp_options()
         if st["has_optim"]:

@@ -88,6 +88,17 @@ def _sweeps(args: Sequence[str]) -> list[str]:
     return found
 
 
+def quiet_progress_bars() -> None:
+    """Turn transformers' progress bars off (\"Loading weights\" at every model load, \"Writing model shards\"
+    at every checkpoint): in a log or a pipe each is a line of carriage returns, and the server logs what
+    it loaded and saved. ``hydra.verbose=true`` keeps them."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # a backend without transformers
+        return
+    hf_logging.disable_progress_bar()
+
+
 def _hydra_entry(cfg: DictConfig) -> None:
     try:
         checked = validated(cfg)
@@ -108,6 +119,8 @@ def _hydra_entry(cfg: DictConfig) -> None:
     if checked.mode in RUN_MODES or hc.output_subdir is not None:  # never the working directory of plan/client
         make_private(Path(hc.runtime.output_dir), hc.output_subdir,
                      [t for t in (checked.server.admin_token, checked.server.client_token) if t])
+    if checked.mode in RUN_MODES and not hc.verbose:
+        quiet_progress_bars()
     status = run(checked, server_overrides=_SERVER_TRAINING if configure_server else ())
     if status:
         sys.exit(status)

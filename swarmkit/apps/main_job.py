@@ -45,7 +45,7 @@ folder of its own: ``server_<k>/`` under Ray):
   reward (``full_credit``: the share of episodes with a fully right answer, where the task has a
   reward scale; null otherwise); ``reward_scale``: ``{task, legend, full}``, what the task's reward
   means (:mod:`swarmkit.tasks.rewards`; null for a task without one); ``eval_metrics_before``, ``eval_metrics_after``: ``{metric: {mean, ci95}}``
-  (``correct``, ``valid_tool_call``, where the task reports them);
+  (``correct``, ``valid_tool_call``, ``formatted``, ``turns_passed``: ``task_client.EVAL_METRICS``, where the task reports them);
   ``improvement``: after − before;
 - ``eval_midway``: ``{step: {mean, ci95, n, failures, <metric>: {mean, ci95}}}``,
   the evaluations after a warm start and every ``trainer.eval_every`` steps;

@@ -108,8 +108,7 @@ def status_main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from swarmkit.client import SwarmClient
-    from swarmkit.errors import SwarmkitError
+    from swarmkit.client import ServerUnavailable, SwarmClient, SwarmError
 
     with SwarmClient(url, token=token, retry_for=0) as client:
         try:
@@ -120,8 +119,10 @@ def status_main(argv: Sequence[str]) -> int:
                 print(status_text(client.status()))
                 return 0
             return _watch(client, max(0.2, args.interval))
-        except SwarmkitError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        except SwarmError as exc:  # unreachable, a wrong token...: one line, not a traceback
+            hint = (f" - is the server running? (a finished run's dashboard: python -m swarmkit monitor "
+                    f"{args.run_dir or 'RUN_DIR'})" if isinstance(exc, ServerUnavailable) else "")
+            print(f"error: {exc}{hint}", file=sys.stderr)
             return 1
 
 
@@ -205,14 +206,15 @@ def status_text(st: dict[str, Any]) -> str:
             f"#{r.get('index')} {r.get('device') or 'default'} "
             + (f"{r.get('in_flight', 0)} in flight, {r.get('episodes', 0)} episodes" if r.get("alive")
                else f"OUT ({r.get('error')})") for r in replicas))
-    for key in ("training_finished", "last_error"):
-        if st.get(key):
-            lines.append(f"{key.replace('_', ' ')}: {st[key]}")
+    if st.get("training_finished"):  # the cycle's own sentence ("training finished: ...")
+        lines.append(str(st["training_finished"]))
+    if st.get("last_error"):
+        lines.append(f"last error: {st['last_error']}")
     return "\n".join(lines)
 
 
 def _watch(client: Any, interval: float) -> int:
-    from swarmkit.errors import SwarmkitError
+    from swarmkit.client import SwarmError
 
     try:
         import rich  # noqa: F401 - the live panel; without it (the base install) a line per refresh
@@ -223,7 +225,7 @@ def _watch(client: Any, interval: float) -> int:
             while True:
                 try:
                     print(time.strftime("%H:%M:%S ") + status_line(client.status()), flush=True)
-                except SwarmkitError as exc:
+                except SwarmError as exc:
                     print(time.strftime("%H:%M:%S ") + f"unreachable: {exc}", flush=True)
                 time.sleep(interval)
         except KeyboardInterrupt:
@@ -236,7 +238,7 @@ def _watch(client: Any, interval: float) -> int:
             while True:
                 try:
                     body = status_text(client.status())
-                except SwarmkitError as exc:
+                except SwarmError as exc:
                     body = f"unreachable: {exc}"
                 live.update(Panel(body, title=f"swarmkit {client.url}  {time.strftime('%H:%M:%S')}"))
                 time.sleep(interval)

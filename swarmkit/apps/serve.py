@@ -27,8 +27,10 @@ def serve(cfg: Any, *, command_line: Sequence[str] = (), **kwargs: Any) -> int:
     srv, app = build_server(cfg, **kwargs)
     if command_line:
         start_on_startup(app, srv)
+        follow = f"python -m swarmkit status {shlex.quote(str(srv.run_dir))} --watch" if srv.run_dir else \
+            "python -m swarmkit status --url URL --watch"
         hint = (f"configured from the command line ({shlex.join(command_line)}): booting, then ROLLING "
-                "(python -m swarmkit status follows it)")
+                f"({follow} follows it)")
     else:
         hint = ("not configured (OFFLINE): configure and start it from a controller, e.g. "
                 "SwarmClient(URL, token=ADMIN_TOKEN).configure([\"model=tiny\"]) then .start() "

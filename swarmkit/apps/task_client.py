@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 #: a failed episode is logged at WARNING the first time, then at most once per this many seconds (with how
 #: many failed meanwhile, each at DEBUG): a server that stays busy does not print a line per episode
 FAILURE_NOTE_S = 60.0
+#: the per-episode task metrics an evaluation averages (with intervals), when the task reports them
+EVAL_METRICS = ("correct", "valid_tool_call", "formatted", "turns_passed")
 
 
 @dataclass
@@ -53,12 +56,15 @@ def run_episode(
     temperature: float,
     eval: bool = False,
     http: httpx.Client | None = None,
+    adapter: str | None = None,
 ) -> EpisodeResult:
-    """One episode of ``task`` through the swarm endpoint (one call, or an agent loop), graded and reported."""
+    """One episode of ``task`` through the swarm endpoint (one call, or an agent loop), graded and reported;
+    ``adapter``: the LoRA adapter it samples with and trains (a server with ``model.adapters``)."""
     own = http is None
     http = http or httpx.Client(timeout=600.0)
     try:
-        with client.episode(task_id=task.task_id, eval=eval, meta={"task_family": task.family}) as ep:
+        with client.episode(task_id=task.task_id, eval=eval, meta={"task_family": task.family},
+                            adapter=adapter) as ep:
             outcome = run_task(http, ep.base_url, ep.api_key, task, max_tokens=max_tokens, temperature=temperature)
             answer = ep.report(outcome.reward)
         return EpisodeResult(task.task_id, outcome.reward, outcome.completion, eval, outcome.metrics,
@@ -114,12 +120,14 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 
 
 def evaluate(
-    client: SwarmClient, tasks: list[Task], *, max_tokens: int, concurrency: int = 8, temperature: float = 0.0
+    client: SwarmClient, tasks: list[Task], *, max_tokens: int, concurrency: int = 8, temperature: float = 0.0,
+    adapter: str | None = None,
 ) -> EvalResult:
     """Eval episodes (never trained on) over ``tasks``; mean reward (and metrics) with 95% intervals."""
     def one(task: Task, http: httpx.Client) -> EpisodeResult:
         try:
-            return run_episode(client, task, max_tokens=max_tokens, temperature=temperature, eval=True, http=http)
+            return run_episode(client, task, max_tokens=max_tokens, temperature=temperature, eval=True, http=http,
+                               adapter=adapter)
         except Exception as exc:  # noqa: BLE001 - a failed eval episode scores 0 and is counted, not lost
             log.warning("eval episode %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
             return EpisodeResult(task.task_id, 0.0, "", True, {"failed": 1.0})
@@ -128,7 +136,7 @@ def evaluate(
         results = list(pool.map(lambda t: one(t, http), tasks))
     rewards = [r.reward for r in results]
     mean, ci = mean_ci(rewards)
-    keys = sorted({k for r in results for k in r.metrics if k in ("correct", "valid_tool_call")})
+    keys = sorted({k for r in results for k in r.metrics if k in EVAL_METRICS})
     metrics = {k: mean_ci([r.metrics.get(k, 0.0) for r in results]) for k in keys}
     return EvalResult(mean, ci, len(rewards), rewards, metrics,
                       failures=sum(int(r.metrics.get("failed", 0)) for r in results))
@@ -183,36 +191,52 @@ class EpisodeLoop:
             for _ in range(self.rollouts_per_task):
                 yield task
 
+    def interrupt(self) -> None:
+        """Make the running episodes give up now (the loop was interrupted, e.g. by Ctrl-C); subclasses
+        close their SDK client, whose retries would otherwise run out their budget first."""
+
     def run(self) -> None:
         jobs = self._jobs()
         with httpx.Client(timeout=600.0) as http, ThreadPoolExecutor(self.concurrency) as pool:
             running: set[Future] = set()
-            while not self.stop_event.is_set():
-                if self.max_episodes and self.finished >= self.max_episodes:
-                    break
-                while len(running) < self.concurrency:
-                    running.add(pool.submit(self.run_one, next(jobs), http))
-                done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    try:
-                        result = fut.result()
-                    except SwarmAPIError as exc:
-                        if exc.code == "training_finished":  # the server's step limit: sampling is over
-                            log.info("the server finished training; the loop stops sampling")
-                            self.stop_event.set()
-                            continue
-                        self._failed(exc)
-                        continue
-                    except Exception as exc:  # noqa: BLE001 - a failed episode (server busy, an agent's own
-                        # error...) is aborted by the SDK and counted; the loop keeps sampling
-                        self._failed(exc)
-                        continue
-                    self.finished += 1
-                    self.handle(result)
-                    if self.eval_every and self.finished % self.eval_every == 0:
-                        pool.submit(self._eval_once, http)
-            for fut in running:
-                fut.cancel()
+            try:
+                while not self.stop_event.is_set():
+                    if self.max_episodes and self.finished >= self.max_episodes:
+                        break
+                    while len(running) < self.concurrency:
+                        running.add(pool.submit(self.run_one, next(jobs), http))
+                    done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        self._collect(fut, pool, http)
+            except BaseException:  # Ctrl-C: the pool's exit would wait for every running episode's retries
+                self.stop_event.set()
+                self.interrupt()
+                http.close()
+                raise
+            finally:
+                for fut in running:
+                    fut.cancel()
+
+    def _collect(self, fut: Future, pool: ThreadPoolExecutor, http: httpx.Client) -> None:
+        """Count one finished episode (or its failure, or the server's end of training)."""
+        try:
+            result = fut.result()
+        except SwarmAPIError as exc:
+            if exc.code == "training_finished":  # the server's step limit: sampling is over
+                if not self.stop_event.is_set():  # several running episodes learn it at once: one line
+                    log.info("the server finished training; the loop stops sampling")
+                self.stop_event.set()
+                return
+            self._failed(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a failed episode (server busy, an agent's own
+            # error...) is aborted by the SDK and counted; the loop keeps sampling
+            self._failed(exc)
+            return
+        self.finished += 1
+        self.handle(result)
+        if self.eval_every and self.finished % self.eval_every == 0:
+            pool.submit(self._eval_once, http)
 
     def _failed(self, exc: Exception) -> None:
         self.failures += 1
@@ -255,7 +279,9 @@ class TrainingClient(EpisodeLoop):
         ready_every: int = 0,
         eval_tasks: list[Task] | None = None,
         eval_every: int = 0,
+        adapter: str | None = None,
     ):
+        self.adapter = adapter
         super().__init__(tasks, rollouts_per_task=rollouts_per_task, concurrency=concurrency, seed=seed,
                          eval_every=eval_every if eval_tasks else 0)
         self._eval_jobs = cycle(list(eval_tasks or []), seed + 1) if eval_tasks else None
@@ -266,13 +292,17 @@ class TrainingClient(EpisodeLoop):
         #: vote "ready" (batching C4/C5) after every this many finished episodes; 0 = never
         self.ready_every = ready_every
 
+    def interrupt(self) -> None:
+        self.client.close()
+
     def run_one(self, task: Task, http: httpx.Client) -> EpisodeResult:
-        return run_episode(self.client, task, max_tokens=self.max_tokens, temperature=self.temperature, http=http)
+        return run_episode(self.client, task, max_tokens=self.max_tokens, temperature=self.temperature, http=http,
+                           adapter=self.adapter)
 
     def run_eval(self, http: httpx.Client) -> float:
         assert self._eval_jobs is not None
         return run_episode(self.client, next(self._eval_jobs), max_tokens=self.max_tokens, temperature=0.0,
-                           eval=True, http=http).reward
+                           eval=True, http=http, adapter=self.adapter).reward
 
     def handle(self, result: EpisodeResult) -> None:
         if self.on_result:
@@ -380,13 +410,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="print a summary line (episodes/min, mean reward, failures) at most this often")
     p.add_argument("--verbose", action="store_true",
                    help="a line per episode, per HTTP request (httpx) and per retry")
+    p.add_argument("--adapter", default=None,
+                   help="the LoRA adapter its episodes sample with and train (a server with model.adapters)")
     args = p.parse_args(argv)
     quiet_logs(args.verbose)
     options = dict(_option(o) for o in args.task_option)
     client = SwarmClient(args.url, token=args.token, retry_for=900, client_id=args.client_id)
     eval_tasks = make_tasks(args.task, args.eval_size, split="eval", options=options)
     if args.eval:
-        result = evaluate(client, eval_tasks, max_tokens=args.max_tokens)
+        result = evaluate(client, eval_tasks, max_tokens=args.max_tokens, adapter=args.adapter)
         print(f"eval reward: {result}")
         return 0
     if args.demonstrations:
@@ -408,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     tc = TrainingClient(client, make_tasks(args.task, args.train_size, options=options),
                         rollouts_per_task=args.rollouts_per_task, max_tokens=args.max_tokens,
                         concurrency=args.concurrency, ready_every=args.ready_every, on_result=on_result,
-                        eval_tasks=eval_tasks, eval_every=args.eval_every)
+                        eval_tasks=eval_tasks, eval_every=args.eval_every, adapter=args.adapter)
     if not args.verbose:
         summary = Summary(tc, args.summary_every, out=lambda text: print(text, flush=True)).start()
     print(f"task client: {args.task} episodes against {args.url}, {args.concurrency} at a time; "
@@ -417,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tc.run()
     except KeyboardInterrupt:
-        tc.stop_event.set()
+        print(f"interrupted: {tc.finished} episodes in all", file=sys.stderr, flush=True)
+        return 130
     finally:
         if summary is not None:
             summary.stop()

@@ -409,8 +409,10 @@ def configure_body(config: Mapping[str, Any] | str | os.PathLike[str] | Sequence
 
 
 def register_body(task_id: str, eval: bool, timeout_s: float | None, roles: Sequence[str] | None,
-                  meta: Mapping[str, Any] | None) -> dict[str, Any]:
+                  meta: Mapping[str, Any] | None, adapter: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"task_id": task_id, "eval": bool(eval)}
+    if adapter is not None:
+        body["adapter"] = adapter
     if timeout_s is not None:
         body["timeout_s"] = timeout_s
     if roles:

@@ -278,23 +278,25 @@ class AsyncSwarmClient(HoldsClientId):
 
     # ------------------------------------------------------------------ episodes
     async def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
-                       roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> AsyncEpisode:
-        """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
-        body = register_body(task_id, eval, timeout_s, roles, meta)
+                       roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
+                       adapter: str | None = None) -> AsyncEpisode:
+        """Register an episode (retries while the server is busy); prefer :meth:`episode`. ``adapter``: the
+        LoRA adapter it samples with and trains, on a server with ``model.adapters``."""
+        body = register_body(task_id, eval, timeout_s, roles, meta, adapter)
         return self._opened(AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body,
                                                                 key=self._sampling_key(),
                                                                 extra_headers=self._key_header(create=True))))
 
     @asynccontextmanager
     async def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
-                      roles: Sequence[str] | None = None,
-                      meta: Mapping[str, Any] | None = None) -> AsyncIterator[AsyncEpisode]:
+                      roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
+                      adapter: str | None = None) -> AsyncIterator[AsyncEpisode]:
         """Register an episode for the ``async with`` block.
 
         An exception inside the block (a cancellation too) aborts the episode
         and propagates; a block that ends without ``report``/``abort`` aborts it too.
         """
-        ep = await self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta)
+        ep = await self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta, adapter=adapter)
         try:
             yield ep
         except BaseException as exc:

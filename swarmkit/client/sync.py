@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -158,13 +157,23 @@ class SwarmClient(HoldsClientId):
         #: episodes registered here, until they end or are dropped (the heartbeat runs while one is open)
         self._open: weakref.WeakSet[Episode] = weakref.WeakSet()
         self._beat_stop = threading.Event()
+        #: set by :meth:`close`: a retry sleeping in another thread wakes and gives up (Ctrl-C, a shutdown)
+        self._closed = threading.Event()
         self._beat_thread: threading.Thread | None = None
         self._beat_lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
+        """Close the connections; retries in progress in other threads end at once with :class:`SwarmError`."""
+        self._closed.set()
         self._beat_stop.set()
         self._http.close()
+
+    def _pause(self, seconds: float, method: str, path: str) -> None:
+        """Sleep before a retry, unless the client is closed meanwhile: then the request gives up (a client
+        closed on Ctrl-C must not sit out its retry budget, up to ``retry_for`` seconds per thread)."""
+        if self._closed.wait(seconds):
+            raise SwarmError(f"{method} {self.url}{path}: the client was closed while retrying")
 
     def _pulse(self) -> None:
         """The heartbeat thread: beats while an episode is open, ends when none is (or on close)."""
@@ -206,16 +215,16 @@ class SwarmClient(HoldsClientId):
                 resp = self._http.request(method, path, json=json_body, headers=headers,
                                          timeout=self._timeout if timeout is None else max(timeout, self._timeout))
             except TRANSIENT_ERRORS as exc:
-                time.sleep(retry.after_error(exc))
+                self._pause(retry.after_error(exc), method, path)
                 continue
             except httpx.TransportError as exc:  # mid-request: a GET is safe to repeat, a change is not
                 if method != "GET":
                     raise transport_error(method, self.url, path, exc) from exc
-                time.sleep(retry.after_error(exc))
+                self._pause(retry.after_error(exc), method, path)
                 continue
             if resp.status_code != 503:
                 return checked(resp)
-            time.sleep(retry.after_busy(resp))
+            self._pause(retry.after_busy(resp), method, path)
 
     def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return json_object(self._request(method, path, **kwargs))
@@ -271,7 +280,7 @@ class SwarmClient(HoldsClientId):
                 last = {"state": "UNREACHABLE"}
             if wait.done(last, remaining):
                 return last
-            time.sleep(min(poll, max(0.0, remaining)))
+            self._pause(min(poll, max(0.0, remaining)), "GET", "/api/v1/status")
 
     def ready(self, flag: bool = True) -> dict[str, Any]:
         """Vote for (or against) training now (batching policies C4/C5), as this client's id."""
@@ -285,22 +294,25 @@ class SwarmClient(HoldsClientId):
 
     # ------------------------------------------------------------------ episodes
     def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
-                 roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Episode:
-        """Register an episode (retries while the server is busy); prefer :meth:`episode`."""
-        body = register_body(task_id, eval, timeout_s, roles, meta)
+                 roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
+                 adapter: str | None = None) -> Episode:
+        """Register an episode (retries while the server is busy); prefer :meth:`episode`. ``adapter``: the
+        LoRA adapter it samples with and trains, on a server with ``model.adapters``."""
+        body = register_body(task_id, eval, timeout_s, roles, meta, adapter)
         return self._opened(Episode(self, self._call("POST", "/api/v1/episodes", json_body=body,
                                                      key=self._sampling_key(),
                                                      extra_headers=self._key_header(create=True))))
 
     @contextmanager
     def episode(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
-                roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> Iterator[Episode]:
+                roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
+                adapter: str | None = None) -> Iterator[Episode]:
         """Register an episode for the ``with`` block.
 
         An exception inside the block aborts the episode (and propagates); a
         block that ends without ``report``/``abort`` aborts it too.
         """
-        ep = self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta)
+        ep = self.register(task_id, eval, timeout_s=timeout_s, roles=roles, meta=meta, adapter=adapter)
         try:
             yield ep
         except BaseException as exc:

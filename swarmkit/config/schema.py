@@ -7,6 +7,8 @@ core.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,8 @@ class ModelConfig:
     #: the longest prompt + generation served; None (the default) = the model's trained context, its
     #: config's max_position_embeddings (SmolLM2-135M-Instruct: 8192, room for an agent framework's long
     #: system prompt; the hf engine's cache grows with the longest request, not with this limit). The vllm
-    #: engine, which reserves its KV cache for it, uses backend.max_model_len (4096) when it is None
+    #: engine, which reserves its KV cache for it, uses backend.max_model_len (4096) capped at the trained
+    #: context when it is None
     max_context: int | None = None
     #: HF trust_remote_code for local models
     trust_remote_code: bool = False
@@ -38,6 +41,11 @@ class ModelConfig:
     #: for builtin:smollm2, the model's own otherwise), "model", "builtin:<name>"
     #: (swarmkit.chat_templates), a .jinja file path, or the template text
     chat_template: str = "auto"
+    #: several named LoRA adapters trained at once over one frozen base (docs/multi_model.md): a list of
+    #: names (``model.adapters=[spies,civilians]``) or of ``{name: ..., lr: ...}`` (``lr``: that adapter's
+    #: learning rate; default ``optim.lr``); each adapter has the LoRA shape of ``lora_*`` above. [] (the
+    #: default): one model, trained as ``lora_rank`` says
+    adapters: list[Any] = field(default_factory=list)
 
     @classmethod
     def of(cls, model: ModelConfig | Any) -> ModelConfig:
@@ -47,6 +55,78 @@ class ModelConfig:
         :raises TypeError: an unknown key.
         """
         return model if isinstance(model, cls) else cls(**as_dict(model))
+
+    def adapter_specs(self) -> list[AdapterSpec]:
+        """``adapters`` as typed specs, in order.
+
+        :raises ValueError: every problem at once (a bad or repeated name, an unknown key, a bad ``lr``,
+            adapters without ``lora_rank > 0``).
+        """
+        specs, problems = parse_adapters(self.adapters)
+        if specs and self.lora_rank <= 0:
+            problems.append("model.adapters: adapters are LoRA adapters; set model.lora_rank > 0 "
+                            f"(it is {self.lora_rank})")
+        if specs and self.name in {s.name for s in specs}:
+            problems.append(f"model.adapters: '{self.name}' is also model.name; an adapter needs a name of its own "
+                            "(a request's model field names its adapter)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return specs
+
+
+#: what an adapter may be called: it travels in a request's ``model`` field and names folders
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One named LoRA adapter of ``model.adapters``; ``lr`` None = ``optim.lr``."""
+
+    name: str
+    lr: float | None = None
+
+
+def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
+    """``model.adapters`` (names, or ``{name, lr}`` mappings) → ``(specs, problems)``."""
+    specs: list[AdapterSpec] = []
+    problems: list[str] = []
+    if entries is None:
+        return specs, problems
+    if isinstance(entries, str | bytes) or not hasattr(entries, "__iter__"):
+        return specs, [f"model.adapters: expected a list of adapter names, e.g. model.adapters=[a,b]; got {entries!r}"]
+    for i, entry in enumerate(entries):
+        where = f"model.adapters[{i}]"
+        lr: Any = None
+        if isinstance(entry, str):
+            name = entry
+        else:
+            try:
+                item = as_dict(entry)
+            except Exception:  # noqa: BLE001 - reported below
+                item = None
+            if not isinstance(item, dict):
+                problems.append(f"{where}: expected a name or {{name: ..., lr: ...}}, got {entry!r}")
+                continue
+            extra = sorted(set(item) - {"name", "lr"})
+            if extra:
+                problems.append(f"{where}.{extra[0]}: unknown key (an adapter takes name and lr)")
+            name, lr = item.get("name"), item.get("lr")
+            if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float)
+                                   or not math.isfinite(lr) or lr <= 0):
+                problems.append(f"{where}.lr: must be a number > 0, got {lr!r}")
+                lr = None
+        if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+            problems.append(f"{where}: adapter name {name!r} must match {ADAPTER_NAME.pattern} (letters, digits, "
+                            "'_', '-'; at most 64)")
+            continue
+        if name in "lora_":  # peft tells an adapter's tensors apart by the 'lora_' prefix
+            problems.append(f"{where}: adapter name {name!r} is part of peft's prefix 'lora_'; choose another")
+            continue
+        if name in {s.name for s in specs}:
+            problems.append(f"{where}: adapter '{name}' is listed twice")
+            continue
+        specs.append(AdapterSpec(name, None if lr is None else float(lr)))
+    return specs, problems
 
 
 @dataclass

@@ -22,6 +22,7 @@ from swarmkit.config.schema import (
     PLACEMENT_STRATEGIES,
     REPLICA_KEYS,
     TRAINER_MODES,
+    ModelConfig,
     ReplicaConfig,
     SwarmkitConfig,
 )
@@ -111,6 +112,44 @@ def _check_ray(ray: DictConfig, problems: list[str]) -> None:
                         f"{', '.join(PLACEMENT_STRATEGIES)}")
 
 
+#: what several adapters on one server run on in this first version (docs/multi_model.md, "Limits")
+ADAPTER_BACKENDS = ("hf",)
+ADAPTER_OPTIMS = ("fsdp",)
+
+
+def _check_adapters(result: dict[str, Any], problems: list[str]) -> None:
+    """``model.adapters``: the names, and the combinations this version refuses (each with why)."""
+    model = result.get("model")
+    if model is None:
+        return
+    try:
+        specs = ModelConfig.of(model).adapter_specs()
+    except ValueError as exc:
+        problems.append(str(exc))
+        return
+    if not specs:
+        return
+    later = "not supported with model.adapters yet (docs/multi_model.md, \"Limits\")"
+    backend = result.get("backend")
+    if backend is not None and str(backend.name) not in ADAPTER_BACKENDS:
+        problems.append(f"backend={backend.name}: serving several adapters is {later}; use backend=hf")
+    if backend is not None and "replicas" in backend and int(backend["replicas"]) > 1:
+        problems.append(f"backend.replicas={backend.replicas}: inference replicas are {later}")
+    optim = result.get("optim")
+    if optim is not None:
+        if str(optim.name) not in ADAPTER_OPTIMS:
+            problems.append(f"optim={optim.name}: training several adapters is {later}; use optim=fsdp")
+        for key in ("nprocs", "nnodes"):  # the fsdp schema's launch keys (another engine is refused above)
+            if key in optim and int(optim[key]) > 1:
+                problems.append(f"optim.{key}={optim[key]}: a training group of several processes is {later}")
+    if str(result.get("_mode", "")) == "local":
+        problems.append("mode=local runs one task client for one model; with model.adapters run mode=server and a "
+                        "client per adapter (python -m swarmkit.apps.task_client --adapter NAME, docs/multi_model.md)")
+    trainer = result.get("trainer")
+    if trainer is not None and str(trainer.mode) != "sync":
+        problems.append(f"trainer.mode={trainer.mode}: asynchronous training is {later}; use trainer.mode=sync")
+
+
 def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
     """Return the typed, validated config, or raise ConfigError listing every problem.
 
@@ -196,6 +235,7 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             resolve_chat_template(str(model.chat_template), str(model.path))
         except ValueError as exc:
             problems.append(str(exc))
+    _check_adapters({**result, "_mode": cfg.get("mode", "local")}, problems)
     trainer = result.get("trainer")
     if trainer is not None:
         if trainer.mode not in TRAINER_MODES:

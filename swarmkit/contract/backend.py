@@ -66,6 +66,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None
+    #: the LoRA adapter to sample with, on an engine that serves several (``model.adapters``;
+    #: :attr:`InferenceBackend.serves_adapters`); None: the one model
+    adapter: str | None = None
 
     def check(self) -> None:
         """Raise ValueError naming the first field no sampler can compute (every backend calls it)."""
@@ -211,6 +214,10 @@ class InferenceBackend(ABC):
     #: whether :meth:`score_prompt` is implemented (``echo`` with prompt logprobs; the server refuses
     #: an ``echo`` request on a backend without it)
     scores_prompts: bool = False
+    #: whether the engine serves several named LoRA adapters over one base (``model.adapters``): it samples
+    #: each request with ``SamplingParams.adapter``, labels tokens with that adapter's version and takes
+    #: :meth:`update_adapter`
+    serves_adapters: bool = False
 
     @property
     @abstractmethod
@@ -243,6 +250,13 @@ class InferenceBackend(ABC):
         Either ``named_tensors`` (full weights or, for LoRA, the merged weights)
         or ``path`` (a folder with safetensors / a peft adapter).
         """
+
+    async def update_adapter(self, name: str, lora: Sequence[tuple[str, Any, Any, float]], *, version: int,
+                             policy_version: int | None = None) -> None:
+        """Replace adapter ``name`` (``(module, A [r, in], B [out, r], scale)`` for every adapted module) in
+        place, at that adapter's ``version``; ``policy_version`` sets the engine's own too. Only for an
+        engine that :attr:`serves_adapters`."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve several adapters")
 
     async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
         """The logprob of every token of ``prompt_ids`` given the ones before it (one forward over the

@@ -28,6 +28,8 @@ class PoolEpisode:
     task_family: str = ""
     policy_version: int = 0
     accepted_at: float = 0.0
+    #: the LoRA adapter it trains (``model.adapters``; "" = the one model): a batch holds one adapter's
+    adapter: str = ""
 
 
 @dataclass

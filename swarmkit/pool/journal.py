@@ -61,19 +61,27 @@ CREATE TABLE IF NOT EXISTS episodes (
     status TEXT NOT NULL,
     trained_step INTEGER,
     consumed_at REAL,
-    meta TEXT NOT NULL
+    meta TEXT NOT NULL,
+    adapter TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS episodes_status ON episodes(status, seq);
 """
 
 _COLS = ("episode_id, task_id, client_id, reward, timelines, policy_version, task_family, "
-         "accepted_at, trained_step, meta, status")
+         "accepted_at, trained_step, meta, status, adapter")
 
 
 def _row_to_record(row: tuple) -> EpisodeRecord:
-    eid, task, client, reward, timelines, version, family, at, step, meta, status = row
+    eid, task, client, reward, timelines, version, family, at, step, meta, status, adapter = row
     return EpisodeRecord(eid, task, client, json.loads(reward), json.loads(timelines),
-                         int(version), family, float(at), step, json.loads(meta), status)
+                         int(version), family, float(at), step, json.loads(meta), status, adapter or "")
+
+
+def _add_adapter_column(db: sqlite3.Connection) -> None:
+    """A journal written before ``model.adapters`` existed gets its ``adapter`` column ("": the one model)."""
+    cols = {row[1] for row in db.execute("PRAGMA table_info(episodes)")}
+    if "adapter" not in cols:
+        db.execute("ALTER TABLE episodes ADD COLUMN adapter TEXT NOT NULL DEFAULT ''")
 
 
 class SamplePool:
@@ -91,6 +99,7 @@ class SamplePool:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        _add_adapter_column(self._db)
         #: untrained episodes, oldest first (dict keeps insertion order = journal order)
         self._untrained: dict[str, PoolEpisode] = {}
         self._reserved: set[str] = set()
@@ -129,11 +138,11 @@ class SamplePool:
             self._reserved.clear()
             rows = self._db.execute(
                 "SELECT episode_id, task_id, reward, client_id, task_family, policy_version, "
-                "accepted_at FROM episodes WHERE status=? ORDER BY seq", (UNTRAINED,))
-            for eid, task, reward, client, family, version, at in rows:
+                "accepted_at, adapter FROM episodes WHERE status=? ORDER BY seq", (UNTRAINED,))
+            for eid, task, reward, client, family, version, at, adapter in rows:
                 self._untrained[eid] = PoolEpisode(
                     eid, task, scalar_reward(json.loads(reward)), client, family, int(version),
-                    float(at))
+                    float(at), adapter or "")
             counts = dict(self._db.execute(
                 "SELECT status, COUNT(*) FROM episodes GROUP BY status").fetchall())
             self._trained = counts.get(TRAINED, 0)
@@ -169,20 +178,21 @@ class SamplePool:
             raise ValueError(f"episode {record.episode_id!r}: only untrained episodes can be added")
         row = (record.episode_id, record.task_id, record.client_id, record.task_family,
                json.dumps(reward), json.dumps(record.timelines), int(record.policy_version),
-               float(record.accepted_at), UNTRAINED, json.dumps(record.meta))
+               float(record.accepted_at), UNTRAINED, json.dumps(record.meta), str(record.adapter or ""))
         with self._lock:
             try:
                 self._db.execute(
                     "INSERT INTO episodes (episode_id, task_id, client_id, task_family, reward, "
-                    "timelines, policy_version, accepted_at, status, meta) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?)", row)
+                    "timelines, policy_version, accepted_at, status, meta, adapter) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?)", row)
             except sqlite3.IntegrityError as exc:
                 raise DuplicateEpisodeError(
                     f"episode {record.episode_id!r} is already in the sample pool journal; "
                     "episode ids must be unique") from exc
             self._untrained[record.episode_id] = PoolEpisode(
                 record.episode_id, record.task_id, scalar_reward(reward), record.client_id,
-                record.task_family, int(record.policy_version), float(record.accepted_at))
+                record.task_family, int(record.policy_version), float(record.accepted_at),
+                str(record.adapter or ""))
 
     def _consume(self, ids: Iterable[str], step: int, status: str) -> int:
         ids = list(dict.fromkeys(ids))
@@ -426,6 +436,9 @@ class JournalReader:
         uri = "file:" + urllib.parse.quote(os.path.abspath(self.db_path)) + "?mode=ro"
         self._db = sqlite3.connect(uri, uri=True, check_same_thread=False)
         self._lock = threading.Lock()
+        cols = {row[1] for row in self._db.execute("PRAGMA table_info(episodes)")}
+        #: the columns of a record; a journal older than model.adapters reads "" as every adapter
+        self._cols = _COLS if "adapter" in cols or not cols else _COLS.replace(", adapter", ", '' AS adapter")
 
     def close(self) -> None:
         self._db.close()
@@ -442,7 +455,7 @@ class JournalReader:
     def newest(self, limit: int) -> list[EpisodeRecord]:
         """The ``limit`` most recently accepted records, newest first."""
         with self._lock:
-            rows = self._db.execute(f"SELECT {_COLS} FROM episodes ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+            rows = self._db.execute(f"SELECT {self._cols} FROM episodes ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
         return [_row_to_record(r) for r in rows]
 
     def untrained_rewards(self) -> list[tuple[str, str, Any]]:
@@ -454,7 +467,8 @@ class JournalReader:
 
     def get(self, episode_id: str) -> EpisodeRecord | None:
         with self._lock:
-            row = self._db.execute(f"SELECT {_COLS} FROM episodes WHERE episode_id=?", (episode_id,)).fetchone()
+            row = self._db.execute(f"SELECT {self._cols} FROM episodes WHERE episode_id=?",
+                                   (episode_id,)).fetchone()
         return _row_to_record(row) if row is not None else None
 
 

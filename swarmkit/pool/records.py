@@ -37,6 +37,8 @@ class EpisodeRecord:
     trained_step: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     status: str = UNTRAINED
+    #: the LoRA adapter the episode sampled with and trains (``model.adapters``); "" = the one model
+    adapter: str = ""
 
 
 def check_reward(reward: Any) -> float | dict[str, float]:

@@ -37,6 +37,24 @@ IDENTICAL, FLAT, GROUPS = "collapse/identical_groups", "collapse/flat_groups", "
 ENTROPY, SAMPLED_NLL = "collapse/entropy", "collapse/sampled_nll"
 #: prefix of the task-declared metrics (``task/valid_tool_call``)
 TASK_PREFIX = "task/"
+#: what a signal past its threshold means to the person reading the alarm (a newcomer's first alarm
+#: is often a reward that never varies, not a policy that fell)
+MEANING = {
+    FLAT: ("flat groups: every rollout of a task got the same reward, so GRPO has no signal and nothing is "
+           "learned (loss 0); give partial credit that tells attempts apart, or warm-start the model "
+           "(docs/training.md, \"Collapse alarm\")"),
+    IDENTICAL: ("identical groups: the rollouts of a task are all the same answer, so they score alike and "
+                "nothing more is learned (the policy collapsed); lower optim.lr, or add algo.kl_coef or "
+                "algo.entropy_coef, or trainer.collapse.action=rollback"),
+    ENTROPY: "low entropy: the policy samples almost deterministically",
+}
+
+
+def meanings(signals: set[str]) -> list[str]:
+    """What the signals of an alarm mean, in :data:`MEANING`'s order; flat groups that identical rollouts
+    explain are the collapse itself, not a reward that never varies."""
+    shown = signals - {FLAT} if IDENTICAL in signals else signals
+    return [text for name, text in MEANING.items() if name in shown]
 #: two rewards closer than this count as equal (a group of them has "no variance")
 REWARD_EPS = 1e-9
 
@@ -268,6 +286,7 @@ class CollapseAlarm:
         self.fired += 1
         alarm = Alarm(step=step, crossings=ripe, window_start=min(c.since for c in ripe), action=self.cfg.action)
         alarm.message = (f"collapse alarm at step {step}: " + "; ".join(c.text() for c in ripe)
-                         + f" (steps {alarm.window_start}..{step}; trainer.collapse.action={self.cfg.action})")
+                         + f" (steps {alarm.window_start}..{step}; trainer.collapse.action={self.cfg.action})"
+                         + "".join(f" - {m}" for m in meanings({c.signal for c in ripe})))
         self.active = alarm
         return alarm

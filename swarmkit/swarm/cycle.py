@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import CollapseConfig, TrainerConfig
+from swarmkit.config.schema import CollapseConfig, ModelConfig, TrainerConfig
 from swarmkit.contract import PoolEpisode
 from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
@@ -106,6 +106,7 @@ def pool_record(ep: Episode) -> EpisodeRecord:
         policy_version=ep.policy_version,
         task_family=str(ep.meta.get("task_family", "")),
         meta={"roles": ep.roles, "n_calls": ep.n_calls, **{k: v for k, v in ep.meta.items() if k != "task_family"}},
+        adapter=ep.adapter or "",
     )
 
 
@@ -182,6 +183,9 @@ class TrainingCycle:
         self.noop_steps = False
         #: async rollback: (when, step) — an episode created before it holding tokens of later weights is retired
         self._fence: tuple[float, int] | None = None
+        #: the LoRA adapters trained over one base (model.adapters); each step trains one, in turn
+        self.adapters: list[str] = []
+        self._last_adapter: str | None = None
 
     # ------------------------------------------------------------------ the server's Cycle
     def attach(self, server: CycleHost) -> None:
@@ -209,14 +213,18 @@ class TrainingCycle:
         """The accepted episodes waiting in the pool for a step."""
         return self.pool.view()
 
-    def accept(self, ep: Episode) -> None:
+    async def accept(self, ep: Episode) -> None:
         """Journal the episode (durable) before its reporter is answered.
 
+        The write (an SQLite commit with ``synchronous=FULL``: one fsync, milliseconds) runs in a worker
+        thread, so the event loop serves other calls meanwhile instead of stalling once per report.
         A journal that refuses it raises (the reporter retries) and ``last_error`` says why until
         the journal takes an episode again.
         """
         try:
-            self.pool.add(pool_record(ep))
+            await asyncio.to_thread(self.pool.add, pool_record(ep))
+            # back on the loop: a rollback (retire_after, then the fence) is atomic here, so an episode it
+            # did not see in the pool is filtered now
             if self._fence is not None and _sampled_after(ep, *self._fence):
                 self.pool.mark_filtered([ep.id], self._fence[1])  # its tokens came from weights a rollback undid
         except Exception as exc:
@@ -231,6 +239,13 @@ class TrainingCycle:
     def status(self) -> dict[str, Any]:
         stats = self.pool.stats(self.policy, self.server.clients.all(), time.time()) if self.policy else self.pool.stats()
         stats["policy"] = self.policy_name or None
+        if self.adapters:  # each adapter's waiting episodes and its step (policy version)
+            view = self.pool.view()
+            steps = {}
+            if self.trainer is not None and hasattr(self.trainer, "adapter_step"):
+                steps = {n: self.trainer.adapter_step(n) for n in self.adapters}
+            stats["adapters"] = {n: {"waiting": sum(e.adapter == n for e in view), "step": steps.get(n)}
+                                 for n in self.adapters}
         if self._server is not None:
             stats["trainer"] = self.trainer_status()
         if self.last_error:
@@ -243,7 +258,8 @@ class TrainingCycle:
     def alarm_status(self) -> dict[str, Any]:
         """The collapse alarm, for ``status()["pool"]["alarm"]``: ``active`` (signals of the last
         alarm are still past their thresholds, or training is paused by it), ``paused`` (why),
-        ``message`` and ``last`` (the last alarm: step, window, signals, action taken), ``fired``,
+        ``message`` and ``last`` (the last alarm: step, window, signals, action ``taken``: ``pending``
+        while a rollback is under way), ``fired``,
         ``rollbacks``, ``action`` (trainer.collapse.action)."""
         last = self.last_alarm
         return {"active": self.alarm.active is not None or self.paused is not None, "paused": self.paused,
@@ -270,6 +286,7 @@ class TrainingCycle:
         batching = dict(cfg["batching"])
         self.policy_name = str(batching["name"])
         self.policy = load_component("batching", self.policy_name)(**batching)
+        self.adapters = [s.name for s in ModelConfig.of(cfg.get("model")).adapter_specs()]
         trainer_cfg = TrainerConfig(**as_dict(cfg.get("trainer")))
         self.total_steps = int(trainer_cfg.total_steps)
         self.training_finished = None
@@ -301,7 +318,10 @@ class TrainingCycle:
             self.trainer = await asyncio.to_thread(self.trainer_factory, cfg, self.run_dir)
             if trainer_cfg.resume and self.trainer.latest_checkpoint() is not None:
                 await asyncio.to_thread(self._resume)
-            if self.trainer.global_step > 0:
+            if self.adapters:  # every adapter, also at step 0: the engine serves what the trainer holds
+                await self._push_adapters(self.adapters, self.trainer.global_step)
+                self.global_step = self.trainer.global_step
+            elif self.trainer.global_step > 0:
                 await server.backend.update_weights(
                     named_tensors=self.trainer.export_weights(), version=self.trainer.global_step
                 )
@@ -376,7 +396,7 @@ class TrainingCycle:
                 continue
             if self._limit_reached() or self.paused is not None:
                 continue
-            decision = self.pool.decide(self.policy, srv.clients.all(), time.time())
+            decision = self._decide(srv.clients.all(), time.time())
             if decision.fire and decision.selected and self.mode == "async":
                 if self._hold_for_stragglers():
                     continue
@@ -558,6 +578,7 @@ class TrainingCycle:
                 action, why = "pause", f"{self.rollbacks} rollbacks already (trainer.collapse.max_rollbacks)"
             elif self._unrecorded or self._unsynced is not None:
                 action, why = "pause", "an earlier step's journal write or weight sync is still pending"
+        alarm.extra["taken"] = "pending"  # status shows the alarm at once; the action when it is done
         self.last_alarm = alarm
         log.warning("%s", alarm.message)
         rolled = False
@@ -607,7 +628,7 @@ class TrainingCycle:
         self._applied_step = self.global_step = back
         if self.mode == "async":
             self._fence = (time.time(), back)
-        await self._sync_weights(back)
+        await self._sync_weights(back, everything=True)
         self.rollbacks += 1
         self.alarm.reset()
         alarm.extra.update(rolled_back_to=back, lr_factor=factor if lowered else float(getattr(trainer, "lr_factor", 1.0)),
@@ -719,7 +740,7 @@ class TrainingCycle:
         clients = self.server.clients.all()
         n = 0
         while n < limit:
-            d = self.policy.decide(view, clients, time.time())
+            d = self.policy.decide(view, clients, time.time())  # async only: never with model.adapters
             if not (d.fire and d.selected):
                 break
             n += 1
@@ -768,13 +789,46 @@ class TrainingCycle:
         if filtered:
             self.pool.mark_filtered(filtered, step)
 
-    async def _sync_weights(self, step: int) -> None:
+    async def _sync_weights(self, step: int, everything: bool = False) -> None:
         """Push the trainer's weights into the engine as version ``step`` (retried by :meth:`_catch_up`
-        if it fails: the trainer is already at ``step``)."""
+        if it fails: the trainer is already at ``step``). With ``model.adapters``: only the adapter the
+        step trained (``everything``: all of them, after a rollback)."""
         self._unsynced = step
-        weights = await asyncio.to_thread(lambda: list(self.trainer.export_weights()))
-        await self.server.backend.update_weights(named_tensors=weights, version=step)
+        if self.adapters:
+            last = getattr(self.trainer, "last_adapter", None)
+            await self._push_adapters(self.adapters if everything or last is None else [last], step)
+        else:
+            weights = await asyncio.to_thread(lambda: list(self.trainer.export_weights()))
+            await self.server.backend.update_weights(named_tensors=weights, version=step)
         self._unsynced = None
+
+    async def _push_adapters(self, names: Sequence[str], step: int) -> None:
+        """Serve the trainer's ``names`` adapters, each at its own version; the engine's version is ``step``."""
+        backend = self.server.backend
+        for name in names:
+            lora = await asyncio.to_thread(self.trainer.export_adapter_lora, name)
+            await backend.update_adapter(name, lora, version=self.trainer.adapter_step(name), policy_version=step)
+
+    def _decide(self, clients: Any, now: float) -> Any:
+        """The batching policy's decision. With ``model.adapters`` it decides over each adapter's episodes
+        on their own, the adapter after the last one trained first: a batch never mixes adapters, and an
+        adapter whose batch is ready never waits behind another's."""
+        if not self.adapters:
+            return self.pool.decide(self.policy, clients, now)
+        view = self.pool.view()
+        start = self.adapters.index(self._last_adapter) + 1 if self._last_adapter in self.adapters else 0
+        decision = None
+        for k in range(len(self.adapters)):
+            name = self.adapters[(start + k) % len(self.adapters)]
+            mine = [e for e in view if e.adapter == name]
+            if not mine:
+                continue
+            decision = self.policy.decide(mine, dict(clients or {}), now)
+            if decision.fire and decision.selected:
+                decision.detail["adapter"] = name
+                self._last_adapter = name
+                return decision
+        return decision if decision is not None else self.pool.decide(self.policy, clients, now)
 
     async def _catch_up(self) -> bool:
         """Finish what an earlier step left undone (its journal write, its weight sync); True when
@@ -832,4 +886,6 @@ def _trigger(policy: str | None, decision: Any) -> str:
     """What fired a step, for its console line: ``c2 2/2 tasks``."""
     current, target, unit = (getattr(decision, k, None) for k in ("current", "target", "unit"))
     fill = f" {current:g}/{target:g} {unit}" if isinstance(current, int | float) and isinstance(target, int | float) else ""
-    return f"{policy or 'policy'}{fill}"
+    detail = getattr(decision, "detail", None)
+    adapter = f" adapter {detail['adapter']}" if isinstance(detail, dict) and detail.get("adapter") else ""
+    return f"{policy or 'policy'}{fill}{adapter}"

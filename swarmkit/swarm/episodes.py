@@ -73,6 +73,8 @@ class Episode:
     #: a prepared episode of a multi-server episode: the primary episode whose commit decides
     #: this one (``url``, ``episode_id``, ``api_key``); None for the primary itself
     primary: dict[str, str] | None = None
+    #: the LoRA adapter its calls sample with and its samples train (``model.adapters``); None: the one model
+    adapter: str | None = None
 
     @property
     def running(self) -> bool:
@@ -209,6 +211,7 @@ class EpisodeRegistry:
         policy_version: int = 0,
         now: float | None = None,
         address: str = "",
+        adapter: str | None = None,
     ) -> Episode:
         now = time.time() if now is None else now
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
@@ -234,6 +237,7 @@ class EpisodeRegistry:
             meta=dict(meta or {}),
             policy_version=policy_version,
             address=address,
+            adapter=adapter,
         )
         self._running[ep.id] = ep
         self._per_client[client_id] = self._per_client.get(client_id, 0) + 1

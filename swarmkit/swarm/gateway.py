@@ -69,6 +69,7 @@ class InferenceGateway:
         self.token_text: TokenText | None = None
         self.max_context: int | None = None
         self.model_name = "swarmkit"
+        self.adapters: list[str] = []
         #: the longest vocabulary token in characters (bounds the text a context can hold); computed once
         self._longest_token: int | None = None
         #: renders running in the render worker (swarmkit.server.turn): while any does, the others queue there
@@ -91,6 +92,8 @@ class InferenceGateway:
         self.token_text = TokenText(tok)
         self.tracker = ContextTracker(self.renderer)
         self.model_name = model.name or "swarmkit"
+        #: the LoRA adapters the engine serves over the base (model.adapters); [] = one model
+        self.adapters = [s.name for s in model.adapter_specs()] if backend.serves_adapters else []
         self.max_context = backend.max_context or model.max_context
         self._longest_token = None  # this tokenizer's
         self.backend = backend

@@ -28,9 +28,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from swarmkit.contract import (
     GenerationOutput,
@@ -41,6 +41,8 @@ from swarmkit.contract import (
 )
 from swarmkit.contract.backend import ROUTING_KEY
 from swarmkit.errors import ApiError
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("swarmkit.replicas")
 
@@ -181,14 +183,16 @@ class ReplicaSet(InferenceBackend):
         log.info("%d inference replicas up (%s)", len(self.replicas),
                  ", ".join(r.device or "default device" for r in self.replicas))
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
+    async def _with_failover(self, call: Callable[[InferenceBackend], Awaitable[_T]]) -> _T:
+        """``call`` on the replica the balancer picks; an engine failure (not a request error) retires
+        that replica and the call goes once to another live one."""
         key = ROUTING_KEY.get()
         for attempt in (0, 1):
             rep = self.balancer.pick(key)
             rep.in_flight += 1
             rep.calls += 1
             try:
-                return await rep.backend.generate(prompt_ids, params)
+                return await call(rep.backend)
             except BaseException as exc:
                 if is_request_error(exc) or not isinstance(exc, Exception):
                     raise
@@ -199,23 +203,11 @@ class ReplicaSet(InferenceBackend):
                 rep.in_flight -= 1
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationOutput]:
+        return await self._with_failover(lambda b: b.generate(prompt_ids, params))
+
     async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
-        key = ROUTING_KEY.get()
-        for attempt in (0, 1):
-            rep = self.balancer.pick(key)
-            rep.in_flight += 1
-            rep.calls += 1
-            try:
-                return await rep.backend.score_prompt(prompt_ids, top_logprobs)
-            except BaseException as exc:
-                if is_request_error(exc) or not isinstance(exc, Exception):
-                    raise
-                self._retire(rep, f"{type(exc).__name__}: {exc}")
-                if attempt == 1 or not self.balancer.live():
-                    raise
-            finally:
-                rep.in_flight -= 1
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await self._with_failover(lambda b: b.score_prompt(prompt_ids, top_logprobs))
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         key = ROUTING_KEY.get()

@@ -282,6 +282,47 @@ class SwarmServer:
     def model_name(self) -> str:
         return self.inference.model_name
 
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters served and trained over one base (``model.adapters``); [] = one model."""
+        return self.inference.adapters
+
+    def check_adapter(self, name: str | None) -> str | None:
+        """An episode's adapter given at registration: one this server serves (422 otherwise)."""
+        if name is None:
+            return None
+        if name not in self.adapters:
+            served = f"its adapters are {self.adapters}" if self.adapters else "it serves one model (no model.adapters)"
+            raise ApiError(422, f"adapter {name!r} is not served by this server; {served}", "invalid_field",
+                           param="adapter")
+        return name
+
+    def adapter_for(self, ep: Episode, model: str | None) -> str | None:
+        """The adapter a call of ``ep`` samples with: the episode's (bound at registration, or by the
+        first call whose ``model`` names an adapter). Once the episode has one, a ``model`` that names
+        no adapter (absent, the served model's name, or a framework's fixed name) samples with it, as a
+        server of one model ignores the field; another adapter's name is 400 ``adapter_mismatch``. An
+        episode without one: 404 ``model_not_found`` for a name that is no adapter, 400
+        ``adapter_required`` when the call names none. None on a server of one model."""
+        adapters = self.adapters
+        if not adapters:
+            return None
+        if model is not None and model not in adapters and ep.adapter is None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} is not served here: this server trains the adapters {adapters} "
+                           f"over {self.model_name!r}; name one in 'model' (or with 'adapter' at registration)",
+                           "model_not_found", param="model")
+        if model is not None and model in adapters:
+            if ep.adapter is None:
+                ep.adapter = model  # the episode's first call binds it: its samples train this adapter only
+            elif ep.adapter != model:
+                raise ApiError(400, f"this episode samples with adapter {ep.adapter!r}, not {model!r}: one episode "
+                               "trains one adapter (register another episode for it)", "adapter_mismatch",
+                               param="model")
+        if ep.adapter is None:
+            raise ApiError(400, f"this server trains several adapters {adapters}: name one in the request's "
+                           "'model' field or with 'adapter' at registration", "adapter_required", param="model")
+        return ep.adapter
+
     def renderer_for(self, template_kwargs: dict[str, Any] | None) -> Any:
         return self.inference.renderer_for(template_kwargs)
 
@@ -583,13 +624,16 @@ class SwarmServer:
         A stop slower than :data:`SLOW_STOP_S` logs every thread's stack once (what it waits on).
         """
         t0 = time.perf_counter()
+        was = self.state.state
         watchdog = asyncio.get_running_loop().call_later(SLOW_STOP_S, log_thread_stacks,
                                                          f"stopping the server takes over {SLOW_STOP_S:g} s")
         try:
             await self._stop(reason)
         finally:
             watchdog.cancel()
-        log.info("server stopped in %.1f s (%s)", time.perf_counter() - t0, reason)
+        # a server that was OFFLINE already (stopped by the controller, then shut down) had nothing to stop
+        log.log(logging.DEBUG if was is ServerState.OFFLINE else logging.INFO,
+                "server stopped in %.1f s (%s)", time.perf_counter() - t0, reason)
 
     async def _stop(self, reason: str) -> None:
         if self._boot_task is not None and not self._boot_task.done():
@@ -744,6 +788,9 @@ class SwarmServer:
         A pool that cannot store it answers 503 (the client retries) and leaves the
         episode ``on_failure`` (PREPARED, or RUNNING for a one-call report).
         """
+        if not ep.eval and self.adapters and ep.adapter is None and ep.timelines:
+            raise ApiError(422, f"this episode's calls named no adapter; this server trains {self.adapters} and "
+                           "needs one per episode", "adapter_required", param="adapter")
         ep.status = COMMITTING
         accepted = False
         if not ep.eval and self.training_finished:

@@ -9,7 +9,11 @@ episode of an item against an episode's ``base_url``/``api_key``
 - agent tasks: ``calc_agent`` (:mod:`.calc_agent`: multi-turn with a
   calculator tool; it also writes demonstrations for the supervised warm start),
   ``multi_calc`` (:mod:`.multi_calc`: two or three chained calculator calls per
-  episode, one operation per call; demonstrations too).
+  episode, one operation per call; demonstrations too);
+- task suites (optional installs, imported when used): ``reasoning_gym``
+  (:mod:`.rgym`: reasoning-gym's math families, its own scorers) and ``bfcl``
+  (:mod:`.bfcl`: BFCL multi-turn tool use against its simulated APIs, its own
+  checker); both with demonstrations.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from swarmkit.tasks import bfcl, rgym
 from swarmkit.tasks.base import Outcome, Task, chat, cycle
 from swarmkit.tasks.calc_agent import demonstration as _calc_demonstration
 from swarmkit.tasks.calc_agent import grade, load_agent, make_calc_tasks, run_calc_episode
@@ -31,7 +36,9 @@ __all__ = ["TASKS", "Outcome", "Task", "cycle", "demonstration", "make_tasks", "
 #: task name -> (n, seed, split, options) -> tasks
 TASKS: dict[str, Callable[[int, int, str, dict[str, Any]], list[Task]]] = {**SINGLE_TASKS,
                                                                           "calc_agent": make_calc_tasks,
-                                                                          "multi_calc": make_multi_tasks}
+                                                                          "multi_calc": make_multi_tasks,
+                                                                          "reasoning_gym": rgym.make_rg_tasks,
+                                                                          "bfcl": bfcl.make_bfcl_tasks}
 
 
 def make_tasks(name: str, n: int, seed: int = 0, split: str = "train", options: dict | None = None) -> list[Task]:
@@ -45,6 +52,8 @@ def make_tasks(name: str, n: int, seed: int = 0, split: str = "train", options: 
 
 def score(task: Task, completion: str) -> float:
     """Reward of ``completion`` (the assistant's reply text) for a single-call ``task``."""
+    if task.family == "reasoning_gym":
+        return rgym.score_rg(task, completion).reward
     return score_single(task, completion)
 
 
@@ -63,10 +72,15 @@ def run_task(http: httpx.Client, base_url: str, api_key: str, task: Task, *, max
     if task.family == "multi_calc":
         return run_multi_episode(http, base_url, api_key, task, max_tokens=max_tokens, temperature=temperature,
                                  seed=seed)
+    if task.family == "bfcl":
+        return bfcl.run_bfcl_episode(http, base_url, api_key, task, max_tokens=max_tokens, temperature=temperature,
+                                     seed=seed)
     body: dict[str, Any] = {"messages": task.messages, "max_tokens": max_tokens, "temperature": temperature}
     if seed is not None:
         body["seed"] = seed
     text = chat(http, base_url, api_key, body).get("content") or ""
+    if task.family == "reasoning_gym":
+        return rgym.score_rg(task, text)
     return Outcome(score_single(task, text), text)
 
 
@@ -76,4 +90,8 @@ def demonstration(task: Task) -> dict[str, Any] | None:
         return _calc_demonstration(task)
     if task.family == "multi_calc":
         return _multi_demonstration(task)
+    if task.family == "reasoning_gym":
+        return rgym.demonstration(task)
+    if task.family == "bfcl":
+        return bfcl.demonstration(task)
     return None

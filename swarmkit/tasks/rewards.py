@@ -26,6 +26,11 @@ REWARD_SCALES: dict[str, RewardScale] = {
                               "(1.0 = all of them)", 1.0),
     "calc_agent": RewardScale("1.0 = the right answer, + 0.1 for a well-formed calculator call "
                               "(1.1 = right, with the tool), 0 = wrong without a valid call", 1.0),
+    "reasoning_gym": RewardScale("reasoning-gym's own score of the <answer></answer>: 1.0 = right, the family's "
+                                 "partial credit otherwise (gsm_symbolic: 0.01 for a wrong number), 0 = no tag", 1.0),
+    "bfcl": RewardScale("the share of the entry's user turns that pass BFCL's multi-turn checker before the first "
+                        "failure (1.0 = the whole entry passes), + task.options.tool_credit for a well-formed call",
+                        1.0),
 }
 
 

@@ -375,6 +375,27 @@ class BackendConformance:
         plain = self.harness.run(self.backend.score_prompt(p))
         assert plain.top_logprobs is None
         assert all(abs(a - b) <= self.tol for a, b in zip(plain.logprobs[1:], got.logprobs[1:], strict=True))  # type: ignore[operator]
+        one = self.harness.run(self.backend.score_prompt(p[:1], 2))
+        assert one.logprobs == [None] and one.top_logprobs == [None]
+        limit = self.backend.max_context
+        if limit:  # a prompt that fills the context is scored (nothing is generated); one token more is refused
+            full = (p * (int(limit) // len(p) + 1))[:int(limit)]
+            got = self.harness.run(self.backend.score_prompt(full, 1))
+            assert len(got.logprobs) == len(full)
+            with torch.no_grad():
+                rows = torch.log_softmax(self.ref(torch.tensor([full])).logits[0, :-1].float(), dim=-1)
+            want = rows.gather(1, torch.tensor(full[1:])[:, None])[:, 0].tolist()
+            worst = max(abs(w - g) for w, g in zip(want, got.logprobs[1:], strict=True))  # type: ignore[operator]
+            assert worst <= self.tol, f"a {limit}-token prompt: logprobs off by {worst}"
+            assert got.top_logprobs is not None and got.top_logprobs[-1] is not None
+            (t, v), = got.top_logprobs[-1].items()
+            assert t == int(rows[-1].argmax()) and abs(v - float(rows[-1].max())) <= self.tol
+            try:
+                self.harness.run(self.backend.score_prompt(full + full[:1]))
+            except ValueError:
+                pass
+            else:
+                raise AssertionError(f"a prompt of {limit + 1} tokens was scored (max_context {limit})")
 
     def check_sampling_fields(self) -> None:
         """Each distribution-shaping field the backend lists in ``sampling_fields`` does what it

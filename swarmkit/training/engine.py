@@ -32,6 +32,7 @@ from torch import nn
 from swarmkit.config.lr import auto_lr, base_param_count, is_auto
 from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import Algorithm, LossInputs, OptimEngine, TrainSample, check_algorithm
+from swarmkit.training.adapters import AdapterBank, LoraTensors
 from swarmkit.training.config import EngineConfig, resolve_token_budget
 from swarmkit.training.hostmem import release_freed_memory
 from swarmkit.training.lm import default_device, dist_info, load_lm, resolve_dtype
@@ -96,6 +97,7 @@ class TrainingEngine(OptimEngine):
         self.token_budget = resolve_token_budget(self.cfg.token_budget, self.device.type)
         self.grad_clip = float(self.cfg.grad_clip or 0.0)
         self.lora = self.model.lora_rank > 0
+        self.adapter_specs = self.model.adapter_specs()
         self._lr_scale = 1.0  # × lr of the coming optimizer steps (optim.sft_lr on a demonstration batch)
         self.optimizer_steps = 0  # optimizer updates taken
         self.train_steps = 0  # train_step calls that updated the model
@@ -125,6 +127,8 @@ class TrainingEngine(OptimEngine):
             self.reference = PolicyModel(ref_lm, self.compute_dtype, chunk_elements=chunk).eval()
             self.reference.requires_grad_(False)
         self._wrap()
+        #: several named adapters over the one base (``model.adapters``); None: one model
+        self.adapters: AdapterBank | None = AdapterBank(self, self.adapter_specs) if self.adapter_specs else None
         self.compiled_layers = 0
         if self._wants_compile():
             backend = str(self.cfg.compile_backend or "inductor")
@@ -201,11 +205,13 @@ class TrainingEngine(OptimEngine):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers
-    def _adamw(self, params: list[nn.Parameter], fused: bool | None = None) -> torch.optim.AdamW:
-        """AdamW over ``params`` with the ``optim`` group's settings (``fused`` None: fused on CUDA)."""
+    def _adamw(self, params: list[nn.Parameter], fused: bool | None = None,
+               lr: float | None = None) -> torch.optim.AdamW:
+        """AdamW over ``params`` with the ``optim`` group's settings (``fused`` None: fused on CUDA;
+        ``lr`` None: ``optim.lr``)."""
         fused = self.device.type == "cuda" if fused is None else fused
         kw: dict[str, Any] = {"fused": True} if fused else {}
-        return torch.optim.AdamW(params, lr=float(self.cfg.lr), betas=(float(self.cfg.betas[0]), float(self.cfg.betas[1])),
+        return torch.optim.AdamW(params, lr=float(self.cfg.lr if lr is None else lr), betas=(float(self.cfg.betas[0]), float(self.cfg.betas[1])),
                                  weight_decay=float(self.cfg.weight_decay), **kw)
 
     def _warmup(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -597,10 +603,11 @@ class TrainingEngine(OptimEngine):
     def _lora_scalings(self) -> dict[str, float]:
         from peft.tuners.lora import LoraLayer
 
+        key = self.adapters.active if self.adapters is not None else "default"
         out = {}
         for name, mod in self._unwrapped().causal_lm.named_modules():
-            if isinstance(mod, LoraLayer) and "default" in mod.scaling:
-                out[name] = float(mod.scaling["default"])
+            if isinstance(mod, LoraLayer) and key in mod.scaling:
+                out[name] = float(mod.scaling[key])
         return out
 
     def _unwrapped(self) -> PolicyModel:
@@ -616,6 +623,9 @@ class TrainingEngine(OptimEngine):
         if not full:
             return {}
         lm_sd = {k[3:]: v for k, v in full.items() if k.startswith("lm.")}
+        if self.adapters is not None:  # the active adapter merged; the others' tensors left out
+            other = tuple(f".{n}.weight" for n in self.adapters.names if n != self.adapters.active)
+            lm_sd = {k: v for k, v in lm_sd.items() if not (".lora_" in k and k.endswith(other))}
         if self.lora:
             return merge_lora_state(lm_sd, self._lora_scalings())
         return lm_sd
@@ -632,10 +642,51 @@ class TrainingEngine(OptimEngine):
         sd = self._hf_state(dtype)
         return [(k, v.detach().to(dtype) if dtype else v.detach()) for k, v in sd.items()]
 
+    # ------------------------------------------------------------------ several adapters
+    def select_adapter(self, name: str) -> None:
+        """Train, export and count steps of adapter ``name`` from now on (``model.adapters``)."""
+        if self.adapters is None:
+            raise ValueError("select_adapter needs model.adapters")
+        self.adapters.select(name)
+
+    def adapter_steps(self) -> dict[str, int]:
+        """Optimizer steps per adapter (each one's policy version); {} without ``model.adapters``."""
+        return self.adapters.steps() if self.adapters is not None else {}
+
+    def export_lora(self, name: str) -> list[LoraTensors]:
+        """Adapter ``name`` as (module, A, B, scale) for a backend that applies adapters per request."""
+        if self.adapters is None:
+            raise ValueError("export_lora needs model.adapters")
+        return self.adapters.lora_tensors(name)
+
+    def _save_adapters_checkpoint(self, path: Path) -> None:
+        """The checkpoint of an engine with several adapters (one process): every adapter's folder
+        (:meth:`AdapterBank.save`), the engine's meta and the RNG."""
+        assert self.adapters is not None
+        path.mkdir(parents=True, exist_ok=True)
+        self.adapters.save(path)
+        torch.save({"meta": {**self._meta(), "adapters": self.adapters.names}}, path / "engine_state.pt")
+        torch.save(self._rng_state(), path / f"rng_rank{self.rank}.pt")
+
+    def _load_adapters_checkpoint(self, path: Path) -> None:
+        assert self.adapters is not None
+        st = torch.load(path / "engine_state.pt", weights_only=False)
+        if "adapters" not in st.get("meta", {}):
+            raise ValueError(f"checkpoint {path} was saved without model.adapters; it cannot resume an engine "
+                             f"with adapters {self.adapters.names}")
+        self.adapters.load(path)
+        rng = path / f"rng_rank{self.rank}.pt"
+        if rng.exists():
+            self._set_rng_state(torch.load(rng, weights_only=False))
+
     def export_adapter(self, path: str | Path) -> None:
-        """Write the LoRA adapter as a peft folder (``adapter_config.json`` + safetensors); rank 0."""
+        """Write the LoRA adapter as a peft folder (``adapter_config.json`` + safetensors); rank 0.
+        With ``model.adapters``: the active adapter."""
         if not self.lora:
             raise ValueError("export_adapter needs model.lora_rank > 0")
+        if self.adapters is not None:
+            self.adapters.save_adapter(self.adapters.active, path)
+            return
         full = self._full_state_dict()
         if self.rank != 0:
             return

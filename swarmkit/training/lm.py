@@ -53,5 +53,13 @@ def load_lm(model_path: str | Path, model: Any, seed: int) -> Any:
             r=model.lora_rank, lora_alpha=model.lora_alpha, lora_dropout=model.lora_dropout,
             target_modules=list(model.lora_target_modules), task_type="CAUSAL_LM",
         )
-        lm = get_peft_model(lm, cfg)
+        specs = model.adapter_specs()
+        if not specs:
+            return get_peft_model(lm, cfg)
+        # several named adapters of one shape over the one base (model.adapters); each seeded on its own
+        lm = get_peft_model(lm, cfg, adapter_name=specs[0].name)
+        for k, spec in enumerate(specs[1:], 1):
+            torch.manual_seed(seed + 7919 * k)
+            lm.add_adapter(spec.name, cfg)
+        lm.set_adapter(specs[0].name)
     return lm

@@ -124,6 +124,10 @@ class Trainer:
         #: the typed ``model`` group (the engines get ``model_cfg``, the plain one)
         self.model = ModelConfig.of(self.model_cfg)
         self.model_path = resolve_model_path(self.model.path)
+        #: the LoRA adapters trained over one base (model.adapters); [] = one model
+        self.adapters = [s.name for s in self.model.adapter_specs()]
+        #: the adapter the last step trained (its weights are the ones to push)
+        self.last_adapter: str | None = None
         name, launch = optim_launch(self.optim_cfg)
         self.engine: OptimEngine
         if launch is not None and launch.grouped and "WORLD_SIZE" not in os.environ:
@@ -144,13 +148,41 @@ class Trainer:
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken (= the policy version of the current weights)."""
+        """Optimizer steps taken (= the policy version of the current weights); with ``model.adapters``
+        the sum over the adapters (the run's step counter; each adapter's own is :meth:`adapter_step`)."""
+        if self.adapters:
+            return sum(self._adapter_engine().adapter_steps().values())
         return int(self.engine.optimizer_steps)
 
     @property
     def train_steps(self) -> int:
         """:meth:`step` calls that updated the model (= global_step with 1 epoch × 1 mini-batch)."""
+        if self.adapters:
+            return sum(self._adapter_engine().adapters.train_steps().values())
         return int(self.engine.train_steps)
+
+    # ------------------------------------------------------------------ several adapters
+    def _adapter_engine(self) -> Any:
+        """The engine, which must train ``model.adapters`` (the fsdp engine in one process)."""
+        if not callable(getattr(self.engine, "select_adapter", None)) or getattr(self.engine, "adapters", None) is None:
+            raise ValueError(f"model.adapters needs an engine that trains several adapters (optim=fsdp in one "
+                             f"process), not {type(self.engine).__name__}")
+        return self.engine
+
+    def adapter_step(self, name: str) -> int:
+        """Adapter ``name``'s optimizer steps: its policy version."""
+        return int(self._adapter_engine().adapter_steps()[name])
+
+    def export_adapter_lora(self, name: str) -> list[tuple[str, Any, Any, float]]:
+        """Adapter ``name`` as ``(module, A, B, scale)`` for ``backend.update_adapter``."""
+        return [(t.module, t.a, t.b, t.scale) for t in self._adapter_engine().export_lora(name)]
+
+    def _batch_adapter(self, records: Sequence[EpisodeRecord]) -> str:
+        """The one adapter of a batch (samples never mix across adapters): ValueError otherwise."""
+        found = sorted({r.adapter for r in records})
+        if len(found) != 1 or found[0] not in self.adapters:
+            raise ValueError(f"a batch must hold the episodes of one adapter of {self.adapters}; it holds {found}")
+        return found[0]
 
     def step(self, records: Sequence[EpisodeRecord], max_staleness: int | None = None) -> dict[str, float]:
         """Build samples from ``records`` and train on them; returns metrics.
@@ -173,6 +205,11 @@ class Trainer:
         ``build_time_s``, ``step_time_s`` (whole call) and ``global_step``.
         """
         t0 = time.perf_counter()
+        adapter = None
+        if self.adapters:
+            adapter = self._batch_adapter(records)
+            self._adapter_engine().select_adapter(adapter)
+            self.last_adapter = adapter
         merge_stats: dict[str, float] = {}
         samples = build_samples(records, self.algo, self.match, stats=merge_stats)
         staleness = bound_staleness(samples, self.global_step, max_staleness)
@@ -202,6 +239,10 @@ class Trainer:
             global_step=float(self.global_step),
         )
         metrics.update(overlong_metrics(self.algo.overlong, merge_stats))
+        if adapter is not None:  # which adapter this step trained, and where it stands
+            metrics[f"adapter/{adapter}/reward_mean"] = metrics["reward_mean"]
+            metrics[f"adapter/{adapter}/step"] = float(self.adapter_step(adapter))
+            metrics["adapter_index"] = float(self.adapters.index(adapter))
         return metrics
 
     def close(self) -> None:

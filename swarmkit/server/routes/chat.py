@@ -50,7 +50,7 @@ async def chat_completions(request: Request) -> Response:
     req = ChatRequest.parse(body)
     turn = await prepare_turn_async(srv, ep, req.messages, req.tools, req.tool_choice, endpoint="chat",
                                     template_kwargs=req.chat_template_kwargs)
-    params = turn_params(srv, turn, req)
+    params = turn_params(srv, turn, req, ep)
     want_lp = req.logprobs
     want_top = want_lp and params.top_logprobs > 0
     created = int(time.time())

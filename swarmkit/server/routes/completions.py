@@ -29,6 +29,7 @@ from swarmkit.server.routes.openai import (
     served_model,
     server_of,
     sse,
+    top_by_text,
     turn_params,
 )
 from swarmkit.server.schema.openai import CompletionsRequest
@@ -65,7 +66,7 @@ async def completions(request: Request) -> Response:
             scored[i] = await srv.score_prompt(ep, turn.prompt_ids, req.logprobs or 0)
     if req.scores_only:
         return JSONResponse(_echo_only(turns, scored, tt, req, cid, created, model), headers=headers)
-    params = turn_params(srv, turns, req)
+    params = turn_params(srv, turns, req, ep)
     if req.stream:
         if len(turns) != 1:
             raise ApiError(400, "streaming supports one prompt per request", "unsupported_value", param="stream")
@@ -114,7 +115,7 @@ def _prompt_logprobs(tt: TokenText | None, ids: list[int], scores: PromptScores 
     out = completion_logprobs(tt, ids, scores.logprobs, None)
     if k > 0:
         tops = scores.top_logprobs or [None] * len(ids)
-        out["top_logprobs"] = [None if t is None else {tt(a)[0]: v for a, v in t.items()} for t in tops]
+        out["top_logprobs"] = [None if t is None else top_by_text(tt, t) for t in tops]
     return out
 
 

@@ -93,9 +93,10 @@ async def register(request: Request) -> Response:
     shown = request.headers.get(CLIENT_KEY_HEADER.lower())
     if client_id and shown:  # the client claims its id at its first contact: nobody can vote in its name first
         srv.clients.claim(client_id, shown)
+    adapter = srv.check_adapter(req.adapter)
     srv.admit_episode(task_id, is_eval=is_eval, client_id=client_id, address=address)
     ep = srv.episodes.register(task_id, eval=is_eval, timeout_s=req.timeout_s, roles=roles, client_id=client_id,
-                               meta=meta, policy_version=srv.policy_version, address=address)
+                               meta=meta, policy_version=srv.policy_version, address=address, adapter=adapter)
     keys = {r: k for r, k in ep.keys.items() if r is not None}
     return JSONResponse(
         {
@@ -111,6 +112,7 @@ async def register(request: Request) -> Response:
             "timeout_s": ep.deadline - ep.created,
             "policy_version": ep.policy_version,
             "model": srv.model_name,
+            "adapter": ep.adapter,
         },
         status_code=201,
     )

@@ -56,7 +56,7 @@ async def _turn(request: Request, model: type[_R]) -> tuple[SwarmServer, Episode
 async def messages(request: Request) -> Response:
     """``POST /v1/messages``."""
     srv, ep, role, req, unknown, turn = await _turn(request, MessagesRequest)
-    params = turn_params(srv, turn, req)
+    params = turn_params(srv, turn, req, ep)
     mid = anthropic.new_message_id()
     model = served_model(srv)
     headers = fields.ignored_header(unknown)

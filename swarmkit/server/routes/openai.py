@@ -30,6 +30,7 @@ from swarmkit.server.turn import (
 from swarmkit.timelines.render import TemplateError, TokenText
 
 if TYPE_CHECKING:  # pragma: no cover
+    from swarmkit.swarm.episodes import Episode
     from swarmkit.swarm.server import SwarmServer
 
 
@@ -43,13 +44,17 @@ class SamplingRequest(Protocol):
     def to_sampling_params(self, max_new: int, backend: Any) -> SamplingParams: ...
 
 
-def turn_params(srv: SwarmServer, turn: Turn | Sequence[Turn], request: SamplingRequest) -> SamplingParams:
+def turn_params(srv: SwarmServer, turn: Turn | Sequence[Turn], request: SamplingRequest,
+                ep: Episode | None = None) -> SamplingParams:
     """The sampling of a request's turns (several: the raw prompts of one ``/v1/completions`` request):
     the request's ``to_sampling_params`` within the context the longest prompt leaves, each turn's
-    internal stop added, and the tokens-per-request quota checked over all of them."""
+    internal stop added, and the tokens-per-request quota checked over all of them. On a server with
+    several adapters, the adapter of the episode ``ep`` (the request's ``model`` field may name it)."""
     turns = [turn] if isinstance(turn, Turn) else list(turn)
     longest = max(len(t.prompt_ids) for t in turns)
     params = request.to_sampling_params(srv.room_for(longest), srv.backend)
+    if ep is not None:
+        params.adapter = srv.adapter_for(ep, getattr(request, "model", None))
     for t in turns:
         params = with_internal_stop(t, params)
     srv.check_tokens(len(turns) * params.n * params.max_tokens)
@@ -71,6 +76,18 @@ def chat_logprobs(
     return out
 
 
+def top_by_text(tt: TokenText, top: dict[int, float]) -> dict[str, float]:
+    """Alternatives keyed by token text (the Completions shape); where two ids share a text (e.g. two
+    partial UTF-8 bytes that both decode to U+FFFD) the more likely one is kept, so the best alternative is
+    always there."""
+    out: dict[str, float] = {}
+    for a, v in top.items():
+        text = tt(a)[0]
+        if text not in out or v > out[text]:
+            out[text] = v
+    return out
+
+
 def completion_logprobs(
     tt: TokenText, ids: Sequence[int], lps: Sequence[float], tops: Sequence[dict[int, float]] | None, offset0: int = 0
 ) -> dict[str, Any]:
@@ -82,7 +99,7 @@ def completion_logprobs(
         offsets.append(pos)
         pos += len(tok)
         if tops is not None and k < len(tops):
-            top_list.append({tt(a)[0]: v for a, v in tops[k].items()})
+            top_list.append(top_by_text(tt, tops[k]))
     return {
         "tokens": tokens,
         "token_logprobs": list(lps),
@@ -113,7 +130,10 @@ async def list_models(request: Request) -> Response:
                     "created": int(srv.started_at or time.time()),
                     "owned_by": "swarmkit",
                     "policy_version": srv.policy_version,
-                }
+                },
+                *({"id": name, "object": "model", "created": int(srv.started_at or time.time()),
+                   "owned_by": "swarmkit", "parent": served_model(srv), "adapter": True}
+                  for name in srv.adapters),
             ],
         }
     )
@@ -124,6 +144,9 @@ async def get_model(request: Request) -> Response:
     srv = server_of(request)
     srv.authorize_any(bearer(request))
     model_id = request.path_params["model_id"]
+    if model_id in srv.adapters:
+        return JSONResponse({"id": model_id, "object": "model", "created": int(srv.started_at or time.time()),
+                             "owned_by": "swarmkit", "parent": served_model(srv), "adapter": True})
     if model_id != served_model(srv):
         raise ApiError(404, f"model {model_id!r} is not served here; this server serves {served_model(srv)!r}",
                        "model_not_found", param="model")

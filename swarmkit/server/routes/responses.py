@@ -93,7 +93,7 @@ async def create_response(request: Request) -> Response:
     messages, conversation = proto.to_chat(req.input, req.instructions, _history(ep, req.previous_response_id),
                                            lambda iid: _stored_item(ep, iid))
     turn = await prepare_turn_async(srv, ep, messages, req.tools, req.tool_choice, endpoint="responses")
-    params = turn_params(srv, turn, req)
+    params = turn_params(srv, turn, req, ep)
     want_lp = req.logprobs
     rid = proto.new_id("resp")
     headers = fields.ignored_header(unknown)

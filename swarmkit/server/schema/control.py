@@ -95,6 +95,9 @@ class RegisterRequest(ControlRequest):
                                                         description="one key per role (no repeats)")))
     meta: dict[str, Any] = spec(Object("at most server.max_meta_bytes as JSON", empty=True, null_absent=False))
     client_id: str | None = spec(CLIENT_ID)
+    adapter: str | None = spec(Text(None, "the LoRA adapter the episode samples with and trains, on a server with "
+                                    "model.adapters (else its first call's 'model' field names it)",
+                                    max_length=MAX_ID_LEN))
 
 
 # --------------------------------------------------------------------------- ending an episode

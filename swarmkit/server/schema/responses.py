@@ -48,8 +48,12 @@ from swarmkit.server.schema.spec import (
     spec,
 )
 
-#: the one ``include`` this server honours
+#: the ``include`` that asks for logprobs
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+#: honoured as it stands: a reasoning item already carries its text in ``content``, which the server
+#: restores when the item is sent back, so a stateless (``store: false``) client keeps its reasoning
+#: (Codex sends it on every request)
+REASONING_INCLUDE = "reasoning.encrypted_content"
 #: where a structured-output request sits in a Responses body (the ``param`` of its errors)
 FORMAT_PARAM = "text.format"
 
@@ -81,13 +85,14 @@ def _background(body: dict[str, Any], parsed: dict[str, Any]) -> None:
 
 
 def _include(body: dict[str, Any], parsed: dict[str, Any]) -> bool:
-    """``include``: only the output logprobs (read as: logprobs wanted)."""
+    """``include``: the output logprobs (read as: logprobs wanted) and the reasoning to send back
+    (``REASONING_INCLUDE``)."""
     include = body.get("include")
     if include not in (None, []) and (not isinstance(include, list)
-                                      or any(x != LOGPROBS_INCLUDE for x in include)):
-        raise ApiError(400, f"'include' = {json.dumps(include)[:80]}: only '{LOGPROBS_INCLUDE}' is supported",
-                       "unsupported_field", param="include")
-    return bool(include)
+                                      or any(x not in (LOGPROBS_INCLUDE, REASONING_INCLUDE) for x in include)):
+        raise ApiError(400, f"'include' = {json.dumps(include)[:80]}: only '{LOGPROBS_INCLUDE}' and "
+                       f"'{REASONING_INCLUDE}' are supported", "unsupported_field", param="include")
+    return LOGPROBS_INCLUDE in (include or [])
 
 
 def _instructions(body: dict[str, Any], parsed: dict[str, Any]) -> str | None:
@@ -153,7 +158,7 @@ class ResponsesRequest(RequestModel):
     context_management: None = spec(not_supported("context_management"))
     background: None = spec(Custom(_background, _BACKGROUND, role=REFUSED))
     max_tool_calls: None = spec(Refused((), "not supported", message="'max_tool_calls' is not supported"))
-    include: bool = spec(Custom(_include, nullable(array(enum(LOGPROBS_INCLUDE)))))  # read as: logprobs wanted
+    include: bool = spec(Custom(_include, nullable(array(enum(LOGPROBS_INCLUDE, REASONING_INCLUDE)))))  # read as: logprobs wanted
     # the conversation (translated by the route: it needs the episode)
     input: Any = spec(Passed({"anyOf": [string(), array(_ITEM)]}, required=True))
     instructions: str | None = spec(Custom(_instructions, nullable(string())))

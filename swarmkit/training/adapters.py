@@ -1,0 +1,195 @@
+"""Several named LoRA adapters over one frozen base in one training engine (``model.adapters``).
+
+The engine's peft model carries every adapter on the one base; one is *active* at a time.
+:class:`AdapterBank` keeps what belongs to each adapter — its AdamW state and warm-up schedule,
+its optimizer / train step counters (the adapter's policy version), its learning-rate factors
+and its anchored reference — and :meth:`AdapterBank.select` swaps them into the engine's
+attributes, so the engine's one training loop (``TrainingEngine.train_step``) trains the
+active adapter only: peft gives only the active adapter's tensors ``requires_grad``, the
+optimizer holds only them, and the other adapters' tensors are never in a forward pass.
+
+Checkpoint layout (inside the engine's checkpoint folder)::
+
+    adapters/<name>/adapter/   peft adapter folder (adapter_config.json + adapter_model.safetensors)
+    adapters/<name>/state.pt   AdamW state, scheduler, counters, anchored reference of that adapter
+
+One process only (no torch.distributed): the configuration refuses ``optim.nprocs > 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmkit.config.schema import AdapterSpec
+from swarmkit.runfiles import write_text
+
+#: the engine attributes that belong to one adapter (swapped by :meth:`AdapterBank.select`)
+PER_ADAPTER = ("optimizer", "scheduler", "_params", "optimizer_steps", "train_steps", "_lr_scale", "_lr_factor",
+               "_ref_adapter", "_ref_anchored", "_ref_pending")
+ADAPTERS_DIR = "adapters"
+
+
+@dataclass
+class LoraTensors:
+    """One adapted module of one adapter: ``W x + scale · B (A x)``; A (r, in), B (out, r)."""
+
+    module: str  # HF module name, e.g. "model.layers.0.self_attn.q_proj"
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+class AdapterBank:
+    """Per-adapter training state of an engine whose model carries several named adapters."""
+
+    def __init__(self, engine: Any, specs: Sequence[AdapterSpec]):
+        """``engine``: the :class:`~swarmkit.training.engine.TrainingEngine` whose model carries ``specs``
+        (typed Any: the engine imports this module)."""
+        if engine.distributed:
+            raise ValueError("model.adapters: a training group of several processes is not supported yet")
+        if engine.needs_values:
+            raise ValueError("model.adapters: an algorithm with a value head (ppo) is not supported yet "
+                             "(the value head would be shared by the adapters); use grpo")
+        self.engine = engine
+        self.specs = list(specs)
+        self.names = [s.name for s in self.specs]
+        self.active = ""
+        self._state: dict[str, dict[str, Any]] = {}
+        for spec in self.specs:
+            self._activate_peft(spec.name)
+            params = [p for p in engine.policy.parameters() if p.requires_grad]
+            optimizer = engine._adamw(params, lr=spec.lr)
+            engine.optimizer = optimizer  # _warmup's schedule reads the engine's LR factors at each step
+            self._state[spec.name] = {
+                "optimizer": optimizer, "scheduler": engine._warmup(optimizer), "_params": params,
+                "optimizer_steps": 0, "train_steps": 0, "_lr_scale": 1.0, "_lr_factor": 1.0,
+                "_ref_adapter": None, "_ref_anchored": False, "_ref_pending": False}
+        self.active = ""
+        self.select(self.names[0])
+
+    # ------------------------------------------------------------------ switching
+    def _activate_peft(self, name: str) -> None:
+        self.engine.policy.lm.set_adapter(name)
+        compute = getattr(self.engine, "_compute", None)
+        if compute is not None:
+            compute.lm.set_adapter(name)
+
+    def select(self, name: str) -> None:
+        """Make ``name`` the adapter the engine trains, exports and checkpoints as its own state."""
+        if name not in self._state:
+            raise KeyError(f"unknown adapter '{name}'; this engine trains {self.names}")
+        if name == self.active:
+            return
+        eng = self.engine
+        if self.active:
+            self._state[self.active] = {k: getattr(eng, k) for k in PER_ADAPTER}
+        for k, v in self._state[name].items():
+            setattr(eng, k, v)
+        self._activate_peft(name)
+        self.active = name
+
+    def steps(self) -> dict[str, int]:
+        """Optimizer steps per adapter (each adapter's policy version)."""
+        out = {n: int(s["optimizer_steps"]) for n, s in self._state.items()}
+        out[self.active] = int(self.engine.optimizer_steps)
+        return out
+
+    def train_steps(self) -> dict[str, int]:
+        """``train_step`` calls that updated each adapter."""
+        out = {n: int(s["train_steps"]) for n, s in self._state.items()}
+        out[self.active] = int(self.engine.train_steps)
+        return out
+
+    # ------------------------------------------------------------------ export
+    def _scalings(self, name: str) -> dict[str, float]:
+        from peft.tuners.lora import LoraLayer
+
+        return {mod_name: float(mod.scaling[name]) for mod_name, mod in self.engine.policy.causal_lm.named_modules()
+                if isinstance(mod, LoraLayer) and name in mod.scaling}
+
+    @torch.no_grad()
+    def lora_tensors(self, name: str) -> list[LoraTensors]:
+        """``name``'s adapter as (module, A, B, scale), from the fp32 master weights (detached copies)."""
+        if name not in self._state:
+            raise KeyError(f"unknown adapter '{name}'; this engine trains {self.names}")
+        from peft.tuners.lora import LoraLayer
+
+        out = []
+        for mod_name, mod in self.engine.policy.causal_lm.named_modules():
+            if isinstance(mod, LoraLayer) and name in mod.lora_A:
+                layer: Any = mod  # peft's ModuleDicts are typed loosely
+                out.append(LoraTensors(mod_name, layer.lora_A[name].weight.detach().clone(),
+                                       layer.lora_B[name].weight.detach().clone(), float(layer.scaling[name])))
+        return out
+
+    def save_adapter(self, name: str, folder: str | Path) -> None:
+        """Write ``name`` as a peft adapter folder (loadable by peft, or by ``update_weights(path=)``)."""
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        lm = self.engine.policy.lm
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        sd = get_peft_model_state_dict(lm, adapter_name=name)
+        save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(folder / "adapter_model.safetensors"))
+        cfg = lm.peft_config[name].to_dict()
+        cfg["base_model_name_or_path"] = self.engine.model_path
+        write_text(folder / "adapter_config.json", json.dumps(cfg, indent=1, default=str))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: Path) -> None:
+        """Every adapter under ``path/adapters/<name>/`` (layout in the module docstring)."""
+        current = self.active
+        for name in self.names:
+            self.select(name)
+            eng = self.engine
+            folder = path / ADAPTERS_DIR / name
+            self.save_adapter(name, folder / "adapter")
+            torch.save({"optimizer": eng.optimizer.state_dict(), "scheduler": eng.scheduler.state_dict(),
+                        "optimizer_steps": eng.optimizer_steps, "train_steps": eng.train_steps,
+                        "lr_factor": eng._lr_factor, "ref_pending": eng._ref_pending,
+                        "ref_adapter": eng._ref_adapter if eng._ref_anchored else None},
+                       folder / "state.pt")
+        self.select(current)
+
+    @torch.no_grad()
+    def load(self, path: Path) -> None:
+        """Restore every adapter a checkpoint saved (weights, AdamW, schedule, counters, reference)."""
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        root = path / ADAPTERS_DIR
+        saved = sorted(p.name for p in root.iterdir()) if root.exists() else []
+        missing = [n for n in self.names if n not in saved]
+        if missing:
+            raise ValueError(f"checkpoint {path} holds adapters {saved}, not {missing} of model.adapters={self.names}")
+        current = self.active
+        for name in self.names:
+            self.select(name)
+            eng = self.engine
+            folder = root / name
+            sd = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(eng.policy.lm, sd, adapter_name=name)
+            bad = [k for k in getattr(result, "unexpected_keys", []) if ".lora_" in k]
+            if bad:
+                raise ValueError(f"adapter '{name}' of {path}: tensors the model lacks, e.g. {bad[:3]}")
+            st = torch.load(folder / "state.pt", weights_only=False)
+            if st["optimizer"].get("state"):
+                eng.optimizer.load_state_dict(st["optimizer"])
+            eng.scheduler.load_state_dict(st["scheduler"])
+            eng.optimizer_steps = int(st["optimizer_steps"])
+            eng.train_steps = int(st["train_steps"])
+            eng._ref_pending = bool(st["ref_pending"])
+            eng._ref_adapter = st["ref_adapter"]
+            eng._ref_anchored = st["ref_adapter"] is not None
+            eng.set_lr_factor(float(st["lr_factor"]))
+        self.select(current)
+        sync = getattr(self.engine, "_sync_compute", None)
+        if callable(sync):
+            sync(everything=True)

@@ -1,0 +1,198 @@
+"""Several LoRA adapters on one server, end to end: routing, isolation, learning, kill -9 and resume.
+
+A real server process (``mode=server``, the tiny model, ``model.adapters``) and real HTTP clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from swarmkit.client import SwarmClient
+from tests.test_cycle_e2e import TOKEN, _env, _free_port, _stop, start_server
+
+ADAPTERS = ("vowel_e", "vowel_o")
+#: LoRA on every projection of the tiny model, one adapter per target letter of token_rule
+CONFIG = ["model=tiny", "model.lora_rank=8", "model.lora_alpha=32",
+          "model.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+          f"model.adapters=[{','.join(ADAPTERS)}]", "optim.lr=5e-2", "batching.batch_size=4",
+          "batching.rollouts_per_task=8"]
+
+
+def _started(port: int, overrides: list[str]) -> SwarmClient:
+    ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
+    ctl.configure(overrides)
+    ctl.start()
+    ctl.wait_for_state("ROLLING", timeout=120)
+    return ctl
+
+
+def _client(port: int, adapter: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "swarmkit.apps.task_client", "--url", f"http://127.0.0.1:{port}", "--task",
+         "token_rule", "--task-option", f"target={adapter[-1]}", "--adapter", adapter, "--max-tokens", "8",
+         "--rollouts-per-task", "8", "--concurrency", "8", "--client-id", f"c-{adapter}", *extra],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _eval(port: int, adapter: str) -> float:
+    out = _client(port, adapter, "--eval", "--eval-size", "32").communicate(timeout=300)[0]
+    line = [x for x in out.splitlines() if x.startswith("eval reward:")][-1]
+    return float(line.split()[2])
+
+
+def _journal(run_dir: Path) -> list[tuple[str, str, int | None, str]]:
+    with sqlite3.connect(run_dir / "journal.sqlite") as db:
+        return db.execute("SELECT episode_id, adapter, trained_step, timelines FROM episodes").fetchall()
+
+
+def _train_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+@pytest.mark.slow
+def test_two_adapters_learn_two_rules_on_one_server(tmp_path):
+    """vowel_e is rewarded for 'e', vowel_o for 'o': each learns its own letter from its own samples."""
+    port = _free_port()
+    server = start_server(tmp_path, port)
+    clients: list[subprocess.Popen] = []
+    try:
+        ctl = _started(port, [*CONFIG, "trainer.total_steps=60"])
+        before = {a: _eval(port, a) for a in ADAPTERS}
+        clients = [_client(port, a, "--train-size", "64") for a in ADAPTERS]
+        deadline = time.monotonic() + 600
+        while ctl.status()["global_step"] < 60 and time.monotonic() < deadline:
+            time.sleep(1)
+        _stop(clients)
+        after = {a: _eval(port, a) for a in ADAPTERS}
+        print("held-out reward before", before, "after", after)
+        for a in ADAPTERS:
+            assert after[a] > before[a] + 0.3, (a, before, after)
+        rows = _train_rows(tmp_path)
+        per = {a: [r for r in rows if f"adapter/{a}/step" in r] for a in ADAPTERS}
+        assert all(len(per[a]) >= 25 for a in ADAPTERS), {a: len(v) for a, v in per.items()}
+        # every episode has an adapter, and every step trained the episodes of one adapter only
+        by_step: dict[int, set[str]] = {}
+        for eid, adapter, step, _ in _journal(tmp_path):
+            assert adapter in ADAPTERS, eid
+            if step is not None:
+                by_step.setdefault(step, set()).add(adapter)
+        assert by_step and all(len(v) == 1 for v in by_step.values()), by_step
+        status = ctl.status()
+        assert set(status["pool"]["adapters"]) == set(ADAPTERS)
+    finally:
+        _stop(clients)
+        _stop([server])
+
+
+@pytest.mark.slow
+def test_routing_isolation_and_refusals(tmp_path):
+    """A step trains one adapter: its episodes only, and only its weights move; bad names are 4xx."""
+    port = _free_port()
+    server = start_server(tmp_path, port)
+    try:
+        _started(port, [*CONFIG, "trainer.total_steps=0", "batching.batch_size=1", "batching.rollouts_per_task=2"])
+        url = f"http://127.0.0.1:{port}"
+        sdk = SwarmClient(url, token=TOKEN, retry_for=30)
+        with httpx.Client(timeout=60) as http:
+            def chat(key: str, model: str | None) -> httpx.Response:
+                body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+                if model is not None:
+                    body["model"] = model
+                return http.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+            # the first call's model binds the episode; another adapter then is refused
+            with sdk.episode("t-bind") as ep:
+                assert chat(ep.api_key, "no-such-adapter").status_code == 404
+                r = chat(ep.api_key, None)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_required"
+                assert chat(ep.api_key, "vowel_o").status_code == 200
+                assert chat(ep.api_key, "gpt-4o").status_code == 200  # a framework's fixed name: its adapter
+                r = chat(ep.api_key, "vowel_e")
+                assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_mismatch"
+                ep.report(1.0)
+            with pytest.raises(Exception, match="422|not served"):
+                sdk.register("t-bad", adapter="nope")
+            models = http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+            assert {m["id"] for m in models["data"]} >= set(ADAPTERS)
+            # one more vowel_o episode completes its group of 2; nothing of vowel_e is in the pool
+            with sdk.episode("t-bind", adapter="vowel_o") as ep:
+                assert chat(ep.api_key, None).status_code == 200
+                ep.report(0.0)
+        ctl = SwarmClient(url, token=TOKEN, retry_for=30)
+        deadline = time.monotonic() + 120
+        while ctl.status()["global_step"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        rows = _train_rows(tmp_path)
+        assert len(rows) == 1 and "adapter/vowel_o/step" in rows[0] and rows[0]["episodes"] == 2
+        assert {(a, s) for _, a, s, _ in _journal(tmp_path)} == {("vowel_o", 1)}
+        # the checkpoint of step 1: vowel_o's adapter moved, vowel_e's is still its initial one (B = 0)
+        ctl.checkpoint()
+        from safetensors.torch import load_file
+
+        ck = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
+        b_of = {a: [t for k, t in load_file(str(ck / "adapters" / a / "adapter" / "adapter_model.safetensors")).items()
+                    if "lora_B" in k] for a in ADAPTERS}
+        assert all(float(t.abs().max()) == 0.0 for t in b_of["vowel_e"])
+        assert any(float(t.abs().max()) > 0.0 for t in b_of["vowel_o"])
+    finally:
+        _stop([server])
+
+
+@pytest.mark.slow
+def test_kill_9_and_resume_keeps_each_adapters_weights_and_pool(tmp_path):
+    port = _free_port()
+    cfg = [*CONFIG, "trainer.checkpoint_every=2", "trainer.total_steps=0", "trainer.resume=true"]
+    server = start_server(tmp_path, port)
+    clients: list[subprocess.Popen] = []
+    try:
+        ctl = _started(port, cfg)
+        clients = [_client(port, a, "--train-size", "16") for a in ADAPTERS]
+        deadline = time.monotonic() + 300
+        while ctl.status()["global_step"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        server.send_signal(signal.SIGKILL)  # mid-run: episodes pooled after the last checkpoint
+        server.wait(30)
+        _stop(clients)
+        ck = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+        saved = json.loads((ck / "trainer_state.json").read_text())["global_step"]
+        journal = {eid: (a, s) for eid, a, s, _ in _journal(tmp_path)}
+        waiting_before = {a: sum(1 for x, s in journal.values() if x == a and (s is None or s > saved))
+                          for a in ADAPTERS}
+        from safetensors.torch import load_file
+
+        weights = {a: load_file(str(ck / "adapters" / a / "adapter" / "adapter_model.safetensors")) for a in ADAPTERS}
+        server = start_server(tmp_path, port)
+        ctl = _started(port, cfg)
+        status = ctl.status()
+        assert status["global_step"] == saved
+        assert {a: v["waiting"] for a, v in status["pool"]["adapters"].items()} == waiting_before
+        # a new checkpoint right after the resume holds exactly the weights saved before the kill
+        ctl.checkpoint()
+        again = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+        for a in ADAPTERS:
+            now = load_file(str(again / "adapters" / a / "adapter" / "adapter_model.safetensors"))
+            assert set(now) == set(weights[a]) and all(now[k].equal(weights[a][k]) for k in now), a
+        steps = {a: v["step"] for a, v in status["pool"]["adapters"].items()}
+        assert sum(steps.values()) == saved and all(s >= 1 for s in steps.values()), steps
+        # training goes on with both adapters after the resume
+        clients = [_client(port, a, "--train-size", "16") for a in ADAPTERS]
+        deadline = time.monotonic() + 300
+        while ctl.status()["global_step"] < saved + 2 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert ctl.status()["global_step"] >= saved + 2
+    finally:
+        _stop(clients)
+        _stop([server])
+        if os.environ.get("KEEP"):
+            print(tmp_path)

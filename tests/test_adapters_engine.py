@@ -1,0 +1,121 @@
+"""Several LoRA adapters in one fsdp engine (model.adapters): config, isolation, per-adapter state, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmkit.config.schema import AdapterSpec, ModelConfig, parse_adapters
+from swarmkit.models import tiny_model_dir
+from swarmkit_plugins.algo_rl.grpo import GRPO
+from swarmkit_plugins.optim_fsdp.engine import FSDPEngine
+from tests.test_optim_fsdp import make_batch
+
+torch.set_num_threads(1)
+
+MODEL = {"lora_rank": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"],
+         "adapters": ["one", {"name": "two", "lr": 5e-3}]}
+
+
+def engine(**model) -> FSDPEngine:
+    return FSDPEngine(tiny_model_dir(), {**MODEL, **model}, {"lr": 1e-3, "token_budget": 64}, GRPO())
+
+
+def lora_of(eng: FSDPEngine, name: str) -> dict[str, torch.Tensor]:
+    return {t.module + k: v.clone() for t in eng.export_lora(name) for k, v in (("A", t.a), ("B", t.b))}
+
+
+def base_of(eng: FSDPEngine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in eng.policy.named_parameters() if ".lora_" not in n}
+
+
+# --------------------------------------------------------------------------- config
+def test_adapter_specs_parse_and_refuse_bad_names():
+    specs, problems = parse_adapters(["spies", {"name": "civilians", "lr": 1e-4}])
+    assert specs == [AdapterSpec("spies"), AdapterSpec("civilians", 1e-4)] and not problems
+    _, problems = parse_adapters(["ok", "ok", "has space", "lora", {"name": "x", "lr": -1}, {"name": "y", "rate": 1}, 3])
+    text = "\n".join(problems)
+    for part in ("listed twice", "'has space'", "lr: must be a number > 0", "y.rate" if False else "rate: unknown key", "'lora' is part of peft's prefix",
+                 "3"):
+        assert part in text, (part, text)
+    with pytest.raises(ValueError, match="lora_rank > 0"):
+        ModelConfig(lora_rank=0, adapters=["spy"]).adapter_specs()
+    with pytest.raises(ValueError, match="also model.name"):
+        ModelConfig(name="spy", adapters=["spy"]).adapter_specs()
+    assert ModelConfig().adapter_specs() == []
+
+
+def test_config_refuses_what_adapters_do_not_support_yet():
+    from swarmkit.config.compose import compose_checked as compose
+    from swarmkit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        compose(["model=tiny", "model.lora_rank=4", "model.adapters=[spy,civ]", "backend=vllm", "trainer.mode=async",
+                 "optim=deepspeed"])
+    text = str(err.value)
+    for part in ("backend=vllm", "trainer.mode=async", "optim=deepspeed", "not supported with model.adapters yet",
+                 "mode=local runs one task client"):
+        assert part in text, (part, text)
+    with pytest.raises(ConfigError, match="lora_rank > 0"):
+        compose(["model=tiny", "model.adapters=[spy,civ]"])
+    cfg = compose(["mode=server", "model=tiny", "model.lora_rank=4", "model.adapters=[spy,{name:civ,lr:0.01}]"])
+    assert ModelConfig.of(cfg.model).adapter_specs() == [AdapterSpec("spy"), AdapterSpec("civ", 0.01)]
+
+
+# --------------------------------------------------------------------------- engine
+def test_a_step_trains_only_the_selected_adapter_with_its_own_optimizer():
+    eng = engine()
+    assert eng.adapters is not None and eng.adapters.names == ["one", "two"]
+    a0, b0, base0 = lora_of(eng, "one"), lora_of(eng, "two"), base_of(eng)
+    assert any(not torch.equal(a0[k], b0[k]) for k in a0 if k.endswith("A"))  # seeded apart
+    eng.select_adapter("one")
+    m = eng.train_step(make_batch(0))
+    assert m["optimizer_steps"] == 1 and m["lr"] == pytest.approx(1e-3)
+    a1, b1 = lora_of(eng, "one"), lora_of(eng, "two")
+    assert any(not torch.equal(a0[k], a1[k]) for k in a0)  # a moved
+    assert all(torch.equal(b0[k], b1[k]) for k in b0)  # b untouched
+    assert all(torch.equal(v, base_of(eng)[k]) for k, v in base0.items())  # the base is frozen
+    eng.select_adapter("two")
+    m = eng.train_step(make_batch(1))
+    assert m["optimizer_steps"] == 1 and m["lr"] == pytest.approx(5e-3)  # b's own counter and lr
+    assert all(torch.equal(a1[k], lora_of(eng, "one")[k]) for k in a1)
+    assert eng.adapter_steps() == {"one": 1, "two": 1}
+    assert len(eng.adapters._state["one"]["optimizer"].state) > 0 and \
+        eng.adapters._state["one"]["optimizer"] is not eng.optimizer
+
+
+def test_export_weights_merges_only_the_active_adapter():
+    eng = engine()
+    eng.select_adapter("two")
+    eng.train_step(make_batch(2))
+    merged = dict(eng.export_weights())
+    base = {n[len("lm.base_model.model."):].replace(".base_layer", ""): p
+            for n, p in eng.policy.named_parameters() if ".lora_" not in n}
+    for t in eng.export_lora("two"):
+        want = base[t.module + ".weight"] + t.scale * t.b @ t.a
+        torch.testing.assert_close(merged[t.module + ".weight"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_keeps_each_adapter_and_its_optimizer(tmp_path):
+    eng = engine()
+    for name, seed in (("one", 0), ("two", 1), ("one", 2)):
+        eng.select_adapter(name)
+        eng.train_step(make_batch(seed))
+    eng.select_adapter("two")
+    eng.save_checkpoint(str(tmp_path / "ck"))
+    assert (tmp_path / "ck/adapters/one/adapter/adapter_config.json").exists()
+    assert (tmp_path / "ck/adapters/two/state.pt").exists()
+    want = {n: lora_of(eng, n) for n in ("one", "two")}
+    # one more step each, then both continue from the checkpoint: a fresh engine must match exactly
+    fresh = engine()
+    fresh.load_checkpoint(str(tmp_path / "ck"))
+    assert fresh.adapter_steps() == {"one": 2, "two": 1}
+    for n in ("one", "two"):
+        assert all(torch.equal(want[n][k], v) for k, v in lora_of(fresh, n).items())
+    for e in (eng, fresh):
+        e.select_adapter("one")
+        e.train_step(make_batch(5))
+    assert all(torch.allclose(lora_of(eng, "one")[k], v, atol=1e-7) for k, v in lora_of(fresh, "one").items())
+    with pytest.raises(ValueError, match="not \\['three'\\]"):
+        FSDPEngine(tiny_model_dir(), {**MODEL, "adapters": ["one", "three"]}, {"lr": 1e-3}, GRPO()).load_checkpoint(
+            str(tmp_path / "ck"))
