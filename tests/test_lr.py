@@ -91,3 +91,42 @@ def test_the_engine_resolves_auto_from_the_loaded_model(lora):
     assert e.cfg.lr == auto_lr(TINY, lora) and e.current_lr() == pytest.approx(e.cfg.lr)
     fixed = FSDPEngine(tiny_model_dir(), model, {"lr": 2e-3, "device": "cpu"}, GRPO())
     assert not fixed.lr_auto and fixed.current_lr() == pytest.approx(2e-3)
+
+
+def test_adapters_without_an_lr_get_the_lora_auto_rate(monkeypatch):
+    """``model.adapters`` under ``optim.lr: auto``: an adapter without ``lr`` (or with ``lr: auto``) trains
+    at the LoRA rate of the base's size, one with a number at that number. MAX_LR is raised so that the
+    tiny model's LoRA rate (10x) differs from its full-weight one."""
+    import swarmkit.config.lr as lr_mod
+    from swarmkit.config.compose import compose_checked
+    from swarmkit.config.schema import AdapterSpec, ModelConfig
+    from swarmkit.errors import ConfigError
+    from swarmkit.models import tiny_model_dir
+    from swarmkit_plugins.algo_rl.grpo import GRPO
+    from swarmkit_plugins.optim_fsdp.engine import FSDPEngine
+
+    cfg = compose_checked(["mode=server", "model=tiny", "model.lora_rank=4",
+                           "model.adapters=[one,{name:two,lr:5e-3},{name:three,lr:auto}]"])
+    assert cfg.optim.lr == "auto"
+    specs = ModelConfig.of(cfg.model).adapter_specs()
+    assert specs == [AdapterSpec("one"), AdapterSpec("two", 5e-3), AdapterSpec("three", "auto")]
+    with pytest.raises(ConfigError, match=r"model.adapters\[0\].lr: must be a number > 0 or 'auto'"):
+        compose_checked(["mode=server", "model=tiny", "model.lora_rank=4", "model.adapters=[{name:a,lr:fast}]"])
+
+    monkeypatch.setattr(lr_mod, "MAX_LR", 1.0)
+    lora = auto_lr(TINY, lora=True)
+    assert lora == pytest.approx(LORA_FACTOR * auto_lr(TINY, lora=False))
+    model = {"lora_rank": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"],
+             "adapters": ["one", {"name": "two", "lr": 5e-3}, {"name": "three", "lr": "auto"}]}
+    e = FSDPEngine(tiny_model_dir(), model, {"lr": "auto", "device": "cpu"}, GRPO())
+    assert e.lr_auto and e.base_params == TINY  # the adapters' tensors are not counted
+    rates = {}
+    for name in ("one", "two", "three"):
+        e.select_adapter(name)
+        rates[name] = e.current_lr()
+    assert rates == {"one": pytest.approx(lora), "two": pytest.approx(5e-3), "three": pytest.approx(lora)}
+    fixed = FSDPEngine(tiny_model_dir(), model, {"lr": 2e-3, "device": "cpu"}, GRPO())  # a number: the default
+    fixed.select_adapter("one")
+    assert fixed.current_lr() == pytest.approx(2e-3)
+    fixed.select_adapter("three")
+    assert fixed.current_lr() == pytest.approx(lora)  # lr: auto asks for the auto rate whatever optim.lr is
