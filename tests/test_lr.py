@@ -130,3 +130,32 @@ def test_adapters_without_an_lr_get_the_lora_auto_rate(monkeypatch):
     assert fixed.current_lr() == pytest.approx(2e-3)
     fixed.select_adapter("three")
     assert fixed.current_lr() == pytest.approx(lora)  # lr: auto asks for the auto rate whatever optim.lr is
+
+
+def test_docs_show_the_table_of_the_code():
+    """docs/training.md ("Learning rate") shows FULL_LR_ANCHORS, LORA_FACTOR and MAX_LR: the code is the
+    one source; this keeps the page true to it."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    section = text[text.index("### Learning rate (`optim.lr`, default `auto`)"):]
+    section = section[:section.index("\n**Micro-batches")]
+    lines = section.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| base parameters"))
+    table = lines[head + 2:]
+    table = table[:next(i for i, line in enumerate(table) if not line.startswith("|"))]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    unit = {"M": 1e6, "B": 1e9}
+    assert len(rows) == len(FULL_LR_ANCHORS), rows
+    number = re.compile(r"\d+(?:\.\d+)?(?:e-?\d+)?")
+    for (size, full, lora, _), (params, lr) in zip(rows, FULL_LR_ANCHORS, strict=True):
+        m = re.search(r"(\d+(?:\.\d+)?)([MB])", size)
+        assert m and float(m.group(1)) * unit[m.group(2)] == pytest.approx(params, rel=0.01), (size, params)
+        assert float(number.search(full).group()) == pytest.approx(lr), (size, full)
+        assert float(number.search(lora).group()) == pytest.approx(auto_lr(int(params), lora=True)), (size, lora)
+    assert f"LoRA (× {LORA_FACTOR:g})" in section and f"never above {MAX_LR:.0e}".replace("e-0", "e-") in section
+    m = re.search(r"\(1\.5B: (\S+) full, (\S+) LoRA\)", section)
+    assert m, "the interpolation example"
+    assert float(m.group(1)) == pytest.approx(auto_lr(1_500_000_000, lora=False), rel=0.01)
+    assert float(m.group(2)) == pytest.approx(auto_lr(1_500_000_000, lora=True), rel=0.01)

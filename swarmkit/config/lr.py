@@ -1,13 +1,15 @@
 """``optim.lr: auto``: the learning rate from the model's size and whether it trains LoRA.
 
-One table is the source of truth (docs/training.md, "Learning rate"): the
-full-weight RL learning rate at a few model sizes, interpolated linearly in
+:data:`FULL_LR_ANCHORS` is the one source of the default learning rate
+(docs/training.md, "Learning rate", shows it; tests/test_lr.py checks that
+page against it): the full-weight RL learning rate at a few model sizes, interpolated linearly in
 log(parameters) × log(lr) between them and flat beyond the ends; LoRA trains at
 :data:`LORA_FACTOR` times that (a low-rank adapter with ``lora_alpha / r``
 scaling needs about ten times the full-weight rate for the same progress per
 step), never above :data:`MAX_LR`. The engine resolves ``auto`` once the model
 is loaded (:func:`base_param_count` counts it exactly, adapters left out) and
-logs the number; every step's ``lr`` metric shows it.
+logs the number; every step's ``lr`` metric shows it. With ``model.adapters``
+an adapter without an ``lr`` of its own (or with ``lr: auto``) gets the LoRA rate.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ from swarmkit.procs import is_loopback
 class EngineConfig:
     name: str = ""
     #: AdamW learning rate, or "auto": the rate of the model's size and LoRA / full weights
-    #: (swarmkit.config.lr: SmolLM2-135M 3e-4 with LoRA, 3e-5 full; the tiny test model 1e-2),
-    #: resolved when the engine has loaded the model
+    #: (the table: swarmkit.config.lr), resolved when the engine has loaded the model
     lr: float | int | str = "auto"
     #: learning rate of a step whose batch is all demonstrations (the supervised warm start;
     #: null = ``lr``): formats are learnt faster than RL stays stable
