@@ -43,10 +43,12 @@ WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "starlette==1.10.0", "uvicorn
           "prometheus-client", "gguf"]
 BUILT = ["antlr4-python3-runtime==4.9.3"]  # sdist only: built into a wheel here
 #: vLLM 0.26.0 for the GPU image (python 3.12, torch 2.11.0+cu130) and what it imports that the image lacks, as
-#: seen running there on 2026-12-05 (../shared/ENVIRONMENT.md); apache-tvm-ffi's pinned 0.1.10 fails there
+#: seen running there on 2026-12-05 (../shared/ENVIRONMENT.md); apache-tvm-ffi's pinned 0.1.10 fails there;
+#: llguidance as vLLM 0.26 pins it (>=1.7,<1.8: its grammar backend for JSON schemas xgrammar refuses; 1.6.1 ran plain
+#: generation, which never imports it)
 VLLM_WHEELS = ["vllm==0.26.0", "annotated-types", "apache-tvm-ffi==0.1.15.post2", "astor", "cachetools", "cbor2",
                "compressed-tensors==0.17.0", "depyf==0.20.0", "dill", "distro", "fastapi>=0.136,<0.137",
-               "flashinfer-python==0.6.14", "importlib-metadata", "jiter", "llguidance==1.6.1", "msgspec",
+               "flashinfer-python==0.6.14", "importlib-metadata", "jiter", "llguidance==1.7.6", "msgspec",
                "openai==3.63.*", "httpx2", "openai-harmony", "opentelemetry-api", "partial-json-parser", "pybase64",
                "pydantic==2.14.*", "pydantic-core", "pyzmq", "sniffio", "typing-inspection", "xgrammar==0.2.9"]
 #: the GPU machine's interpreter and platforms, for ``pip download`` of binary wheels

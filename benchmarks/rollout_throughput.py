@@ -69,8 +69,14 @@ def _backend(kind: str, model: dict[str, Any], device: str = "cpu", max_batch: i
         return HFBackend(config={"name": "hf", "device": device, "max_batch_size": max_batch}, model=model)
     from swarmkit_plugins.backend_vllm.engine import VLLMBackend
 
-    return VLLMBackend(config={"name": "vllm", "dtype": "float32", "cpu_kvcache_gib": 1,
-                               "max_model_len": 1024}, model=model)
+    if device == "cpu":
+        return VLLMBackend(config={"name": "vllm", "dtype": "float32", "cpu_kvcache_gib": 1,
+                                   "max_model_len": 1024}, model=model)
+    # on a GPU: bfloat16 and CUDA graphs (the backend's GPU defaults, as the hf engine's), a share of the GPU
+    # that leaves room for the hf engine measured after it (SWARMKIT_BENCH_VLLM_GPU_MEM)
+    return VLLMBackend(config={"name": "vllm", "max_model_len": 1024, "max_num_seqs": max(max_batch, 128),
+                               "gpu_memory_utilization": float(os.environ.get("SWARMKIT_BENCH_VLLM_GPU_MEM", "0.3"))},
+                       model=model)
 
 
 def _fake_forward(backend: Any, ms: float) -> None:
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--client", choices=["process", "thread"], default="process",
                     help="run the HTTP client in its own process (like a swarm client) or in a thread here")
-    ap.add_argument("--device", default="cpu", help="the hf engine's device (cpu, cuda)")
+    ap.add_argument("--device", default="cpu", help="the engines' device (cpu, cuda; vLLM takes its platform's)")
     ap.add_argument("--fake-forward-ms", type=float, default=0.0,
                     help="replace the model's forward by a sleep of this many ms and fixed random logits (hf only): "
                          "the engine steps at a GPU's pace on a CPU, so the server path can be measured here")

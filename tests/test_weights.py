@@ -70,3 +70,26 @@ def test_the_vllm_backend_writes_and_reads_its_weights_through_swarmkit_weights(
     backend._weights_folder = None
     with pytest.raises(FileNotFoundError, match="no safetensors weights"):
         backend._base_state()  # model_dir without weights
+
+
+def test_the_vllm_backend_merges_an_adapter_into_base_weights_on_their_own_device(tmp_path):
+    """Weights pushed from a GPU trainer stay on the GPU: merging a peft adapter into them (enable_lora
+    off) adds the CPU-loaded delta on the base's device and keeps its dtype (``meta`` stands in for cuda)."""
+    from safetensors.torch import save_file
+
+    from swarmkit_plugins.backend_vllm.engine import VLLMBackend  # imports no vllm
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}')
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(4, 2)},
+              str(tmp_path / "adapter_model.safetensors"))
+    backend = VLLMBackend.__new__(VLLMBackend)
+    base = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+            "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
+    backend._base_named, backend._weights_folder = {k: v.to("meta") for k, v in base.items()}, None
+    merged = dict(backend._merge_adapter(tmp_path))
+    q = merged["model.layers.0.self_attn.q_proj.weight"]
+    assert q.device.type == "meta" and q.dtype == torch.bfloat16
+    backend._base_named = base  # on CPU the values: scale (4 / 2) * B @ A = 2 * 2
+    assert torch.equal(dict(backend._merge_adapter(tmp_path))["model.layers.0.self_attn.q_proj.weight"],
+                       torch.full((4, 4), 4.0, dtype=torch.bfloat16))

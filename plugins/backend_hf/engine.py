@@ -85,6 +85,7 @@ from swarmkit.contract import (
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
+from swarmkit_plugins.backend_hf import grammar
 from swarmkit_plugins.backend_hf.multi_lora import MultiLora
 from swarmkit_plugins.backend_hf.runner import SlotRunner, bucket
 from swarmkit_plugins.backend_hf.sampler import RowSampling, sample, to_host
@@ -166,6 +167,7 @@ class _Seq:
     slot: int = -1  # the KV-cache slot the sequence owns while it runs
     adapter: str | None = None  # the LoRA adapter it is sampled with (model.adapters); None: the base
     adapter_index: int = 0  # its row index in the stacked adapters (0: none)
+    matcher: Any = None  # its grammar matcher under SamplingParams.structural_tag (grammar.py)
 
     def __post_init__(self) -> None:
         self.text_out = StreamTextBuffer(self.req.params.stop)
@@ -229,6 +231,12 @@ class HFBackend(InferenceBackend):
         self._rng: random.Random | None = None
         self.stats: dict[str, float] = {}
         self.reset_stats()
+        # calls of strict tools are constrained with xgrammar when installed (the grammar extra; grammar.py)
+        self._grammars: grammar.Grammars | None = None
+        if grammar.available():
+            self.sampling_fields = self.sampling_fields | {"structural_tag"}
+        else:
+            self.structural_tag_hint = grammar.HINT
 
     # ------------------------------------------------------------------ public
     @property
@@ -251,7 +259,12 @@ class HFBackend(InferenceBackend):
         }
 
     def engine_stats(self) -> dict[str, float]:
-        return {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
+        out = {"busy_s": float(self.stats["busy_s"]), "tokens_generated": float(self.stats["tokens_generated"])}
+        if self.device is not None and self.device.type == "cuda":  # the process's peak (engine and trainer)
+            import torch
+
+            out["cuda_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
+        return out
 
     async def start(self) -> None:
         if self._model is not None:
@@ -778,12 +791,21 @@ class HFBackend(InferenceBackend):
             shaped = logits.float().clone()
             for r in rows_shaped:
                 shaped[r] = _shaped(shaped[r], seqs[r].req.params, seqs[r])
+        ruled = [r for r in rows_shaped if seqs[r].req.params.structural_tag is not None]
+        if ruled:
+            self._grammars = self._grammars or grammar.Grammars(self._worker_tok, logits.shape[-1], self._eos_ids)
+            for r in ruled:
+                seqs[r].matcher = seqs[r].matcher or self._grammars.matcher(seqs[r].req.params.structural_tag)
+            self._grammars.mask(shaped, ruled, [seqs[r].matcher for r in ruled])
         rows = [RowSampling(temperature=s.req.params.temperature, top_p=s.req.params.top_p,
                             top_k=s.req.params.top_k, min_p=s.req.params.min_p,
                             draw=_uniform(s.rng or self._rng))
                 for s in seqs]  # the sampler decodes greedily below GREEDY_TEMPERATURE
         k = max((s.req.params.top_logprobs for s in seqs), default=0)
-        return to_host(sample(logits, shaped, rows, top_logprobs=k))
+        out = to_host(sample(logits, shaped, rows, top_logprobs=k))
+        if ruled:
+            grammar.Grammars.accept([seqs[r].matcher for r in ruled], [out[0][r] for r in ruled])
+        return out
 
     def _decode_text(self, seq: _Seq) -> str:
         ids = seq.out_ids[:-1] if seq.hide_last else seq.out_ids

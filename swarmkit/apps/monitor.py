@@ -181,6 +181,10 @@ def status_line(st: dict[str, Any]) -> str:
              f"clients {(st.get('clients') or {}).get('active', 0)}"]
     if isinstance(reward, int | float):
         parts.append(f"reward {reward:.3f}")
+    adapters = pool.get("adapters") or {}
+    if adapters:  # model.adapters: each adapter's step and its episodes waiting in the pool
+        parts.append("adapters " + ", ".join(f"{n} s{a.get('step') or 0} w{a.get('waiting', 0)}"
+                                             for n, a in adapters.items()))
     trainer = pool.get("trainer") or {}
     if trainer.get("mode") == "async":
         doing = "training in background" if trainer.get("training") else "trainer idle"
@@ -199,6 +203,11 @@ def status_text(st: dict[str, Any]) -> str:
         lines.append("last step: " + "  ".join(f"{k} {last[k]:.4g}" for k in
                                               ("reward_mean", "loss", "samples", "cycle_time_s", "weight_sync_s")
                                               if isinstance(last.get(k), int | float)))
+    for name, a in (pool.get("adapters") or {}).items():  # model.adapters: one line each
+        reward = a.get("reward_mean")
+        lines.append(f"adapter {name}: step {a.get('step') or 0}  policy v{a.get('policy_version') or 0}  "
+                     f"waiting {a.get('waiting', 0)}  running {a.get('running', 0)}  last reward "
+                     + (f"{reward:.3f}" if isinstance(reward, int | float) else "-"))
     replicas = st.get("replicas") or []
     if replicas:
         alive = sum(1 for r in replicas if r.get("alive"))

@@ -204,6 +204,11 @@ class ServerConfig:
     #: an inference request with a field the endpoint does not know gets 400 (default: the call goes
     #: through, the server logs the names and answers with the X-Swarm-Ignored-Fields header)
     strict_fields: bool = False
+    #: calls of ``"strict": true`` tools (CrewAI sends it with every tool): ``auto`` constrains their decoding
+    #: to the tool's schema where the engine can (vllm; hf with the ``grammar`` extra) and checks them once
+    #: generated elsewhere; ``constrain`` refuses to start on an engine that cannot; ``check`` never
+    #: constrains. A violation is reported (X-Swarm-Strict-Violations, meta.strict_violations), not refused
+    strict_tools: str = "auto"
 
 
 @dataclass

@@ -44,7 +44,11 @@ class SamplingParams:
       negative ones of tokens in the prompt or the generation;
     - ``logit_bias``: token id -> value added to its logit;
     - ``response_format``: constrained decoding, ``{"type": "json_object"}`` (any JSON
-      object) or ``{"type": "json_schema", "schema": {...}}`` (JSON valid for the schema).
+      object) or ``{"type": "json_schema", "schema": {...}}`` (JSON valid for the schema);
+    - ``structural_tag``: constrained decoding in xgrammar's structural-tag format (``{"type":
+      "structural_tag", "format": {...}}``, what vLLM's and SGLang's ``structural_tag`` take): the
+      server sets it to force calls of ``strict`` tools to match their schema
+      (:mod:`swarmkit.timelines.strict_tools`); never together with ``response_format``.
 
     Logprobs stay those of the raw distribution whatever these do (see
     :class:`GenerationOutput`).
@@ -66,6 +70,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None
+    structural_tag: dict[str, Any] | None = None
     #: the LoRA adapter to sample with, on an engine that serves several (``model.adapters``;
     #: :attr:`InferenceBackend.serves_adapters`); None: the one model
     adapter: str | None = None
@@ -88,6 +93,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0, min_p in [0, 1], repetition_penalty > 0")
         if any(not math.isfinite(float(v)) for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite")
+        if self.response_format is not None and self.structural_tag is not None:
+            raise ValueError("response_format and structural_tag cannot both constrain one request")
 
     def greedy(self) -> bool:
         """Whether this request decodes greedily (a temperature below :data:`GREEDY_TEMPERATURE`)."""
@@ -104,7 +111,8 @@ GREEDY_TEMPERATURE = 1e-5
 
 #: the distribution-shaping fields of :class:`SamplingParams` and their no-op values
 SHAPING_DEFAULTS: dict[str, object] = {"top_k": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                                       "repetition_penalty": 1.0, "logit_bias": {}, "response_format": None}
+                                       "repetition_penalty": 1.0, "logit_bias": {}, "response_format": None,
+                                       "structural_tag": None}
 
 
 def decode_generated(tokenizer: Any, token_ids: Sequence[int], params: SamplingParams) -> str:
@@ -199,8 +207,12 @@ class InferenceBackend(ABC):
     max_context: int | None = None
     #: the distribution-shaping fields of :class:`SamplingParams` this backend honours
     #: (``top_k``, ``min_p``, ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``,
-    #: ``logit_bias``, ``response_format``); the server refuses a request that needs another (none by default)
+    #: ``logit_bias``, ``response_format``, ``structural_tag``); the server refuses a request that needs another
+    #: (none by default); with ``structural_tag`` it constrains calls of ``strict`` tools (``server.strict_tools``)
     sampling_fields: frozenset[str] = frozenset()
+    #: why an engine that could take ``structural_tag`` does not now (e.g. a missing package to install);
+    #: ``server.strict_tools: constrain`` says it when the server refuses to start
+    structural_tag_hint: str | None = None
     #: whether outputs label each token with the version that sampled it (``token_versions``) when
     #: weights are swapped mid-generation; otherwise every token is labelled with the version its
     #: request started with, which over-states the staleness of a partial rollout (safe, not exact)

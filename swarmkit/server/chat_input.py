@@ -12,10 +12,10 @@ Frameworks differ in small ways that a chat template does not forgive:
 - ``tool_choice`` and ``parallel_tool_calls``: parsed into :class:`ToolChoice`;
 - ``strict`` on a tool (CrewAI always sends ``true``, the Agents SDK ``false``): the
   flag is kept out of the prompt; a strict tool's schema goes into
-  :attr:`ToolChoice.strict` and every call of it is checked against the schema once
-  generated (:func:`strict_violations`): no engine here constrains tool-call
-  decoding yet, so a violation is reported with the answer, not prevented, and the
-  request is not refused.
+  :attr:`ToolChoice.strict`. Its calls are constrained to the schema while decoding
+  where the engine can (``server.strict_tools``, :mod:`swarmkit.timelines.strict_tools`)
+  and every call of it is checked against the schema once generated
+  (:func:`strict_violations`): a violation is reported with the answer, not refused.
 """
 
 from __future__ import annotations

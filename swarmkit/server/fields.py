@@ -106,8 +106,9 @@ def strict_header(endpoint: str, violations: list[list[str]]) -> dict[str, str]:
     if endpoint not in _strict_logged:
         _strict_logged.add(endpoint)
         log.warning("%s: a call of a strict tool breaks its schema (%s); it is answered as generated and reported "
-                    "in the %s header and the timeline's meta.strict_violations (no engine here constrains tool "
-                    "calls; further violations are not logged)", endpoint, lines[0], STRICT_HEADER)
+                    "in the %s header and the timeline's meta.strict_violations (server.strict_tools: this engine "
+                    "does not constrain tool calls, or the token limit cut the call; further violations are not "
+                    "logged)", endpoint, lines[0], STRICT_HEADER)
     value = quote("; ".join(lines), safe=" ()[]'\":;,.=<>_-/")
     if len(value) > MAX_HEADER_CHARS:
         cut = value[: MAX_HEADER_CHARS - 3]

@@ -456,7 +456,8 @@ def _dashboard_paths() -> dict[str, Schema]:
     filters = [param(name, "query", schema, description=text) for name, schema, text in (
         ("task", string(), "a substring of the task id"), ("role", string(), "a role the episode played"),
         ("client", string(), "a substring of the client id"), ("status", string(), "running, finished, aborted, ..."),
-        ("kind", string(), "train or eval"), ("min_reward", number(), "least reward"),
+        ("kind", string(), "train or eval"), ("adapter", string(), "the LoRA adapter it sampled with (model.adapters)"),
+        ("min_reward", number(), "least reward"),
         ("max_reward", number(), "greatest reward"), ("limit", integer(0, 10**9), "at most this many (200)"))]
     return {
         "/metrics": {"get": op(
@@ -494,7 +495,8 @@ def _dashboard_paths() -> dict[str, Schema]:
         "/api/v1/dashboard/episodes": {"get": op(
             "Running and recently ended episodes, newest first, filtered", tag, DASHBOARD,
             operation_id="dashboard_episodes", parameters=filters,
-            responses={"200": answer("the rows", obj({"episodes": array(ANY_OBJECT), "total": integer()},
+            responses={"200": answer("the rows", obj({"episodes": array(ANY_OBJECT), "total": integer(),
+                                                      "adapters": array(string())},
                                                      ("episodes", "total"))), **unauthorized, **errors(422)})},
         "/api/v1/dashboard/episodes/{episode_id}": {"get": op(
             "One episode token by token ([text, id, logprob, trained] per token) and its training samples",

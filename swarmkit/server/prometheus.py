@@ -5,7 +5,8 @@ run several servers):
 
 - the server's state, read when scraped: state, policy version, global step,
   pool fill and contents, episodes by outcome, clients, tokens generated and
-  trained;
+  trained; with ``model.adapters`` each adapter's steps, served version, waiting
+  and running episodes and last reward (label ``adapter``);
 - request latencies per route, observed as requests end (:class:`RequestTimer`);
 - step durations per phase (drain, merge, train, weight sync, whole step),
   observed from ``metrics.jsonl`` rows not seen before.
@@ -131,6 +132,7 @@ class _StateCollector:
                 load.add_metric([str(rep.get("index"))], float(rep.get("in_flight") or 0))
             yield up
             yield load
+        yield from _adapter_families(pool.get("adapters") or {})
         trainer = pool.get("trainer") or {}
         if trainer.get("mode") == "async":
             yield GaugeMetricFamily("swarmkit_training_in_progress", "1 while a step trains in the background",
@@ -172,6 +174,30 @@ class _StateCollector:
                                   value=float(st.get("tokens_generated", 0)))
         yield CounterMetricFamily("swarmkit_tokens_trained", "Tokens with loss mask 1 in applied steps",
                                   value=self.owner.trained_tokens)
+
+
+def _adapter_families(adapters: dict[str, Any]) -> Iterator[Metric]:
+    """Per-adapter series of a server with ``model.adapters`` (label ``adapter``); nothing without adapters."""
+    if not adapters:
+        return
+    steps = CounterMetricFamily("swarmkit_adapter_steps", "Optimizer steps applied to each LoRA adapter",
+                                labels=["adapter"])
+    version = GaugeMetricFamily("swarmkit_adapter_policy_version", "Version of each adapter the engine serves",
+                                labels=["adapter"])
+    waiting = GaugeMetricFamily("swarmkit_adapter_waiting_episodes", "Each adapter's episodes in the pool",
+                                labels=["adapter"])
+    running = GaugeMetricFamily("swarmkit_adapter_running_episodes", "Each adapter's training episodes running",
+                                labels=["adapter"])
+    reward = GaugeMetricFamily("swarmkit_adapter_reward_mean", "Mean reward of each adapter's last step",
+                               labels=["adapter"])
+    for name, a in adapters.items():
+        steps.add_metric([name], float(a.get("step") or 0))
+        version.add_metric([name], float(a.get("policy_version") or 0))
+        waiting.add_metric([name], float(a.get("waiting") or 0))
+        running.add_metric([name], float(a.get("running") or 0))
+        if isinstance(a.get("reward_mean"), int | float):
+            reward.add_metric([name], float(a["reward_mean"]))
+    yield from (steps, version, waiting, running, reward)
 
 
 class RequestTimer:

@@ -43,6 +43,7 @@ from swarmkit.server.chat_input import (
 )
 from swarmkit.timelines.reasoning import ReasoningStreamSplitter, opens_reasoning, split_reasoning
 from swarmkit.timelines.render import TemplateError
+from swarmkit.timelines.strict_tools import tool_call_tag
 from swarmkit.timelines.toolcalls import CLOSE, OPEN, ToolCallStreamParser, parse_tool_parts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from swarmkit.timelines.block import Block
 
 __all__ = ["CallDelta", "Finished", "Opened", "Piece", "Reply", "Turn", "generate_turn", "prepare_raw_turn_async",
-           "prepare_turn", "prepare_turn_async", "stream_turn", "with_internal_stop"]
+           "prepare_turn", "prepare_turn_async", "stream_turn", "with_internal_stop", "with_tool_constraint"]
 
 
 @dataclass
@@ -65,6 +66,9 @@ class Turn:
     :ivar think_started: the generation prompt opened ``<think>``: the reply starts as reasoning.
     :ivar raw: a raw prompt (``/v1/completions``): the text comes back as generated (no reasoning split,
         no tool calls) and the turn is not remembered for replay.
+    :ivar tool_names: the names of the tools offered (in order).
+    :ivar call_wrapping: how the template writes a tool call (``ChatRenderer.tool_call_wrapping``), read
+        when the request has ``strict`` tools (None otherwise): their calls may be constrained.
     """
 
     endpoint: str
@@ -77,6 +81,8 @@ class Turn:
     stops: list[str] = field(default_factory=list)  # the client's stop strings
     think_started: bool = False
     raw: bool = False
+    tool_names: tuple[str, ...] = ()
+    call_wrapping: tuple[str, str, str] | None = None
 
 
 def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[str, Any]] | None,
@@ -97,14 +103,30 @@ def prepare_turn(srv: SwarmServer, ep: Episode, messages: Any, tools: list[dict[
     forced_ids = renderer.encode(forced_text) if forced_text else []
     prompt_ids = [t for b in blocks for t in b.token_ids] + forced_ids
     started = not forced_text and bool(blocks) and opens_reasoning(blocks[-1].text)
+    names = tuple(t["function"]["name"] for t in tools or ())
+    wrapping = renderer.tool_call_wrapping() if choice.strict and choice.parse else None
     return Turn(endpoint, blocks, prompt_ids, choice, forced_text, forced_ids, choice.parse and not choice.parallel,
-                think_started=started)
+                think_started=started, tool_names=names, call_wrapping=wrapping)
+
+
+def with_tool_constraint(turn: Turn, params: SamplingParams, mode: str) -> SamplingParams:
+    """``params`` with the structural tag that forces the turn's tool calls into shape, when the request
+    has ``strict`` tools and the server constrains them (``mode``: ``constrain`` or ``check``, see
+    :mod:`swarmkit.timelines.strict_tools`); a request with ``response_format`` keeps its own constraint
+    (its strict calls are checked only)."""
+    if mode != "constrain" or turn.call_wrapping is None or params.response_format is not None:
+        return params
+    strict = turn.choice.strict
+    tools = {name: strict.get(name) for name in turn.tool_names}
+    opened = (turn.choice.name or "") if turn.forced_text else None
+    params.structural_tag = tool_call_tag(turn.call_wrapping, tools, opened=opened, parallel=turn.choice.parallel)
+    return params
 
 
 def _structured(params: SamplingParams) -> dict[str, Any] | None:
     """Timeline meta of a call under constrained decoding: its logprobs are the masked
     distribution's (vLLM), so training rescores them (:mod:`swarmkit.training.samples`)."""
-    return {"structured": True} if params.response_format is not None else None
+    return {"structured": True} if params.response_format is not None or params.structural_tag is not None else None
 
 
 #: requests whose text is longer than this are rendered and tokenized off the event loop (one

@@ -186,6 +186,8 @@ class TrainingCycle:
         #: the LoRA adapters trained over one base (model.adapters); each step trains one, in turn
         self.adapters: list[str] = []
         self._last_adapter: str | None = None
+        #: each adapter's last step's mean reward (status)
+        self._adapter_reward: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the server's Cycle
     def attach(self, server: CycleHost) -> None:
@@ -239,13 +241,8 @@ class TrainingCycle:
     def status(self) -> dict[str, Any]:
         stats = self.pool.stats(self.policy, self.server.clients.all(), time.time()) if self.policy else self.pool.stats()
         stats["policy"] = self.policy_name or None
-        if self.adapters:  # each adapter's waiting episodes and its step (policy version)
-            view = self.pool.view()
-            steps = {}
-            if self.trainer is not None and hasattr(self.trainer, "adapter_step"):
-                steps = {n: self.trainer.adapter_step(n) for n in self.adapters}
-            stats["adapters"] = {n: {"waiting": sum(e.adapter == n for e in view), "step": steps.get(n)}
-                                 for n in self.adapters}
+        if self.adapters:
+            stats["adapters"] = self.adapter_status()
         if self._server is not None:
             stats["trainer"] = self.trainer_status()
         if self.last_error:
@@ -254,6 +251,20 @@ class TrainingCycle:
             stats["last_step"] = self.last_metrics
         stats["alarm"] = self.alarm_status()
         return stats
+
+    def adapter_status(self) -> dict[str, dict[str, Any]]:
+        """Each adapter of ``model.adapters``, for ``status()["pool"]["adapters"]``: ``step`` (its optimizer
+        steps), ``policy_version`` (the version of it the engine serves), ``waiting`` (its episodes in the
+        pool), ``running`` (its training episodes open now), ``reward_mean`` (its last step's mean reward)."""
+        view = self.pool.view()
+        steps: dict[str, int] = {}
+        if self.trainer is not None and hasattr(self.trainer, "adapter_step"):
+            steps = {n: self.trainer.adapter_step(n) for n in self.adapters}
+        served = getattr(self.server.backend, "adapter_versions", None) if self._server is not None else None
+        running = [e for e in self.server.episodes.running() if not e.eval] if self._server is not None else []
+        return {n: {"step": steps.get(n), "policy_version": served.get(n) if isinstance(served, dict) else None,
+                    "waiting": sum(e.adapter == n for e in view), "running": sum(e.adapter == n for e in running),
+                    "reward_mean": self._adapter_reward.get(n)} for n in self.adapters}
 
     def alarm_status(self) -> dict[str, Any]:
         """The collapse alarm, for ``status()["pool"]["alarm"]``: ``active`` (signals of the last
@@ -503,6 +514,9 @@ class TrainingCycle:
                 if not recorded:
                     metrics["journal_pending"] = 1.0
             metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+            for key, value in metrics.items():  # adapter/<name>/reward_mean: that adapter's last reward
+                if key.startswith("adapter/") and key.endswith("/reward_mean"):
+                    self._adapter_reward[key[len("adapter/"):-len("/reward_mean")]] = value
             metrics.update(extra)
             metrics.update(
                 weight_sync_s=sync_s,

@@ -49,6 +49,7 @@ from swarmkit.swarm.presence import ClientTracker
 from swarmkit.swarm.replicas import ReplicaSet, build_replicas, check_replicable
 from swarmkit.swarm.state import SERVING_STATES, ServerState, StateMachine
 from swarmkit.timelines.render import TokenText
+from swarmkit.timelines.strict_tools import check_mode
 from swarmkit.timelines.track import ContextTracker
 
 #: the deepest a registration's or report's ``meta`` may nest (deeper ones broke every reader of the episode)
@@ -219,6 +220,8 @@ class SwarmServer:
         self.port: int = int(scfg.port)
         self.run_dir: Path | None = Path(scfg.run_dir) if scfg.run_dir and scfg.run_dir != "auto" else None
         self._apply_limits(scfg)
+        #: how calls of strict tools are kept to their schema once booted (constrain or check; server.strict_tools)
+        self.strict_tools = "check"
         self._next_resolve: dict[str, float] = {}  # prepared episode id -> when to ask its primary again
         self.max_body_bytes = int(scfg.max_body_bytes)
         self.public_url: str | None = scfg.public_url.rstrip("/") if scfg.public_url else None
@@ -372,6 +375,7 @@ class SwarmServer:
         self.prepared_grace_s = float(scfg.prepared_grace_s)
         self.max_abs_reward = float(scfg.max_abs_reward)
         self.strict_fields = bool(scfg.strict_fields)
+        self.strict_tools_setting = str(scfg.strict_tools)
         self.max_running_episodes = int(scfg.max_running_episodes)
         self.max_running_per_client = int(scfg.max_running_per_client)
         self.max_running_per_address = (int(scfg.max_running_per_address) if scfg.max_running_per_address is not None
@@ -574,6 +578,7 @@ class SwarmServer:
             if "server" in full:  # the training config's timeouts apply from this boot on
                 self._apply_limits(ServerConfig(**as_dict(full["server"])))
                 self.episodes.default_timeout_s = self.episode_timeout_s
+            self.strict_tools = check_mode(self.strict_tools_setting, backend)
             await self.cycle.after_boot()
             window = self.cycle.active_window_s
             if window is not None:  # one owner of "active": the batching policy's window is the tracker's

@@ -55,33 +55,51 @@ class ToolLoop:
     turns: int
 
 
-def run_tool_loop(http: httpx.Client, base_url: str, api_key: str, task: Task, *, tool: dict[str, Any],
-                  run_tool: ToolRunner, max_turns: int, max_tokens: int = 48, temperature: float = 1.0,
-                  seed: int | None = None) -> ToolLoop:
-    """The agent loop of the tool tasks over the raw OpenAI chat protocol: call with ``tools=[tool]``,
-    run each tool call with ``run_tool`` and send its result back, until a reply without tool calls
-    (the final one) or ``max_turns`` chat calls."""
-    messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
-    final, results, turns = "", [], 0
-    for _ in range(max_turns):
-        body: dict[str, Any] = {"messages": messages, "tools": [tool], "max_tokens": max_tokens,
+#: runs the tool calls of one assistant reply (as the endpoint returned them) -> each call's result text
+CallsRunner = Callable[[list[dict[str, Any]]], list[str]]
+
+
+def chat_tool_turn(http: httpx.Client, base_url: str, api_key: str, messages: list[dict[str, Any]], *,
+                   tools: list[dict[str, Any]], run_calls: CallsRunner, max_steps: int, max_tokens: int,
+                   temperature: float, seed: int | None = None) -> tuple[str, int]:
+    """One agent turn over the raw OpenAI chat protocol: call with ``tools``, run each reply's tool calls
+    with ``run_calls`` and send the results back as ``tool`` messages, until a reply without tool calls
+    or ``max_steps`` chat calls. ``messages`` grows in place; returns (the final reply's text, chat calls)."""
+    for step in range(max_steps):
+        body: dict[str, Any] = {"messages": messages, "tools": tools, "max_tokens": max_tokens,
                                 "temperature": temperature}
         if seed is not None:
             body["seed"] = seed
         msg = chat(http, base_url, api_key, body)
-        turns += 1
         calls = msg.get("tool_calls") or []
         reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
         if calls:
             reply["tool_calls"] = calls
         messages.append(reply)
         if not calls:
-            final = msg.get("content") or ""
-            break
-        for c in calls:
-            result = run_tool(c["function"]["name"], c["function"].get("arguments", "{}"))
-            results.append(result)
-            messages.append({"role": "tool", "tool_call_id": c.get("id", ""), "content": result[0]})
+            return msg.get("content") or "", step + 1
+        results = run_calls(calls)
+        messages.extend({"role": "tool", "tool_call_id": c.get("id", ""), "content": r}
+                        for c, r in zip(calls, results, strict=True))
+    return "", max_steps
+
+
+def run_tool_loop(http: httpx.Client, base_url: str, api_key: str, task: Task, *, tool: dict[str, Any],
+                  run_tool: ToolRunner, max_turns: int, max_tokens: int = 48, temperature: float = 1.0,
+                  seed: int | None = None) -> ToolLoop:
+    """The agent loop of the single-tool tasks: :func:`chat_tool_turn` from the task's opening messages,
+    each call run by ``run_tool`` (its ``(result, well_formed)`` kept in order), at most ``max_turns`` chat
+    calls."""
+    messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
+    results: list[tuple[str, bool]] = []
+
+    def run_calls(calls: list[dict[str, Any]]) -> list[str]:
+        done = [run_tool(c["function"]["name"], c["function"].get("arguments", "{}")) for c in calls]
+        results.extend(done)
+        return [text for text, _ in done]
+
+    final, turns = chat_tool_turn(http, base_url, api_key, messages, tools=[tool], run_calls=run_calls,
+                                  max_steps=max_turns, max_tokens=max_tokens, temperature=temperature, seed=seed)
     return ToolLoop(final=final, messages=messages, results=results, turns=turns)
 
 

@@ -55,7 +55,7 @@ from typing import Any
 
 import httpx
 
-from swarmkit.tasks.base import Outcome, Task, chat
+from swarmkit.tasks.base import Outcome, Task, chat_tool_turn
 
 __all__ = ["CATEGORIES", "SYSTEM_PROMPT", "call_string", "demonstration", "eval_split", "grade_calls",
            "make_bfcl_tasks", "run_bfcl_episode"]
@@ -260,43 +260,34 @@ def run_bfcl_episode(http: httpx.Client, base_url: str, api_key: str, task: Task
     decoded: list[list[list[str]]] = []
     n_calls = n_valid = chats = 0
     with _instances() as prefix:
+        def run_calls(calls: list[dict[str, Any]]) -> list[str]:
+            """The reply's calls as the benchmark's call strings, the valid ones executed together."""
+            nonlocal n_calls, n_valid
+            strings: list[str | None] = []
+            errors: list[str] = []
+            for c in calls:
+                fn = c.get("function") or {}
+                try:
+                    strings.append(call_string(str(fn.get("name")), fn.get("arguments") or "{}", allowed))
+                    errors.append("")
+                except ValueError as exc:
+                    strings.append(None)
+                    errors.append(f"Error: {exc}")
+            valid = [s for s in strings if s is not None]
+            results = iter(_execute(valid, entry, prefix))
+            n_calls += len(calls)
+            n_valid += len(valid)
+            if valid:
+                decoded[-1].append(valid)  # this turn's steps
+            return [next(results) if s is not None else error for s, error in zip(strings, errors, strict=True)]
+
         for turn in task.meta["turns"]:
             messages.extend(dict(m) for m in turn)
-            steps: list[list[str]] = []
-            for _ in range(int(task.meta["max_steps"])):
-                body: dict[str, Any] = {"messages": messages, "tools": tools, "max_tokens": max_tokens,
-                                        "temperature": temperature}
-                if seed is not None:
-                    body["seed"] = seed
-                msg = chat(http, base_url, api_key, body)
-                chats += 1
-                calls = msg.get("tool_calls") or []
-                reply: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
-                if calls:
-                    reply["tool_calls"] = calls
-                messages.append(reply)
-                if not calls:
-                    break
-                strings: list[str | None] = []
-                errors: list[str] = []
-                for c in calls:
-                    fn = c.get("function") or {}
-                    try:
-                        strings.append(call_string(str(fn.get("name")), fn.get("arguments") or "{}", allowed))
-                        errors.append("")
-                    except ValueError as exc:
-                        strings.append(None)
-                        errors.append(f"Error: {exc}")
-                valid = [s for s in strings if s is not None]
-                results = iter(_execute(valid, entry, prefix))
-                for c, s, error in zip(calls, strings, errors, strict=True):
-                    messages.append({"role": "tool", "tool_call_id": c.get("id", ""),
-                                     "content": next(results) if s is not None else error})
-                n_calls += len(calls)
-                n_valid += len(valid)
-                if valid:
-                    steps.append(valid)
-            decoded.append(steps)
+            decoded.append([])
+            _, used = chat_tool_turn(http, base_url, api_key, messages, tools=tools, run_calls=run_calls,
+                                     max_steps=int(task.meta["max_steps"]), max_tokens=max_tokens,
+                                     temperature=temperature, seed=seed)
+            chats += used
         passed, correct = grade_calls(task, decoded, prefix)
     turns = len(task.meta["ground_truth"])
     reward = passed / turns + (float(task.meta["tool_credit"]) if n_valid else 0.0)

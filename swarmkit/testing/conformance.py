@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
@@ -417,13 +418,13 @@ class BackendConformance:
                 assert out.token_ids == greedy.token_ids, f"{name}={value} is not greedy"
                 self.assert_matches_reference(p, out, greedy=True, what=name)
         if "response_format" in fields:  # guided decoding: the text is JSON valid for the schema
-            import json
-
             schema = {"type": "string", "enum": ["yes", "no"]}
             out = self.generate(p, response_format={"type": "json_schema", "schema": schema}, max_tokens=12,
                                 temperature=1.0, seed=0)[0]
             assert json.loads(out.text) in ("yes", "no"), f"response_format json_schema gave {out.text!r}"
             # (logprobs under a grammar may be the masked distribution's: training rescores them)
+        if "structural_tag" in fields:
+            self.check_structural_tag(p)
         repeats = len(set(greedy.token_ids)) < len(greedy.token_ids)
         for name, value in (("frequency_penalty", 2.0), ("presence_penalty", 2.0), ("repetition_penalty", 10.0)):
             if name in fields:
@@ -431,6 +432,30 @@ class BackendConformance:
                 self.assert_matches_reference(p, out, greedy=False, what=name)
                 if repeats:  # greedy repeats a token: a strong penalty changes the continuation
                     assert out.token_ids != greedy.token_ids, f"{name}={value} changed nothing"
+
+    def check_structural_tag(self, prompt: Sequence[int]) -> None:
+        """A call of a strict tool constrained by its structural tag (:mod:`swarmkit.timelines.strict_tools`)
+        is a well-formed call whose arguments match the schema (an enum, an integer range: what a random
+        model breaks unconstrained), sampled or greedy, generated whole or streamed."""
+        import jsonschema
+
+        from swarmkit.timelines.strict_tools import tool_call_tag
+        from swarmkit.timelines.toolcalls import parse_tool_calls
+
+        wrapping = ('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>")
+        schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["unit", "days"], "additionalProperties": False}
+        tag = tool_call_tag(wrapping, {"weather": schema}, opened="", parallel=False)
+        texts = [self.generate(prompt, structural_tag=tag, max_tokens=96, temperature=1.0, seed=s, n=2)[k].text
+                 for s in range(2) for k in range(2)]
+        texts.append(self.generate(prompt, structural_tag=tag, max_tokens=96)[0].text)
+        texts.append("".join(c.text for c in self.stream(prompt, structural_tag=tag, max_tokens=96, temperature=1.0,
+                                                         seed=7)))
+        for text in texts:
+            _, calls = parse_tool_calls(wrapping[0] + text)
+            assert len(calls) == 1 and calls[0]["function"]["name"] == "weather", f"structural_tag gave {text!r}"
+            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
 
     def check_special_tokens(self) -> None:
         """A special token generated mid-answer stays in the text (a client that sends the text

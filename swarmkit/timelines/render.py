@@ -150,6 +150,7 @@ class ChatRenderer:
         self._specials: tuple[str, ...] = tuple(sorted(set(specials), key=len, reverse=True))
         self.stats = {"calls": 0, "renders": 0, "encodes": 0, "reused_messages": 0}
         self._tools_ignored: dict[str, bool] = {}
+        self._wrapping: tuple[str, str, str] | None = None  # tool_call_wrapping(), once found
         self._last_error: str = ""
 
     # ------------------------------------------------------------------ public
@@ -238,25 +239,39 @@ class ChatRenderer:
         """The text an assistant turn starts with to call a tool, as this template writes it.
 
         Without ``name``: up to the function name's opening quote (e.g. ``<tool_call>\\n{"name": "``);
-        with ``name``: up to the arguments (``...{"name": "add", "arguments": ``). Found by
-        rendering a probe tool call; templates that write no ``<tool_call>`` get the
-        Hermes form the parser reads.
+        with ``name``: up to the arguments (``...{"name": "add", "arguments": ``). See
+        :meth:`tool_call_wrapping`.
         """
+        prefix, between, _ = self.tool_call_wrapping()
+        return prefix if name is None else prefix + name + between
+
+    def tool_call_wrapping(self) -> tuple[str, str, str]:
+        """How this template writes one tool call around its name and its arguments object:
+        ``(prefix, between, suffix)``, so a call is ``prefix + name + between + arguments + suffix``
+        (e.g. ``<tool_call>\\n{"name": "``, ``", "arguments": ``, ``}\\n</tool_call>``). Found by
+        rendering a probe tool call (cached); templates that write no ``<tool_call>`` get the
+        Hermes form the parser reads."""
+        if self._wrapping is not None:
+            return self._wrapping
         marker = "swarmkit_probe_fn"
         probe = [{"role": "user", "content": "?"}]
         call = {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_0", "type": "function", "function": {"name": marker, "arguments": "{}"}}]}
         head = self._render(probe, None, True)
         whole = self._render([*probe, call], None, False)
-        prefix, between = '<tool_call>\n{"name": "', '", "arguments": '
+        prefix, between, suffix = '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"
         if head is not None and whole is not None and whole.startswith(head) and marker in whole:
             tail = whole[len(head):]
             cut = tail.index(marker)
             after = tail[cut + len(marker):]
-            brace = after.find("{")
+            brace = after.find("{}")
+            close = after.find("</tool_call>", brace)
             if "<tool_call>" in tail[:cut] and brace >= 0:
                 prefix, between = tail[:cut], after[:brace]
-        return prefix if name is None else prefix + name + between
+                if close >= 0:
+                    suffix = after[brace + 2:close + len("</tool_call>")]
+        self._wrapping = (prefix, between, suffix)
+        return self._wrapping
 
     def completion_block(self, token_ids: Sequence[int], logprobs: Sequence[float],
                          forced: Sequence[int] = (), versions: Sequence[int] | None = None) -> Block:

@@ -81,6 +81,7 @@ def episode_row(ep: Episode, now: float) -> dict[str, Any]:
         "reward": _finite(ep.reward),
         "rewards": {k: _finite(v) for k, v in ep.rewards.items()} or None,
         "policy_version": ep.policy_version,
+        "adapter": ep.adapter,
         "accepted": ep.accepted,
         "abort_reason": ep.abort_reason,
     }
@@ -94,17 +95,20 @@ def client_rows(clients: dict[str, Any], now: float, window_s: float) -> list[di
 
 
 def find_episodes(episodes: Iterable[Episode], now: float, *, task: str = "", role: str = "", client: str = "",
-                  status: str = "", kind: str = "", min_reward: float | None = None,
+                  status: str = "", kind: str = "", adapter: str = "", min_reward: float | None = None,
                   max_reward: float | None = None, limit: int = MAX_EPISODES) -> list[dict[str, Any]]:
     """Rows of the episodes that pass every filter given, newest first.
 
     ``task`` / ``client``: substrings of the task id / client id; ``role``: a role the
     episode played; ``status``: running, finished, aborted, …; ``kind``: ``train`` or
-    ``eval``; rewards: bounds on the episode's reward (episodes without one fail them).
+    ``eval``; ``adapter``: the LoRA adapter it sampled with (``model.adapters``; exact name);
+    rewards: bounds on the episode's reward (episodes without one fail them).
     """
     out = []
     for ep in sorted(episodes, key=lambda e: e.created, reverse=True):
         if task and task not in ep.task_id or client and client not in ep.client_id:
+            continue
+        if adapter and ep.adapter != adapter:
             continue
         if status and ep.status != status or kind and (kind == "eval") != ep.eval:
             continue
@@ -120,6 +124,26 @@ def find_episodes(episodes: Iterable[Episode], now: float, *, task: str = "", ro
         if len(out) >= limit:
             break
     return out
+
+
+def adapter_names(episodes: Iterable[Episode], rows: Iterable[dict[str, Any]] = ()) -> list[str]:
+    """The LoRA adapters (``model.adapters``) that ``episodes`` sampled with or metrics ``rows`` trained, sorted."""
+    names = {ep.adapter for ep in episodes if ep.adapter}
+    names |= {k[len("adapter/"):-len("/step")] for r in rows for k in r if k.startswith("adapter/") and k.endswith("/step")}
+    return sorted(names)
+
+
+def adapters_from_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each adapter's last ``step`` and ``reward_mean`` from the rows of ``metrics.jsonl`` (a finished run's
+    ``status()["pool"]["adapters"]``; its serving and pool counts are not in the file)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("adapter/") and k.endswith("/step"):
+                name = k[len("adapter/"):-len("/step")]
+                out[name] = {"step": int(v), "policy_version": int(v), "waiting": None, "running": 0,
+                             "reward_mean": _finite(r.get(f"adapter/{name}/reward_mean"))}
+    return dict(sorted(out.items()))
 
 
 def token_pieces(decode: Decode, ids: list[int], window: int = DECODE_WINDOW) -> list[str]:

@@ -17,7 +17,13 @@ from typing import Any, Protocol
 from swarmkit.errors import ApiError
 from swarmkit.pool import JournalReader
 from swarmkit.pool.records import EpisodeRecord
-from swarmkit.server.dashboard.data import Decode, MetricsTail, client_rows, pool_tasks
+from swarmkit.server.dashboard.data import (
+    Decode,
+    MetricsTail,
+    adapters_from_metrics,
+    client_rows,
+    pool_tasks,
+)
 from swarmkit.swarm.auth import AdminAuth
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.server import STATES_FILE, SwarmServer
@@ -43,6 +49,7 @@ class DashboardSource(Protocol):
     def decoder(self) -> Decode | None: ...
     def match(self) -> str: ...
     def pool_tasks(self) -> list[dict[str, Any]]: ...
+    def adapters(self) -> list[str]: ...
 
 
 class LiveSource:
@@ -97,6 +104,9 @@ class LiveSource:
         return pool_tasks(((e.task_id, e.task_family, e.reward) for e in self.srv.waiting()),
                           rollouts_per_task(self.srv.config))
 
+    def adapters(self) -> list[str]:
+        return list(self.srv.adapters)
+
 
 class RunDirSource:
     """The folder of a run, read-only: ``metrics.jsonl``, ``states.jsonl``, ``journal.sqlite``.
@@ -130,6 +140,7 @@ class RunDirSource:
         history = self.state_history()
         counts = self._journal.counts() if self._journal is not None else {}
         step = int(last.get("step") or 0)
+        adapters = adapters_from_metrics(rows)
         first = history[0][0] if history else (rows[0]["time"] if rows else time.time())
         end = rows[-1]["time"] if rows else first
         return {
@@ -141,7 +152,7 @@ class RunDirSource:
                          "finished": sum(counts.get(k, 0) for k in ("untrained", "trained", "filtered"))},
             "pool": {"episodes": counts.get("untrained", 0), "tasks": counts.get("untrained_tasks", 0),
                      "reserved": 0, "trained": counts.get("trained", 0), "filtered": counts.get("filtered", 0),
-                     "fill": None, "last_step": last or None},
+                     "fill": None, "last_step": last or None, **({"adapters": adapters} if adapters else {})},
             "clients": {"active": 0, "ready": 0},
         }
 
@@ -200,6 +211,9 @@ class RunDirSource:
             return []
         return pool_tasks(self._journal.untrained_rewards(), rollouts_per_task(self._checkpoint_config()))
 
+    def adapters(self) -> list[str]:
+        return adapter_names(self._checkpoint_config())
+
     def _checkpoint_config(self) -> dict[str, Any]:
         configs = sorted((self.run_dir / "checkpoints").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
         if not configs:
@@ -229,6 +243,16 @@ def rollouts_per_task(config: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def adapter_names(config: Any) -> list[str]:
+    """The names of a config's ``model.adapters`` (each a name or ``{name, lr}``); [] for one model."""
+    try:
+        entries = config["model"]["adapters"] or []
+    except (KeyError, TypeError):
+        return []
+    names = [e.get("name") if isinstance(e, dict) else e for e in entries] if isinstance(entries, list) else []
+    return [str(n) for n in names if n]
+
+
 def match_name(config: Any) -> str:
     """The configured match strategy's name (``text`` when the config names none)."""
     try:
@@ -248,4 +272,5 @@ def _episode(record: EpisodeRecord) -> Episode:
         meta={**record.meta, "task_family": record.task_family}, policy_version=record.policy_version,
         status=record.status, reward=float(reward) if isinstance(reward, int | float) else None,
         rewards=dict(reward) if isinstance(reward, dict) else {}, ended=record.accepted_at,
-        timelines=[Timeline.from_dict(t) for t in record.timelines], n_calls=len(record.timelines), accepted=True)
+        timelines=[Timeline.from_dict(t) for t in record.timelines], n_calls=len(record.timelines), accepted=True,
+        adapter=record.adapter or None)

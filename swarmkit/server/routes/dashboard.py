@@ -184,18 +184,21 @@ def _last_time(source: DashboardSource, rows: list[dict[str, Any]]) -> float:
 
 async def episodes(request: Request) -> Response:
     """``GET /api/v1/dashboard/episodes``: running and recently ended episodes, filtered by
-    ``task``, ``role``, ``client``, ``status``, ``kind`` (train/eval), ``min_reward``, ``max_reward``."""
+    ``task``, ``role``, ``client``, ``status``, ``kind`` (train/eval), ``adapter``, ``min_reward``, ``max_reward``;
+    ``adapters``: the LoRA adapters the episodes or the steps name (``model.adapters``; [] for one model)."""
     source = _viewer(request)
     q = request.query_params
     filters = {"task": q.get("task", ""), "role": q.get("role", ""), "client": q.get("client", ""),
-               "status": q.get("status", ""), "kind": q.get("kind", ""),
+               "status": q.get("status", ""), "kind": q.get("kind", ""), "adapter": q.get("adapter", ""),
                "min_reward": _query_float(request, "min_reward"), "max_reward": _query_float(request, "max_reward"),
                "limit": _query_int(request, "limit", data.MAX_EPISODES)}
 
     # a live server's episodes are listed on the loop that changes them; a journal's are parsed off it
     everything = source.all_episodes() if source.live else await asyncio.to_thread(source.all_episodes)
     rows = await asyncio.to_thread(data.find_episodes, everything, time.time(), **filters)
-    return _json({"episodes": rows, "total": len(everything)})
+    adapters = sorted({*source.adapters(),
+                       *data.adapter_names(everything, request.app.state.dashboard_metrics.rows(source.run_dir))})
+    return _json({"episodes": rows, "total": len(everything), "adapters": adapters})
 
 
 async def episode(request: Request) -> Response:

@@ -26,6 +26,7 @@ from swarmkit.server.turn import (
     encode_async,
     in_render_pool,
     with_internal_stop,
+    with_tool_constraint,
 )
 from swarmkit.timelines.render import TemplateError, TokenText
 
@@ -48,7 +49,7 @@ def turn_params(srv: SwarmServer, turn: Turn | Sequence[Turn], request: Sampling
                 ep: Episode | None = None) -> SamplingParams:
     """The sampling of a request's turns (several: the raw prompts of one ``/v1/completions`` request):
     the request's ``to_sampling_params`` within the context the longest prompt leaves, each turn's
-    internal stop added, and the tokens-per-request quota checked over all of them. On a server with
+    internal stop and its strict tools' constraint (``server.strict_tools``) added, and the tokens-per-request quota checked over all of them. On a server with
     several adapters, the adapter of the episode ``ep`` (the request's ``model`` field may name it)."""
     turns = [turn] if isinstance(turn, Turn) else list(turn)
     longest = max(len(t.prompt_ids) for t in turns)
@@ -56,7 +57,7 @@ def turn_params(srv: SwarmServer, turn: Turn | Sequence[Turn], request: Sampling
     if ep is not None:
         params.adapter = srv.adapter_for(ep, getattr(request, "model", None))
     for t in turns:
-        params = with_internal_stop(t, params)
+        params = with_tool_constraint(t, with_internal_stop(t, params), srv.strict_tools)
     srv.check_tokens(len(turns) * params.n * params.max_tokens)
     return params
 

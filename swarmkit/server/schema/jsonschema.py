@@ -75,7 +75,8 @@ def array(items: Schema, *, min_items: int = 0, max_items: int | None = None, de
 BOOL: Schema = {"type": "boolean"}
 ANY_OBJECT: Schema = {"type": "object"}
 #: what ``strict`` on a function tool does here (every protocol's tool schema says it)
-STRICT_TOOL = ("true: the arguments of this tool's calls are checked against its schema once generated; a call "
-               "that breaks it is answered as generated and reported (the X-Swarm-Strict-Violations header of a "
-               "non-streamed answer, the recorded timeline's meta.strict_violations), not refused: no engine here "
-               "constrains tool-call decoding")
+STRICT_TOOL = ("true: this tool's calls are constrained to its schema while decoding where the engine can "
+               "(server.strict_tools: auto, the default, on vllm, or on hf with the grammar extra), and checked "
+               "against it once generated everywhere; a call that breaks it is answered as generated and reported "
+               "(the X-Swarm-Strict-Violations header of a non-streamed answer, the recorded timeline's "
+               "meta.strict_violations), not refused")

@@ -114,7 +114,7 @@ def engine_shaping(backend: Any, *, top_k: int = 0, min_p: float = 0.0, frequenc
               "response_format": response_format}
     supported = getattr(backend, "sampling_fields", frozenset())
     for name, default in SHAPING_DEFAULTS.items():
-        if fields[name] != default and name not in supported:
+        if fields.get(name, default) != default and name not in supported:
             kind = type(backend).__name__ if backend is not None else "no"
             hint = " (structured output needs an engine with guided decoding: backend=vllm)" \
                 if name == "response_format" else ""

@@ -8,6 +8,7 @@ const STATE_COLORS = { OFFLINE: "#9e9e9e", BOOTING: "#8e24aa", ROLLING: "#2e7d32
   WEIGHT_SYNCING: "#1565c0" };
 const metrics = [];  // every metrics.jsonl row seen so far
 let timer = null;
+let chartAdapter = "";  // model.adapters: the charts show this adapter's steps only ("" = every step)
 
 // ------------------------------------------------------------------ helpers
 function el(tag, attrs, ...children) {
@@ -61,6 +62,19 @@ function kv(pairs) {
   return dl;
 }
 function replace(id, node) { const box = document.getElementById(id); box.replaceChildren(node); }
+// the adapter a metrics row's step trained (model.adapters: its key adapter/<name>/step), else null
+function rowAdapter(r) {
+  const k = Object.keys(r).find(k => k.startsWith("adapter/") && k.endsWith("/step"));
+  return k ? k.slice("adapter/".length, -"/step".length) : null;
+}
+// the metrics rows the charts draw: every row, or the steps of the adapter chosen
+function shown() { return chartAdapter ? metrics.filter(r => rowAdapter(r) === chartAdapter) : metrics; }
+// a <select> offering "" (anyText) and each name, keeping its choice when still offered
+function fillSelect(sel, names, anyText) {
+  const v = sel.value;
+  sel.replaceChildren(el("option", { value: "", text: anyText }), ...names.map(n => el("option", { value: n, text: n })));
+  sel.value = names.includes(v) ? v : "";
+}
 
 // ------------------------------------------------------------------ charts
 // series: [{name, points: [[x, y], ...]}]; draws lines with min/max labels and a legend
@@ -100,7 +114,7 @@ function lineChart(title, series, xLabel = "step") {
 // kinds: the metrics rows it reads ("train" steps; "eval" rounds are recorded at the step they ran after)
 function series(name, key, rl = false, kinds = ["train"]) {
   const sftOnly = r => r.demonstrations > 0 && r.demonstrations === r.episodes;
-  return { name, points: metrics.filter(r => kinds.includes(r.kind) && r[key] !== undefined && !(rl && sftOnly(r)))
+  return { name, points: shown().filter(r => kinds.includes(r.kind) && r[key] !== undefined && !(rl && sftOnly(r)))
     .map(r => [r.step, r[key]]) };
 }
 function families(prefix) {
@@ -123,9 +137,14 @@ function drawCharts() {
   charts.push(lineChart("Collapse signals", [series("identical groups", "collapse/identical_groups", true),
     series("flat groups", "collapse/flat_groups", true), series("entropy", "collapse/entropy", true),
     ...families("task/").map(f => series(f, "task/" + f, true))]));
-  const rate = [], epm = [];
-  for (let i = 1; i < metrics.length; i++) {
-    const a = metrics[i - 1], b = metrics[i], dt = b.time - a.time;
+  const adapters = [...new Set(metrics.map(rowAdapter).filter(a => a !== null))].sort();
+  if (adapters.length) {  // model.adapters: each adapter's reward at the run's steps, whatever the filter
+    charts.unshift(lineChart("Reward per adapter (train)", adapters.map(a => ({ name: a,
+      points: metrics.filter(r => r[`adapter/${a}/reward_mean`] !== undefined).map(r => [r.step, r[`adapter/${a}/reward_mean`]]) }))));
+  }
+  const rate = [], epm = [], rows = shown();
+  for (let i = 1; i < rows.length; i++) {
+    const a = rows[i - 1], b = rows[i], dt = b.time - a.time;
     if (dt > 0) { rate.push([b.step, (b.trained_tokens ?? b.tokens ?? 0) / dt]); epm.push([b.step, (b.episodes ?? 0) / dt * 60]); }
   }
   charts.push(lineChart("Throughput", [{ name: "trained tokens/s", points: rate }, { name: "episodes/min", points: epm }]));
@@ -207,6 +226,15 @@ async function refreshOverview() {
   replace("counts", kv([["running", e.running], ["train / eval running", `${e.running_train} / ${e.running_eval}`],
     ["registered", e.registered], ["finished", e.finished], ["eval finished", e.eval_finished],
     ["aborted", e.aborted], ["reaped", e.reaped], ["calls", s.calls], ["tokens generated", s.tokens_generated]]));
+  const adapters = pool.adapters || {};
+  const names = Object.keys(adapters);
+  document.getElementById("adapters-row").hidden = !names.length;
+  if (names.length) {
+    fillSelect(document.getElementById("chart-adapter"), names, "every adapter");
+    replace("adapters", table([["adapter", r => r.name], ["step", r => r.step], ["policy version", r => r.policy_version],
+      ["waiting in pool", r => r.waiting], ["running", r => r.running], ["last reward", r => r.reward_mean]],
+    names.map(n => ({ name: n, ...adapters[n] })), ""));
+  }
   const last = pool.last_step || {};
   replace("laststep", kv([["step", last.step], ["reward", last.reward_mean], ["loss", last.loss],
     ["samples", last.samples], ["merge ratio", last.merge_ratio],
@@ -215,7 +243,7 @@ async function refreshOverview() {
     ["weight sync (s)", last.weight_sync_s]]));
   drawCharts();
   replace("running", table([["episode", r => link(r)], ["task", r => r.task_id], ["kind", r => r.eval ? "eval" : "train"],
-    ["roles", r => r.roles.join(", ")], ["client", r => r.client_id], ["age", r => secs(r.age_s)],
+    ...(names.length ? [["adapter", r => r.adapter]] : []), ["roles", r => r.roles.join(", ")], ["client", r => r.client_id], ["age", r => secs(r.age_s)],
     ["calls", r => r.calls], ["tokens", r => r.tokens]], o.running,
     o.live ? "no episode is running" : "a live server's only (this is a run folder)"));
   replace("clients", table([["client", r => r.client_id], ["last seen", r => secs(r.last_seen_s) + " ago"],
@@ -235,6 +263,9 @@ async function refreshEpisodes() {
   const q = new URLSearchParams();
   for (const [k, v] of new FormData(document.getElementById("filters"))) if (v) q.set(k, v);
   const out = await api("/api/v1/dashboard/episodes?" + q);
+  const adapters = out.adapters || [];
+  document.getElementById("adapter-label").hidden = !adapters.length;
+  if (adapters.length) fillSelect(document.getElementById("adapter-filter"), adapters, "any");
   const ticked = new Set();
   const compare = document.getElementById("compare");
   compare.disabled = true;
@@ -244,8 +275,8 @@ async function refreshEpisodes() {
     compare.onclick = () => { location.hash = "#/compare/" + [...ticked].map(encodeURIComponent).join("/"); };
   } });
   replace("episode-list", table([["", tick], ["episode", link], ["task", r => r.task_id],
-    ["kind", r => r.eval ? "eval" : "train"], ["status", r => r.status], ["roles", r => r.roles.join(", ")],
-    ["client", r => r.client_id], ["reward", r => r.reward ?? rewardText(r)], ["calls", r => r.calls],
+    ["kind", r => r.eval ? "eval" : "train"], ...(adapters.length ? [["adapter", r => r.adapter]] : []),
+    ["status", r => r.status], ["roles", r => r.roles.join(", ")], ["client", r => r.client_id], ["reward", r => r.reward ?? rewardText(r)], ["calls", r => r.calls],
     ["tokens", r => r.tokens],
     ["policy", r => r.policy_version]], out.episodes, "no episode matches"));
 }
@@ -296,6 +327,7 @@ async function episodePanel(id) {
   const panel = el("div", { class: "episode", "data-episode": e.episode_id });
   panel.append(el("div", { class: "episode-head" }, el("h2", { text: e.episode_id }),
     el("span", { text: `task ${e.task_id}` }), el("span", { text: e.eval ? "eval" : "train" }),
+    e.adapter ? el("span", { text: `adapter ${e.adapter}` }) : null,
     el("span", { text: `status ${e.status}` }), el("span", { text: rewardText(e) }),
     el("span", { text: `client ${e.client_id}` }), el("span", { text: `${e.calls} calls, ${e.tokens} generated tokens` })));
   const body = el("div");
@@ -338,6 +370,7 @@ async function route() {
 }
 document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("filters").addEventListener("submit", ev => { ev.preventDefault(); refreshEpisodes(); });
+  document.getElementById("chart-adapter").addEventListener("change", ev => { chartAdapter = ev.target.value; drawCharts(); });
   window.addEventListener("hashchange", route);
   route();
 });
