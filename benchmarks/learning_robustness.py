@@ -33,6 +33,20 @@ seed's numbers, held-out curve and per-step curve.
     python benchmarks/learning_robustness.py --tasks calc_agent,multi_calc --seeds 0,1 --steps 6 --warm-steps 4
     python benchmarks/learning_robustness.py --parallel 4                      # 4 jobs at once (a GPU box)
     python benchmarks/learning_robustness.py --smoke                           # tiny model, 1 task, 2 seeds, 2 steps
+
+``--unstable``: the collapse alarm on a deliberately unstable run. Per seed it runs one task (default
+``token_rule`` on the tiny model at ``optim.lr=0.1``, 10x the model's auto rate, a checkpoint every 4 steps)
+twice: with ``trainer.collapse.action=warn`` (what the run does unattended: when the sampled answers
+collapsed, when the alarm fired, the reward it is stuck at) and with ``action=rollback`` (back to the
+last checkpoint before the weights that sampled the alarm's window, learning rate x
+``--rollback-lr-factor``; the reward per step after it; a second alarm pauses training, which ends
+the job: ``--max-rollbacks 1``). Onset of the collapse: the first RL step whose
+``collapse/entropy`` is below the alarm's ``entropy_min`` (the policy samples one answer). Recovered: the mean sampled reward of the
+rollback run's last 3 steps is above the warn run's (stuck) one and at least the reward at the step
+it rolled back to.
+
+    python benchmarks/learning_robustness.py --unstable --seeds 1,2            # tiny, token_rule, lr 0.1
+    python benchmarks/learning_robustness.py --unstable --smoke                # 1 seed, 8 steps
 """
 
 from __future__ import annotations
@@ -211,6 +225,130 @@ def read_seed(task: str, run_dir: Path, record: dict[str, Any]) -> dict[str, Any
             "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons}
 
 
+# ----------------------------------------------------------------------------- the unstable run
+#: the tasks --unstable takes (single-call ones need no warm start)
+UNSTABLE_TASKS = ("token_rule", "arithmetic", *MAIN_JOB_TASKS)
+#: --unstable's defaults (a flag given on the command line wins)
+UNSTABLE_DEFAULTS = {"tasks": "token_rule", "seeds": "1,2", "model": "tiny", "lr": 0.1, "steps": 20, "warm_steps": 0,
+                     "batch_size": 4, "rollouts": 8, "eval_size": 16,
+                     "override": ["task.max_tokens=8"], "out": "benchmarks/results/learning_robustness_unstable.json"}
+#: the steps whose mean reward tells where a run ended
+TAIL = 3
+
+
+def unstable_command(task: str, seed: int, run_dir: Path, action: str, args: argparse.Namespace) -> list[str]:
+    """The main job of one unstable run: ``--lr`` (too high), ``--checkpoint-every``, the alarm's ``action``."""
+    demos = args.warm_steps * args.batch_size * args.rollouts
+    return [sys.executable, "-m", "swarmkit", f"task={task}", f"seed={seed}", *model_overrides(args.model),
+            f"task.eval_size={args.eval_size}", *([f"task.demonstrations={demos}"] if demos else []),
+            f"batching.batch_size={args.batch_size}", f"batching.rollouts_per_task={args.rollouts}",
+            f"trainer.total_steps={args.warm_steps + args.steps}", f"optim.lr={args.lr}",
+            *([f"optim.sft_lr={args.sft_lr}"] if demos else []), f"trainer.checkpoint_every={args.checkpoint_every}",
+            f"trainer.collapse.action={action}", f"trainer.collapse.lr_factor={args.rollback_lr_factor}",
+            f"trainer.collapse.max_rollbacks={args.max_rollbacks}",
+            "logger=[]", "server.port=0", f"server.run_dir={run_dir}", f"hydra.run.dir={run_dir}", *args.override]
+
+
+def _tail_reward(rows: list[dict[str, Any]]) -> float:
+    vals = [float(r["reward_mean"]) for r in rows[-TAIL:] if r.get("reward_mean") is not None]
+    return statistics.fmean(vals) if vals else math.nan
+
+
+def read_unstable(run_dir: Path, entropy_min: float) -> dict[str, Any]:
+    """One unstable run's curve (every training step in order: a rolled-back step shows again), the
+    collapse onset, the alarms (step, window, action taken, where it rolled back to) and the rewards."""
+    path = run_dir / "metrics.jsonl"
+    every = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in every if r.get("kind", "train") == "train" and not sft_step(r)]
+    alarms = [{k: r.get(k) for k in ("step", "taken", "rolled_back_to", "lr_factor", "retired_episodes", "alarm")
+               if r.get(k) is not None} for r in every if r.get("kind") == "alarm"]
+    onset = next((int(r["step"]) for r in rows if float(r.get("collapse/entropy", math.inf)) < entropy_min), None)
+    s = json.loads((run_dir / "summary.json").read_text())
+    back = next((a["rolled_back_to"] for a in alarms if a.get("rolled_back_to") is not None), None)
+    at_back = [float(r["reward_mean"]) for r in rows if back is not None and int(r["step"]) == back]
+    return {"curve": [{"step": int(r["step"]), "reward": round(float(r.get("reward_mean", math.nan)), 4),
+                       "lr": r.get("lr"), "entropy": r.get("collapse/entropy"),
+                       "identical": r.get("collapse/identical_groups"), "alarm": r.get("collapse/alarm")} for r in rows],
+            "onset": onset, "alarms": alarms, "first_alarm": alarms[0]["step"] if alarms else None,
+            "rolled_back_to": back, "reward_at_rollback_point": at_back[0] if at_back else None,
+            "tail_reward": _tail_reward(rows), "eval_before": s["eval_before"]["mean"],
+            "eval_after": s["eval_after"]["mean"], "eval_after_ci95": s["eval_after"]["ci95"],
+            "optimizer_steps": len(rows)}
+
+
+def run_unstable_seed(task: str, seed: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Both runs of one seed (warn, then rollback) and the verdict."""
+    out: dict[str, Any] = {"task": task, "seed": seed}
+    for action in ("warn", "rollback"):
+        run_dir = work / f"unstable_{task}_seed{seed}_{action}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        cmd = unstable_command(task, seed, run_dir, action, args)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        print(f"[{task} seed {seed} {action}] {' '.join(cmd)}", flush=True)
+        t0 = time.time()
+        with open(run_dir / "job.log", "w") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
+        if proc.returncode != 0:
+            tail = (run_dir / "job.log").read_text()[-3000:]
+            print(f"[{task} seed {seed} {action}] FAILED (exit {proc.returncode}):\n{tail}", flush=True)
+            return {**out, "error": tail, "returncode": proc.returncode}
+        out[action] = {"command": " ".join(cmd), "wall_s": round(time.time() - t0, 1),
+                       **read_unstable(run_dir, args.entropy_min)}
+    warn, rb = out["warn"], out["rollback"]
+    out["alarm_delay"] = (warn["first_alarm"] - warn["onset"]) if warn["first_alarm"] and warn["onset"] else None
+    ref = rb["reward_at_rollback_point"]
+    out["recovered"] = bool(rb["rolled_back_to"] is not None and rb["tail_reward"] > warn["tail_reward"]
+                            and (ref is None or rb["tail_reward"] >= ref))
+    return out
+
+
+def print_unstable(results: list[dict[str, Any]]) -> None:
+    print("\nunstable runs: sampled reward per training step (↩ marks a rollback), the alarm and the rewards")
+    print("| task | seed | action | reward per step | collapse onset | alarm at | rolled back to | "
+          f"last {TAIL} steps | held-out before -> after |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['task']} | {r['seed']} | failed (exit {r['returncode']}) | | | | | | |")
+            continue
+        for action in ("warn", "rollback"):
+            x = r[action]
+            parts, prev = [], 0
+            for c in x["curve"]:
+                parts.append(("↩ " if c["step"] <= prev else "") + f"{c['reward']:.2f}")
+                prev = c["step"]
+            alarms = ", ".join(f"{a['step']} ({a.get('taken', '?')})" for a in x["alarms"]) or "-"
+            print(f"| {r['task']} | {r['seed']} | {action} | {' '.join(parts)} | {x['onset'] or '-'} | {alarms} | "
+                  f"{x['rolled_back_to'] if x['rolled_back_to'] is not None else '-'} | {x['tail_reward']:.3f} | "
+                  f"{x['eval_before']:.3f} -> {x['eval_after']:.3f} ± {x['eval_after_ci95']:.3f} |")
+    ok = [r for r in results if "error" not in r]
+    delays = [r["alarm_delay"] for r in ok if r["alarm_delay"] is not None]
+    print(f"\nalarm fired {', '.join(str(d) for d in delays) or '-'} step(s) after the onset; recovered after "
+          f"the rollback: {sum(r['recovered'] for r in ok)} of {len(ok)} seeds")
+
+
+def run_unstable(args: argparse.Namespace, tasks: list[str], seeds: list[int], work: Path) -> int:
+    t0 = time.time()
+    results = [run_unstable_seed(t, s, work, args) for t in tasks for s in seeds]
+    print_unstable(results)
+    wall = time.time() - t0
+    print(f"\n{2 * len(results)} jobs in {wall:.0f} s; run folders in {work}")
+    failed = sum("error" in r for r in results)
+    if args.smoke or not args.out:
+        shutil.rmtree(work, ignore_errors=True)
+        return 1 if failed else 0
+    result = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "settings": vars(args), "wall_s": wall,
+              "onset_rule": f"first RL step with collapse/entropy < {args.entropy_min}",
+              "recovered_rule": f"rollback run's mean sampled reward over its last {TAIL} steps > the warn run's, "
+                                "and >= the reward at the step it rolled back to",
+              "seeds": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
 # ----------------------------------------------------------------------------- the table
 def fmt(mean: float, ci: float) -> str:
     if math.isnan(mean):
@@ -276,8 +414,33 @@ def main() -> int:
                    help="run nothing: read the jobs already in --work-dir (e.g. to apply a changed collapse rule)")
     p.add_argument("--override", action="append", default=[], help="extra config override for every job")
     p.add_argument("--smoke", action="store_true", help="tiny model, multi_calc, seeds 0,1, 1 warm + 2 RL steps "
-                   "of 2x2 episodes, 4 held-out items, no JSON (about a minute on the CPU)")
+                   "of 2x2 episodes, 4 held-out items, no JSON (about a minute on the CPU); with --unstable: "
+                   "seed 1, 8 steps, no JSON")
+    p.add_argument("--unstable", action="store_true",
+                   help="the collapse alarm on a deliberately unstable run, warn vs rollback (module docstring); "
+                        f"defaults then: {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in UNSTABLE_DEFAULTS.items())}")
+    p.add_argument("--rollback-lr-factor", type=float, default=0.1,
+                   help="--unstable: trainer.collapse.lr_factor of the rollback run")
+    p.add_argument("--checkpoint-every", type=int, default=4,
+                   help="--unstable: trainer.checkpoint_every (the points a rollback can go back to)")
+    p.add_argument("--max-rollbacks", type=int, default=1,
+                   help="--unstable: trainer.collapse.max_rollbacks (then the alarm pauses, which ends the job)")
+    p.add_argument("--entropy-min", type=float, default=0.05,
+                   help="--unstable: the collapse onset is the first step below this entropy (the alarm's default)")
     args = p.parse_args()
+    if args.unstable:
+        given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+        for key, value in UNSTABLE_DEFAULTS.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
+        if args.smoke:
+            args.seeds, args.steps, args.out = "1", 8, None
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in UNSTABLE_TASKS]
+        if unknown:
+            p.error(f"--unstable: unknown task(s) {', '.join(unknown)}; known: {', '.join(UNSTABLE_TASKS)}")
+        work = Path(args.work_dir or tempfile.mkdtemp(prefix="swarmkit-unstable-")).resolve()
+        return run_unstable(args, tasks, [int(s) for s in args.seeds.split(",") if s.strip()], work)
     if args.smoke:
         args.tasks, args.seeds, args.model, args.steps, args.warm_steps = "multi_calc", "0,1", "tiny", 2, 1
         args.eval_size, args.batch_size, args.rollouts, args.out = 4, 2, 2, None

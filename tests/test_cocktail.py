@@ -39,8 +39,9 @@ def test_two_clients_two_tasks_one_server(tmp_path):
     assert rc == 0 and summary["broken"] == []
     assert len(summary["batches"]) == 3
     assert all(sum(c.values()) == 2 and max(c.values()) == 1 for c in summary["batches"].values())
-    rows = [json.loads(line) for line in (tmp_path / "server" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3
+    every = [json.loads(line) for line in (tmp_path / "server" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in every if r.get("kind") == "train"]  # not the collapse alarm's row: with 2 rollouts a
+    assert len(rows) == 3  # group, 3 steps whose every group scored alike can raise it (seen in a suite run)
     for m in rows:
         assert m["episodes/who_is_spy"] == 2 and m["tokens/who_is_spy"] > 0
         assert {"reward_mean/who_is_spy/civilian", "reward_mean/who_is_spy/spy"} <= set(m)

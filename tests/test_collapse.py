@@ -202,8 +202,8 @@ def _rows(run_dir, kind="train"):
 def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, tmp_path, action):
     """Two healthy steps (rewards vary), then every group flat (a constant reward: GRPO has no signal);
     with patience 2 the alarm fires on the second flat step (steps 3-4). pause: no further step trains
-    until the controller resumes; rollback: the server goes back to step 2's checkpoint, halves the
-    learning rate, and trains on."""
+    until the controller resumes; rollback: the server goes back to step 1's checkpoint (step 3's
+    episodes were sampled by step 2's weights: suspect too), halves the learning rate, and trains on."""
     h = _serve(train_cfg, tmp_path, patience=2, action=action)
     try:
         with SwarmClient(h.url, token=TOKEN, retry_for=30) as c:
@@ -236,17 +236,17 @@ def test_a_collapsing_run_raises_the_alarm_and_pauses_or_rolls_back(train_cfg, t
                 _wait(lambda: c.status()["global_step"] == 5)
                 assert c.status()["pool"]["alarm"]["paused"] is None
             else:
-                assert alarm["rollbacks"] == 1 and alarm["last"]["rolled_back_to"] == 2
-                assert alarm["last"]["lr_factor"] == 0.5 and alarm["last"]["retired_episodes"] == 8
+                assert alarm["rollbacks"] == 1 and alarm["last"]["rolled_back_to"] == 1
+                assert alarm["last"]["lr_factor"] == 0.5 and alarm["last"]["retired_episodes"] == 12
                 st = c.status()
-                assert st["global_step"] == 2 and st["policy_version"] == 2 and not st["pool"]["alarm"]["paused"]
+                assert st["global_step"] == 1 and st["policy_version"] == 1 and not st["pool"]["alarm"]["paused"]
                 assert "swarmkit_collapse_rollbacks_total 1.0" in text
                 ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
-                assert ckpts[-1] == "step_00000002"
-                _one_step(c, 5, False)  # training goes on from step 2, at half the learning rate
-                _wait(lambda: c.status()["global_step"] == 3)
+                assert ckpts[-1] == "step_00000001"
+                _one_step(c, 5, False)  # training goes on from step 1, at half the learning rate
+                _wait(lambda: c.status()["global_step"] == 2)
                 again = _rows(tmp_path)[-1]
-                assert again["step"] == 3 and again["lr"] == pytest.approx(lr_before * 0.5)
+                assert again["step"] == 2 and again["lr"] == pytest.approx(lr_before * 0.5)
                 assert again["collapse/alarm"] == 0.0
             assert _rows(tmp_path, "alarm")[0]["taken"] == action
     finally:
@@ -273,3 +273,43 @@ def test_flat_groups_of_identical_rollouts_are_explained_as_the_collapse():
     fired = alarm.observe(1, {FLAT: 1.0, IDENTICAL: 1.0, GROUPS: 4.0, ENTROPY: 0.0})
     assert fired is not None and "the policy collapsed" in fired.message and "low entropy" in fired.message
     assert "partial credit" not in fired.message
+
+
+# ---------------------------------------------------------------------- a real collapse (the main job)
+@pytest.mark.slow
+def test_a_run_at_ten_times_the_learning_rate_collapses_raises_the_alarm_and_rolls_back(tmp_path):
+    """token_rule on the tiny model at ``optim.lr=0.1``, 10x its auto rate: within a few steps every
+    group samples one answer (entropy below 0.05 nats per token). The alarm fires within 3 steps of
+    that onset; the run goes back to a checkpoint older than the weights that sampled the alarm's
+    window, at a tenth of the rate, and trains on from there. A second alarm (``max_rollbacks=1``)
+    pauses training, which ends the main job: it never hangs. About a minute on 2 cores."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmkit", "model=tiny", "task=token_rule", "task.max_tokens=8", "task.eval_size=4",
+         "batching.batch_size=4", "batching.rollouts_per_task=8", "optim.lr=0.1", "seed=1",
+         "trainer.total_steps=14", "trainer.checkpoint_every=1", "trainer.collapse.action=rollback",
+         "trainer.collapse.lr_factor=0.1", "trainer.collapse.max_rollbacks=1", "logger=[]", "server.port=0",
+         f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    every = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = next(i for i, r in enumerate(every) if r["kind"] == "alarm")
+    before, alarm, after = every[:first], every[first], [r for r in every[first + 1:] if r["kind"] == "train"]
+    onset = next(r["step"] for r in before if r["kind"] == "train" and r["collapse/entropy"] < 0.05)
+    assert onset > 1 and alarm["step"] - onset <= 2, (onset, alarm)  # fired within 3 steps of the onset
+    assert alarm["taken"] == "rollback" and alarm["lr_factor"] == pytest.approx(0.1)
+    window_start = int(re.search(r"steps (\d+)\.\.", alarm["alarm"]).group(1))
+    assert alarm["rolled_back_to"] <= window_start - 2 and alarm["rolled_back_to"] < onset - 1
+    assert after and after[0]["step"] == alarm["rolled_back_to"] + 1  # trains on from the restored weights
+    assert all(r["lr"] == pytest.approx(0.01) for r in after)
+    assert after[0]["collapse/entropy"] > 0.05  # its first batch was sampled by the restored weights
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["collapse_alarm"]["rollbacks"] == 1
+    if summary["collapse_alarm"]["paused"]:  # the restored weights collapsed again: paused, the job ended
+        assert "training paused at step" in out.stdout
+    else:
+        assert summary["global_step"] == 14

@@ -55,6 +55,8 @@ folder of its own: ``server_<k>/`` under Ray):
 - ``train_episodes``: training episodes its clients finished; ``clients``:
   ``[{slot, name, replacements, finished, nodes}]``; ``client_replacements``:
   dead client actors replaced (always 0 locally);
+- ``collapse_alarm``: ``{fired, rollbacks, paused}`` of the server's collapse alarm (docs/training.md;
+  ``paused``: why training paused, which ends the run there);
 - ``wall_time_s``: the whole run's wall time.
 """
 
@@ -375,6 +377,9 @@ class _Run:
     seen: int = 0
     state: str = "OFFLINE"
     last_error: str = ""
+    #: the collapse alarm paused training (``trainer.collapse.action=pause``, or a rollback that could not
+    #: roll back): nobody resumes a main job's server, so its run ends there, evaluated as it is
+    paused: str = ""
     started: bool = False
     sampling: bool = False
     next_eval: int = 0
@@ -458,7 +463,7 @@ def _train(driver: Driver, runs: list[_Run], total: int, eval_every: int) -> Non
                     if r.sampling and (not total or r.step < total):
                         driver.check_clients(r.index)
                 last_check = time.monotonic()
-            if total and all(r.step >= total and r.pending is None for r in runs):
+            if all((r.paused or (total and r.step >= total)) and r.pending is None for r in runs):
                 return
             time.sleep(POLL_S)
 
@@ -479,6 +484,11 @@ def _poll(driver: Driver, r: _Run) -> None:
     if error and error != r.last_error:
         console.print(f"{escape(r.prefix)}[red]{escape(error)}[/]", highlight=False)
     r.last_error = error
+    paused = str((pool.get("alarm") or {}).get("paused") or "")
+    if paused and not r.paused:
+        console.print(f"{escape(r.prefix)}[red]training paused at step {r.step}: the run ends here and is "
+                      "evaluated as it is[/]", highlight=False)
+    r.paused = paused
     if r.state == "OFFLINE":
         raise JobError(f"{r.prefix}the server went OFFLINE: {status.get('last_error')}")
 
@@ -566,6 +576,7 @@ def server_record(r: _Run, status: dict[str, Any], checkpoint: dict[str, Any], c
         "train_episodes": sum(int(c["finished"]) for c in clients),
         "clients": clients,
         "client_replacements": sum(int(c["replacements"]) for c in clients),
+        "collapse_alarm": {k: (status.get("pool") or {}).get("alarm", {}).get(k) for k in ("fired", "rollbacks", "paused")},
         "wall_time_s": wall,
     }
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarmkit.config.lr import AUTO, is_auto
 from swarmkit.config.plain import as_dict
 
 
@@ -43,7 +44,8 @@ class ModelConfig:
     chat_template: str = "auto"
     #: several named LoRA adapters trained at once over one frozen base (docs/multi_model.md): a list of
     #: names (``model.adapters=[spies,civilians]``) or of ``{name: ..., lr: ...}`` (``lr``: that adapter's
-    #: learning rate; default ``optim.lr``); each adapter has the LoRA shape of ``lora_*`` above. [] (the
+    #: learning rate, a number or "auto"; default ``optim.lr``, whose default "auto" is the LoRA rate of the
+    #: base's size, swarmkit.config.lr); each adapter has the LoRA shape of ``lora_*`` above. [] (the
     #: default): one model, trained as ``lora_rank`` says
     adapters: list[Any] = field(default_factory=list)
 
@@ -80,10 +82,11 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """One named LoRA adapter of ``model.adapters``; ``lr`` None = ``optim.lr``."""
+    """One named LoRA adapter of ``model.adapters``; ``lr`` None = ``optim.lr``, ``"auto"`` = the LoRA
+    rate of :func:`~swarmkit.config.lr.auto_lr` (what ``optim.lr: auto`` gives an adapter without ``lr``)."""
 
     name: str
-    lr: float | None = None
+    lr: float | str | None = None
 
 
 def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
@@ -111,9 +114,11 @@ def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
             if extra:
                 problems.append(f"{where}.{extra[0]}: unknown key (an adapter takes name and lr)")
             name, lr = item.get("name"), item.get("lr")
-            if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float)
-                                   or not math.isfinite(lr) or lr <= 0):
-                problems.append(f"{where}.lr: must be a number > 0, got {lr!r}")
+            if is_auto(lr):
+                lr = AUTO
+            elif lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float)
+                                     or not math.isfinite(lr) or lr <= 0):
+                problems.append(f"{where}.lr: must be a number > 0 or '{AUTO}', got {lr!r}")
                 lr = None
         if not isinstance(name, str) or not ADAPTER_NAME.match(name):
             problems.append(f"{where}: adapter name {name!r} must match {ADAPTER_NAME.pattern} (letters, digits, "
@@ -125,7 +130,7 @@ def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
         if name in {s.name for s in specs}:
             problems.append(f"{where}: adapter '{name}' is listed twice")
             continue
-        specs.append(AdapterSpec(name, None if lr is None else float(lr)))
+        specs.append(AdapterSpec(name, None if lr is None else lr if lr == AUTO else float(lr)))
     return specs, problems
 
 

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from swarmkit.chat_templates import resolve_chat_template
+from swarmkit.config.lr import lr_problem
 from swarmkit.config.schema import (
     COLLAPSE_ACTIONS,
     LAUNCHERS,
@@ -213,6 +214,9 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
         if kind == "backend" and any(k in node for k in REPLICA_KEYS):
             replica_node = OmegaConf.create({k: node[k] for k in REPLICA_KEYS if k in node})
             node = OmegaConf.create({k: node[k] for k in node if k not in REPLICA_KEYS})
+        if kind == "optim" and "lr" in node and (why := lr_problem("lr", node.get("lr"))):
+            problems.append(why)  # a number > 0 or "auto", whatever the engine's schema (checked also when
+            node = OmegaConf.create({k: node[k] for k in node if k != "lr"})  # another key is wrong)
         checked = _check_node(component.schema, node, kind, problems)
         if checked is not None and callable(getattr(component.schema, "problems", None)):
             # the schema checks its keys as a whole (EngineConfig: the multi-node launch keys)
@@ -247,10 +251,9 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             problems.append(f"trainer.collapse.lr_factor: must be in (0, 1], got {collapse.lr_factor}")
     optim = result.get("optim")
     if optim is not None:
-        for key in ("lr", "sft_lr"):
-            value = optim.get(key)
-            if value is not None and not float(value) > 0:
-                problems.append(f"optim.{key}: must be > 0, got {value}")
+        sft = optim.get("sft_lr")
+        if sft is not None and not float(sft) > 0:
+            problems.append(f"optim.sft_lr: must be > 0, got {sft}")
     if problems:
         raise ConfigError(problems)
     out = OmegaConf.create({"mode": mode, "launcher": launcher, "seed": seed})

@@ -573,10 +573,11 @@ class TrainingCycle:
 
     def _keep(self) -> int:
         """Checkpoints to keep: ``trainer.keep_checkpoints``, and with the alarm's rollback at least
-        enough to reach back past its window (``patience`` steps)."""
+        enough to reach back past its window (``patience`` steps) and the weights that sampled it."""
         keep = self.keep_checkpoints
         if keep and self.collapse.enabled and self.collapse.action == "rollback" and self.checkpoint_every:
-            keep = max(keep, int(self.collapse.patience) // self.checkpoint_every + 2)
+            reach = int(self.collapse.patience) + 1 + (self.max_staleness if self.mode == "async" else 0)
+            keep = max(keep, reach // self.checkpoint_every + 2)
         return keep
 
     async def _on_alarm(self, alarm: Alarm, step: int) -> bool:
@@ -613,14 +614,22 @@ class TrainingCycle:
                                                                  if isinstance(v, int | float | str)}}, kind="alarm")
         return rolled
 
+    def _suspect_from(self, window_start: int) -> int:
+        """The oldest weights (step) that sampled the episodes of the alarm's window: a step trains on
+        episodes the previous step's weights sampled (sync), or weights up to ``max_staleness`` older
+        (async). A rollback goes to a checkpoint older than these."""
+        return window_start - 1 - (self.max_staleness if self.mode == "async" else 0)
+
     async def _rollback(self, alarm: Alarm) -> tuple[bool, str]:
-        """Load the newest checkpoint taken before the alarm's window, lower the learning rate by
-        ``lr_factor``, retire what the undone weights trained on and sampled, serve the restored
-        weights. (ok, why not)."""
+        """Load the newest checkpoint taken before the weights that sampled the alarm's window
+        (:meth:`_suspect_from`), lower the learning rate by ``lr_factor``, retire what the undone
+        weights trained on and sampled, serve the restored weights. (ok, why not)."""
         trainer = self.trainer
-        before = [(s, p) for s, p in await asyncio.to_thread(trainer.checkpoints) if s < alarm.window_start]
+        suspect = self._suspect_from(alarm.window_start)
+        before = [(s, p) for s, p in await asyncio.to_thread(trainer.checkpoints) if s < suspect]
         if not before:
-            return False, f"no checkpoint before step {alarm.window_start} to roll back to"
+            return False, (f"no checkpoint before step {suspect} (the weights that sampled step "
+                           f"{alarm.window_start}) to roll back to")
         back, folder = before[-1]
         factor = float(getattr(trainer, "lr_factor", 1.0)) * float(self.collapse.lr_factor)
         await asyncio.to_thread(trainer.load_checkpoint, folder)

@@ -19,6 +19,7 @@ One process only (no torch.distributed): the configuration refuses ``optim.nproc
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from swarmkit.config.lr import auto_lr, is_auto
 from swarmkit.config.schema import AdapterSpec
 from swarmkit.runfiles import write_text
 
@@ -33,6 +35,8 @@ from swarmkit.runfiles import write_text
 PER_ADAPTER = ("optimizer", "scheduler", "_params", "optimizer_steps", "train_steps", "_lr_scale", "_lr_factor",
                "_ref_adapter", "_ref_anchored", "_ref_pending")
 ADAPTERS_DIR = "adapters"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,7 +68,7 @@ class AdapterBank:
         for spec in self.specs:
             self._activate_peft(spec.name)
             params = [p for p in engine.policy.parameters() if p.requires_grad]
-            optimizer = engine._adamw(params, lr=spec.lr)
+            optimizer = engine._adamw(params, lr=self.lr_of(spec))
             engine.optimizer = optimizer  # _warmup's schedule reads the engine's LR factors at each step
             self._state[spec.name] = {
                 "optimizer": optimizer, "scheduler": engine._warmup(optimizer), "_params": params,
@@ -72,6 +76,16 @@ class AdapterBank:
                 "_ref_adapter": None, "_ref_anchored": False, "_ref_pending": False}
         self.active = ""
         self.select(self.names[0])
+        log.info("model.adapters: learning rates %s", ", ".join(
+            f"{s.name} {self.lr_of(s):.3g}{' (auto)' if is_auto(s.lr) or (s.lr is None and engine.lr_auto) else ''}"
+            for s in self.specs))
+
+    def lr_of(self, spec: AdapterSpec) -> float:
+        """``spec``'s learning rate: its own ``lr``, the LoRA auto rate for ``lr: auto``, else ``optim.lr``
+        (already resolved by the engine: with ``optim.lr: auto`` also the LoRA rate of the base's size)."""
+        if is_auto(spec.lr):
+            return auto_lr(int(self.engine.base_params), lora=True)
+        return float(self.engine.cfg.lr if spec.lr is None else spec.lr)
 
     # ------------------------------------------------------------------ switching
     def _activate_peft(self, name: str) -> None:

@@ -22,8 +22,9 @@ from swarmkit.procs import is_loopback
 @dataclass
 class EngineConfig:
     name: str = ""
-    #: AdamW learning rate (the packaged option files set 3e-4, tuned for LoRA)
-    lr: float = 1e-5
+    #: AdamW learning rate, or "auto": the rate of the model's size and LoRA / full weights
+    #: (the table: swarmkit.config.lr), resolved when the engine has loaded the model
+    lr: float | int | str = "auto"
     #: learning rate of a step whose batch is all demonstrations (the supervised warm start;
     #: null = ``lr``): formats are learnt faster than RL stays stable
     sft_lr: float | None = None

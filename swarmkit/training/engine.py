@@ -15,6 +15,7 @@ gets the same list); the engine deals packed micro-batches to ranks itself.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -28,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from swarmkit.config.lr import auto_lr, base_param_count, is_auto
 from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import Algorithm, LossInputs, OptimEngine, TrainSample, check_algorithm
 from swarmkit.training.adapters import AdapterBank, LoraTensors
@@ -48,6 +50,8 @@ from swarmkit.training.packing import (
     split_mini_batches,
 )
 from swarmkit.training.policy import PolicyModel
+
+log = logging.getLogger(__name__)
 
 #: metric keys of the per-mini-batch entropy sums (summed over micro-batches and ranks, then divided)
 _ENT_SUM, _ENT_TOKENS = "_entropy_sum", "_entropy_tokens"
@@ -109,6 +113,7 @@ class TrainingEngine(OptimEngine):
 
         torch.manual_seed(self.seed)
         lm = load_lm(self.model_path, self.model, self.seed)
+        self._resolve_lr(lm)
         if self.cfg.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         keep = self._keep_logits_bytes()
@@ -130,6 +135,19 @@ class TrainingEngine(OptimEngine):
             self.compiled_layers = self._compute_model().compile_layers(backend)
             if self.reference is not None:
                 self.reference.compile_layers(backend)
+
+    def _resolve_lr(self, lm: nn.Module) -> None:
+        """``optim.lr: auto``: the rate of :func:`~swarmkit.config.lr.auto_lr` for this model's
+        base parameters and LoRA (``lr_auto`` True); a number stays as it is."""
+        self.lr_auto = is_auto(self.cfg.lr)
+        self.base_params = base_param_count(lm.named_parameters())
+        if self.lr_auto:
+            self.cfg.lr = auto_lr(self.base_params, self.lora)
+            if self.rank == 0:
+                log.info("optim.lr=auto: %.3g (%.3gM parameters, %s)", self.cfg.lr, self.base_params / 1e6,
+                         "LoRA" if self.lora else "full weights")
+        else:
+            self.cfg.lr = float(self.cfg.lr)
 
     def _wants_compile(self) -> bool:
         """``optim.compile``: "auto" = on CUDA in one process (no process group); true / false force it."""
