@@ -93,7 +93,10 @@ def test_export_weights_merges_only_the_active_adapter():
             for n, p in eng.policy.named_parameters() if ".lora_" not in n}
     for t in eng.export_lora("two"):
         want = base[t.module + ".weight"] + t.scale * t.b @ t.a
-        torch.testing.assert_close(merged[t.module + ".weight"], want, rtol=1e-5, atol=1e-6)
+        got = merged[t.module + ".weight"]
+        # on a GPU the export is the bf16 compute weights (docs/training.md): compare at that precision
+        tol = dict(rtol=1e-5, atol=1e-6) if got.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(got.float().cpu(), want.float().cpu(), **tol)
 
 
 def test_checkpoint_keeps_each_adapter_and_its_optimizer(tmp_path):

@@ -44,15 +44,19 @@ def _engine(model_dir, **cfg) -> HFBackend:
 
 
 def _fail_decode(engine: HFBackend, times: int | None) -> list[int]:
-    """Make the engine's decode step raise ``times`` times (None: always); returns the call counter."""
-    real, calls = engine._runner.decode, [0]
+    """Make the engine's decode step raise ``times`` times (None: always); returns the call counter. Both
+    decode paths fail: the serial one (``decode``) and the fused one of the pipeline (``step``, on CUDA)."""
+    calls = [0]
 
-    def decode(ids, pos):
-        calls[0] += 1
-        if times is None or calls[0] <= times:
-            raise RuntimeError("injected decode failure")
-        return real(ids, pos)
-    engine._runner.decode = decode
+    def failing(real):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            if times is None or calls[0] <= times:
+                raise RuntimeError("injected decode failure")
+            return real(*args, **kwargs)
+        return call
+    engine._runner.decode = failing(engine._runner.decode)
+    engine._runner.step = failing(engine._runner.step)
     return calls
 
 
