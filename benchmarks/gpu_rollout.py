@@ -248,6 +248,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     backend = HFBackend(config={"device": str(dev), "dtype": str(dtype).split(".")[-1],
                                 "max_batch_size": max(concurrency), "cuda_graphs": not args.no_graphs,
+                                "fuse_projections": not args.no_fuse,
                                 "pipeline": args.pipeline,
                                 "max_prefill_tokens": max(16384, args.prompt * 32)},
                         model={"path": str(folder), "max_context": args.prompt + args.new + 64})
@@ -309,7 +310,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype),
             "model": str(args.model or args.shape), "prompt": args.prompt, "new": args.new,
             "copy_bandwidth_gb_s": bw / 1e9, "weights_bytes": params, "kv_bytes_per_token": per_token_kv,
-            "cuda_graphs": runner.use_graphs, "pipelined": backend.pipelined, "graphs_captured": runner.graphs,
+            "cuda_graphs": runner.use_graphs, "pipelined": backend.pipelined, "fused_groups": backend.fused_groups, "graphs_captured": runner.graphs,
             "graph_capture_s": runner.capture_s,
             "graph_failed": runner.graph_failed, "fused_failed": runner.fused_failed, "torch": torch.__version__}
     await backend.close()
@@ -319,7 +320,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(res: dict[str, Any]) -> str:
     i = res["info"]
     lines = [f"device {i['device']}, {i['dtype']}, model {i['model']}, {i['prompt']} + {i['new']} tokens, "
-             f"copy bandwidth {i['copy_bandwidth_gb_s']:.0f} GB/s, pipeline {'on' if i.get('pipelined') else 'off'}, "
+             f"copy bandwidth {i['copy_bandwidth_gb_s']:.0f} GB/s, pipeline {'on' if i.get('pipelined') else 'off'}, fused groups {i.get('fused_groups', 0)}, "
              f"graphs {i['graphs_captured']} "
              f"({i['graph_capture_s']:.1f} s to capture){', FAILED: ' + i['graph_failed'] if i['graph_failed'] else ''}"
              f"{', fused step FAILED: ' + i['fused_failed'] if i.get('fused_failed') else ''}",
@@ -349,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
                     help="the engine's backend.pipeline: one fused step in flight (auto: on with CUDA graphs)")
     ap.add_argument("--no-mismatch", action="store_true")
+    ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate matmuls "
+                    "(backend.fuse_projections=false)")
     ap.add_argument("--profile", type=int, default=0, metavar="C",
                     help="also profile one round at concurrency C: each part's time, and torch.profiler's ops")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU, small workload")

@@ -104,6 +104,7 @@ from swarmkit_plugins.backend_hf.budget import (
     longest_sequence,
     parse_memory,
 )
+from swarmkit_plugins.backend_hf.fused import fuse_projections
 from swarmkit_plugins.backend_hf.multi_lora import MultiLora
 from swarmkit_plugins.backend_hf.runner import MIN_WINDOW, SlotRunner
 from swarmkit_plugins.backend_hf.sampler import RowSampling, sample, to_host
@@ -248,6 +249,7 @@ class HFBackend(InferenceBackend):
             raise ValueError(f"hf backend: pipeline must be one of {PIPELINE_CHOICES}, not {self.cfg.pipeline!r}")
         #: one fused step in flight while the host processes the previous one (set once the runner exists)
         self.pipelined = False
+        self.fused_groups = 0  # projection groups fused at load (fuse_projections)
         self._flight: _Flight | None = None
         self.policy_version = 0
         #: several LoRA adapters served per row over the one base (model.adapters; :mod:`.multi_lora`)
@@ -526,6 +528,8 @@ class HFBackend(InferenceBackend):
                                                      attn_implementation=register_attention())
         model.to(self.device).eval()
         model.requires_grad_(False)
+        #: q/k/v and gate/up projections as one matmul each (fewer kernels per decode step; fused.py)
+        self.fused_groups = fuse_projections(model) if self.cfg.fuse_projections else 0
         self._model = model
         eos: set[int] = set()
         for src in (getattr(model.generation_config, "eos_token_id", None), self._tokenizer.eos_token_id):

@@ -29,6 +29,9 @@ class HFBackendConfig:
     #: launched before the host processes step t's tokens. "auto" = on where CUDA graphs are used; "on"
     #: also on the CPU (same tokens, no faster there: for tests); "off" = one step at a time
     pipeline: str = "auto"
+    #: compute each layer's q/k/v projections (and the MLP's gate/up) as one matmul over their concatenated
+    #: weights, the parameters becoming views of it: the same values, fewer kernels per step (fused.py)
+    fuse_projections: bool = True
 
     def problems(self) -> list[str]:
         """What is wrong with these settings (checked with the config, before any model is loaded)."""
