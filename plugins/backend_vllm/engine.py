@@ -114,6 +114,7 @@ from swarmkit.contract import (
     decode_generated,
 )
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
+from swarmkit.errors import EngineError
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
 from swarmkit.weights import load_weights, save_weights
@@ -168,7 +169,8 @@ class VLLMBackend(InferenceBackend):
         self.policy_version = 0
         self.model_dir: Path | None = None
         lora_rank = int(self.model_cfg.lora_rank)
-        self.enable_lora = bool(self.cfg.enable_lora) or lora_rank > 0
+        # unset: serve adapters when the model trains them; an explicit false merges them (float32 on a GPU)
+        self.enable_lora = lora_rank > 0 if self.cfg.enable_lora is None else bool(self.cfg.enable_lora)
         self.max_lora_rank = max(int(self.cfg.max_lora_rank), lora_rank)
         self.in_process = bool(self.cfg.in_process)
         self._engine: Any = None
@@ -184,6 +186,8 @@ class VLLMBackend(InferenceBackend):
         self._base_named: dict[str, Any] = {}  # last full weights pushed (for merging adapters)
         self._weights_folder: str | None = None  # last folder reloaded from (base for merging)
         self._shm_dir: Path | None = None
+        self._wrapped: frozenset[str] | None = None  # HF modules a reload names <module>.base_layer.<param>
+        self._failure: str | None = None  # why the engine serves no more requests (a failed weight reload)
         self.stats: dict[str, float] = {"steps": 0, "tokens_generated": 0, "weight_updates": 0,
                                         "max_batch_seen": 0, "busy_s": 0.0}
 
@@ -380,6 +384,8 @@ class VLLMBackend(InferenceBackend):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        if self._failure is not None:
+            raise self._dead_error()
         p = req.params
         sp = VSP(
             n=max(1, int(p.n)),
@@ -417,11 +423,31 @@ class VLLMBackend(InferenceBackend):
                 self._engine.abort_request([req.rid])
 
     def _submit(self, kind: str, arg: Any) -> None:
+        if self._failure is not None:
+            raise self._dead_error()
         if self._thread is None or self._closed:
             raise RuntimeError("vllm backend not started: await backend.start() first")
         with self._cv:
             self._commands.append((kind, arg))
             self._cv.notify_all()
+
+    def _dead_error(self) -> EngineError:
+        return EngineError(f"the vllm engine failed and serves no more requests: {self._failure}", dead=True)
+
+    def failure(self) -> str | None:
+        return self._failure
+
+    def _fail_engine(self, why: str) -> None:
+        """Mark the engine dead (engine thread): vLLM's failed reload leaves parameters half loaded (0.26: on
+        the meta device), so it must not serve; every live request fails now and every later one at once."""
+        self._failure = why
+        log.error("vllm backend: %s; the engine serves no more requests", why)
+        err = self._dead_error()
+        for req in list(self._live.values()):
+            self._deliver(req, err)
+            with contextlib.suppress(Exception):
+                self._engine.abort_request([req.rid])
+        self._live.clear()
 
     async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(llm_engine)`` on the engine thread between two steps and return its result."""
@@ -647,15 +673,25 @@ class VLLMBackend(InferenceBackend):
         elif keep_base:
             self._base_named = {}
             self._weights_folder = folder
+        wrapped = await self._lora_wrapped()
+        if wrapped:  # vLLM 0.26 with LoRA: name the wrapped layers' own parameters (see _base_layer_modules)
+            if named is None:
+                named = list((await asyncio.to_thread(load_weights, Path(str(folder)))).items())
+            named = _to_base_layer(named, wrapped)
         if named is not None and not self.in_process:
             folder = await asyncio.to_thread(self._write_shm, named)
             named = None
 
         def run(engine: Any) -> None:
-            if named is not None:
-                engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-            else:
-                engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            try:
+                if named is not None:
+                    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+                else:
+                    engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            except Exception as exc:
+                # vLLM re-initialises every parameter first: a reload that fails half way leaves no model to serve
+                self._fail_engine(f"weight reload failed: {type(exc).__name__}: {exc}")
+                raise
             if self._lora is not None:
                 with contextlib.suppress(Exception):
                     engine.remove_lora(self._lora.lora_int_id)
@@ -666,6 +702,18 @@ class VLLMBackend(InferenceBackend):
                 engine.reset_prefix_cache()
 
         await self.call_in_engine(run)
+
+    async def _lora_wrapped(self) -> frozenset[str]:
+        """The HF module names whose weights a reload must name ``<module>.base_layer.<param>`` (learnt once
+        from the served model); empty unless LoRA is on and vLLM's LoRA layers do not map plain names
+        themselves (0.26 does not; 0.32's layers have a ``load_weights`` that does)."""
+        if self._wrapped is None:
+            if not self.enable_lora or _lora_layers_load_plain_names():
+                self._wrapped = frozenset()
+            else:
+                per_worker = await self.call_in_engine(lambda e: e.collective_rpc(_base_layer_modules))
+                self._wrapped = frozenset(per_worker[0])
+        return self._wrapped
 
     async def _load_adapter(self, adapter_dir: str, version: int) -> None:
         from vllm.lora.request import LoRARequest
@@ -742,6 +790,38 @@ def _strip(name: str) -> str:
             if name.startswith(pre):
                 name, changed = name[len(pre):], True
     return name
+
+
+def _lora_layers_load_plain_names() -> bool:
+    """Whether vLLM's LoRA wrappers load ``<module>.weight`` into their ``base_layer`` themselves (0.32)."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    return callable(getattr(BaseLayerWithLoRA, "load_weights", None))
+
+
+def _base_layer_modules(worker: Any) -> list[str]:
+    """Run in vLLM's worker: the HF module names of the layers vLLM wrapped for LoRA (their parameters are
+    ``<module>.base_layer.<param>``), packed modules unpacked (``qkv_proj`` -> ``q_proj``, ``k_proj``,
+    ``v_proj``): the model's own ``load_weights`` stacks ``x.q_proj.base_layer.weight`` onto
+    ``x.qkv_proj.base_layer.weight`` as it does ``x.q_proj.weight`` onto ``x.qkv_proj.weight``."""
+    model = worker.get_model()
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    out: set[str] = set()
+    for name, _ in model.named_parameters():
+        if ".base_layer." not in name:
+            continue
+        parent, _, leaf = name.split(".base_layer.")[0].rpartition(".")
+        out.update(f"{parent}.{sub}" if parent else sub for sub in packed.get(leaf, [leaf]))
+    return sorted(out)
+
+
+def _to_base_layer(named: list[tuple[str, Any]], wrapped: frozenset[str]) -> list[tuple[str, Any]]:
+    """``named`` with ``m.p`` renamed ``m.base_layer.p`` for every module ``m`` in ``wrapped``."""
+    out = []
+    for name, t in named:
+        module, _, param = name.rpartition(".")
+        out.append((f"{module}.base_layer.{param}" if module in wrapped else name, t))
+    return out
 
 
 def _is_cpu() -> bool:
