@@ -167,6 +167,14 @@ def test_vllm_engine_args_on_a_gpu(model_dir, monkeypatch):
         assert backend.enable_lora is lora
         if not lora:
             assert backend.engine_args().dtype == "float32"
+    # float32 on a GPU runs vLLM's Triton attention in IEEE float32, not TF32 (Triton's default for an un-annotated
+    # tl.dot on float32); bfloat16 leaves Triton's default alone
+    for name in ("TRITON_F32_DEFAULT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        monkeypatch.delenv(name, raising=False)
+    engine.VLLMBackend(config={"dtype": "bfloat16"}, model={"path": str(model_dir)})._set_env()
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    engine.VLLMBackend(config={"dtype": "float32"}, model={"path": str(model_dir), "lora_rank": 0})._set_env()
+    assert os.environ["TRITON_F32_DEFAULT"] == "ieee"
 
 
 def test_vllm_weight_push_into_a_lora_engine_names_the_wrapped_layers(conformance, monkeypatch):

@@ -123,6 +123,8 @@ from swarmkit_plugins.backend_vllm.schema import VLLMBackendConfig
 log = logging.getLogger(__name__)
 
 _STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+#: the dtype names vLLM reads as float32
+_FLOAT32 = ("float32", "float", "fp32")
 
 
 @dataclass
@@ -243,7 +245,7 @@ class VLLMBackend(InferenceBackend):
         dtype = str(c.dtype)
         if dtype == "auto" and not cpu:
             dtype = "bfloat16"  # what a GPU serves (as the hf backend); CPU: vLLM's own choice
-        if self.enable_lora and not cpu and dtype in ("float32", "float", "fp32"):
+        if self.enable_lora and not cpu and dtype in _FLOAT32:
             raise ValueError("vllm backend: LoRA on a GPU needs dtype bfloat16 or float16 (vLLM's CUDA LoRA "
                              "kernels take no float32); set backend.dtype, or enable_lora=false to merge "
                              "adapters into the weights")
@@ -275,6 +277,11 @@ class VLLMBackend(InferenceBackend):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if _is_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
+        elif str(self.cfg.dtype) in _FLOAT32:
+            # float32 means float32: vLLM's matmuls are (VLLM_FLOAT32_MATMUL_PRECISION=highest), but its Triton
+            # attention (TRITON_ATTN, the one CUDA backend for float32) calls tl.dot without a precision, which
+            # Triton runs in TF32 on NVIDIA GPUs (10-bit mantissa): logprobs ~3e-3 off float32 on an H100
+            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         if self.enable_lora:
             os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
 
