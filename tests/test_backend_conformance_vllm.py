@@ -84,6 +84,31 @@ def test_vllm_batches_concurrent_requests(conformance):
     assert backend.stats["steps"] - steps0 < 40
 
 
+def test_vllm_weight_push_into_a_lora_engine_names_the_wrapped_layers(conformance, monkeypatch):
+    """With LoRA on, vLLM wraps linear layers and their parameters become ``<module>.base_layer.<param>``.
+    vLLM 0.26's wrappers (no ``load_weights``, no attribute forwarding to ``base_layer``) then load no plain
+    ``<module>.weight``: the push failed on the H100 ("no module or parameter named ...qkv_proj.weight"). The
+    backend renames pushed tensors for such a vLLM; here 0.32's wrappers are made 0.26's (both attributes
+    removed) and the push must land, matching the reference, on the same engine. (Before the merging-engine test:
+    on CPU that one closes a second engine, which tears down vLLM's process-wide groups under this one.)"""
+    backend = conformance.backend
+    if not backend.enable_lora:
+        pytest.skip("runs on the engine serving LoRA")
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    for attr in ("load_weights", "__getattr__"):
+        monkeypatch.delattr(BaseLayerWithLoRA, attr, raising=False)
+    monkeypatch.setattr(backend, "_wrapped", None)  # learnt again (restored after)
+    p = conformance.prompts[1]
+    conformance.update([(k, t.detach().clone()) for k, t in conformance.ref.state_dict().items()])
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj", "model.layers.1.mlp.down_proj"} \
+        <= backend._wrapped
+    conformance.assert_matches_reference(p, conformance.generate(p)[0], greedy=True, what="renamed push")
+    conformance.update(path=str(conformance.reference_dir))  # a folder reload goes through the same renaming
+    conformance.assert_matches_reference(p, conformance.generate(p)[0], greedy=True, what="renamed folder reload")
+    assert backend.failure() is None
+
+
 def test_vllm_weights_from_folder_and_merged_lora(conformance, model_dir, tmp_path):
     """Without enable_lora, an adapter folder is merged into the weights; a safetensors
     folder reloads in place; both match a transformers forward pass of the same weights.
@@ -175,30 +200,6 @@ def test_vllm_engine_args_on_a_gpu(model_dir, monkeypatch):
     assert "TRITON_F32_DEFAULT" not in os.environ
     engine.VLLMBackend(config={"dtype": "float32"}, model={"path": str(model_dir), "lora_rank": 0})._set_env()
     assert os.environ["TRITON_F32_DEFAULT"] == "ieee"
-
-
-def test_vllm_weight_push_into_a_lora_engine_names_the_wrapped_layers(conformance, monkeypatch):
-    """With LoRA on, vLLM wraps linear layers and their parameters become ``<module>.base_layer.<param>``.
-    vLLM 0.26's wrappers (no ``load_weights``, no attribute forwarding to ``base_layer``) then load no plain
-    ``<module>.weight``: the push failed on the H100 ("no module or parameter named ...qkv_proj.weight"). The
-    backend renames pushed tensors for such a vLLM; here 0.32's wrappers are made 0.26's (both attributes
-    removed) and the push must land, matching the reference, on the same engine."""
-    backend = conformance.backend
-    if not backend.enable_lora:
-        pytest.skip("runs on the engine serving LoRA")
-    from vllm.lora.layers import BaseLayerWithLoRA
-
-    for attr in ("load_weights", "__getattr__"):
-        monkeypatch.delattr(BaseLayerWithLoRA, attr, raising=False)
-    monkeypatch.setattr(backend, "_wrapped", None)  # learnt again (restored after)
-    p = conformance.prompts[1]
-    conformance.update([(k, t.detach().clone()) for k, t in conformance.ref.state_dict().items()])
-    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj", "model.layers.1.mlp.down_proj"} \
-        <= backend._wrapped
-    conformance.assert_matches_reference(p, conformance.generate(p)[0], greedy=True, what="renamed push")
-    conformance.update(path=str(conformance.reference_dir))  # a folder reload goes through the same renaming
-    conformance.assert_matches_reference(p, conformance.generate(p)[0], greedy=True, what="renamed folder reload")
-    assert backend.failure() is None
 
 
 def test_vllm_failed_reload_kills_the_engine_loudly(model_dir):
