@@ -60,7 +60,11 @@ Semantics (the same contract as the ``hf`` backend)
 Weights
 -------
 ``update_weights(named_tensors=...)`` reloads in place (vLLM handles the
-HF-name to fused-parameter mapping, e.g. q/k/v into ``qkv_proj``). vLLM's
+HF-name to fused-parameter mapping, e.g. q/k/v into ``qkv_proj``; with LoRA on,
+vLLM 0.26's wrapped layers take only ``<module>.base_layer.<param>``, so pushed
+names are renamed for them, see :func:`_base_layer_modules`). A reload that
+raises leaves vLLM's parameters half loaded: the engine is then dead
+(:meth:`failure`), failing every request at once. vLLM's
 reload re-initialises every parameter, so a partial update is completed with
 the current values of the other weights (kept as references to the last full
 weights pushed, or read from the last weights folder).
@@ -79,7 +83,8 @@ On a GPU
 float16 / bfloat16: float32 with LoRA is refused at start), ``enforce_eager``
 unset captures CUDA graphs on a GPU and runs eagerly on CPU, and
 ``gpu_memory_utilization`` is the share of the GPU this engine takes (a trainer
-on the same GPU needs the rest). vLLM 0.26 runs dense decoders on its "V2" GPU
+on the same GPU needs the rest). ``dtype="float32"`` sets ``TRITON_F32_DEFAULT=ieee``
+(unless set): vLLM's float32 attention on CUDA is Triton's, TF32 by default. vLLM 0.26 runs dense decoders on its "V2" GPU
 model runner; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the older one if a
 feature misbehaves there.
 """
@@ -380,6 +385,8 @@ class VLLMBackend(InferenceBackend):
         elif kind == "call":
             fn, loop, fut = arg
             try:
+                if self._failure is not None:  # queued before the engine died
+                    raise self._dead_error()
                 res = fn(self._engine)
             except BaseException as exc:  # noqa: BLE001
                 loop.call_soon_threadsafe(_set_exc, fut, exc)
