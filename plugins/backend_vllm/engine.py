@@ -84,7 +84,8 @@ float16 / bfloat16: float32 with LoRA is refused at start), ``enforce_eager``
 unset captures CUDA graphs on a GPU and runs eagerly on CPU, and
 ``gpu_memory_utilization`` is the share of the GPU this engine takes (a trainer
 on the same GPU needs the rest). ``dtype="float32"`` sets ``TRITON_F32_DEFAULT=ieee``
-(unless set): vLLM's float32 attention on CUDA is Triton's, TF32 by default. vLLM 0.26 runs dense decoders on its "V2" GPU
+(unless set): vLLM's float32 attention on CUDA is Triton's, TF32 by default.
+vLLM 0.26 runs dense decoders on its "V2" GPU
 model runner; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the older one if a
 feature misbehaves there.
 """
