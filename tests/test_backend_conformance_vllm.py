@@ -84,6 +84,31 @@ def test_vllm_batches_concurrent_requests(conformance):
     assert backend.stats["steps"] - steps0 < 40
 
 
+def test_vllm_weight_push_into_a_lora_engine_names_the_wrapped_layers(conformance, monkeypatch):
+    """With LoRA on, vLLM wraps linear layers and their parameters become ``<module>.base_layer.<param>``.
+    vLLM 0.26's wrappers (no ``load_weights``, no attribute forwarding to ``base_layer``) then load no plain
+    ``<module>.weight``: the push failed on the H100 ("no module or parameter named ...qkv_proj.weight"). The
+    backend renames pushed tensors for such a vLLM; here 0.32's wrappers are made 0.26's (both attributes
+    removed) and the push must land, matching the reference, on the same engine. (Before the merging-engine test:
+    on CPU that one closes a second engine, which tears down vLLM's process-wide groups under this one.)"""
+    backend = conformance.backend
+    if not backend.enable_lora:
+        pytest.skip("runs on the engine serving LoRA")
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    for attr in ("load_weights", "__getattr__"):
+        monkeypatch.delattr(BaseLayerWithLoRA, attr, raising=False)
+    monkeypatch.setattr(backend, "_wrapped", None)  # learnt again (restored after)
+    p = conformance.prompts[1]
+    conformance.update([(k, t.detach().clone()) for k, t in conformance.ref.state_dict().items()])
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj", "model.layers.1.mlp.down_proj"} \
+        <= backend._wrapped
+    conformance.assert_matches_reference(p, conformance.generate(p)[0], greedy=True, what="renamed push")
+    conformance.update(path=str(conformance.reference_dir))  # a folder reload goes through the same renaming
+    conformance.assert_matches_reference(p, conformance.generate(p)[0], greedy=True, what="renamed folder reload")
+    assert backend.failure() is None
+
+
 def test_vllm_weights_from_folder_and_merged_lora(conformance, model_dir, tmp_path):
     """Without enable_lora, an adapter folder is merged into the weights; a safetensors
     folder reloads in place; both match a transformers forward pass of the same weights.
@@ -158,3 +183,47 @@ def test_vllm_engine_args_on_a_gpu(model_dir, monkeypatch):
     backend = engine.VLLMBackend(config={}, model={"path": str(model_dir)})
     backend.model_dir = model_dir
     assert (backend.engine_args().dtype, backend.engine_args().enforce_eager) == ("auto", True)
+    # enable_lora unset follows model.lora_rank (8 by default); an explicit false merges adapters, and is what
+    # the float32 engine on a GPU needs (it was refused at start before: lora_rank's 8 turned LoRA on)
+    monkeypatch.setattr(engine, "_is_cpu", lambda: False)
+    for cfg, model, lora in (({}, {}, True), ({}, {"lora_rank": 0}, False), ({"enable_lora": False}, {}, False)):
+        backend = engine.VLLMBackend(config={"dtype": "float32", **cfg}, model={"path": str(model_dir), **model})
+        backend.model_dir = model_dir
+        assert backend.enable_lora is lora
+        if not lora:
+            assert backend.engine_args().dtype == "float32"
+    # float32 on a GPU runs vLLM's Triton attention in IEEE float32, not TF32 (Triton's default for an un-annotated
+    # tl.dot on float32); bfloat16 leaves Triton's default alone
+    for name in ("TRITON_F32_DEFAULT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        monkeypatch.delenv(name, raising=False)
+    engine.VLLMBackend(config={"dtype": "bfloat16"}, model={"path": str(model_dir)})._set_env()
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    engine.VLLMBackend(config={"dtype": "float32"}, model={"path": str(model_dir), "lora_rank": 0})._set_env()
+    assert os.environ["TRITON_F32_DEFAULT"] == "ieee"
+
+
+def test_vllm_failed_reload_kills_the_engine_loudly(model_dir):
+    """vLLM re-initialises every parameter before a reload (0.26: onto the meta device), so a reload that raises
+    leaves no model to serve: the engine reports itself failed (``failure()``, the server stops on it), the
+    requests in flight fail with a dead ``EngineError``, and every later one at once, instead of serving
+    garbage (on the H100 each later request died in ``rms_norm`` on meta tensors). Checked without an engine."""
+    import asyncio
+
+    from swarmkit.errors import EngineError
+    from swarmkit_plugins.backend_vllm.engine import VLLMBackend, _Req
+
+    backend = VLLMBackend(config={}, model={"path": str(model_dir)})
+
+    async def scenario():
+        req = _Req(loop=asyncio.get_running_loop(), params=SamplingParams(max_tokens=2), prompt=[1, 2],
+                   queue=asyncio.Queue())
+        backend._live[req.rid] = req
+        backend._fail_engine("weight reload failed: ValueError: no such parameter")
+        got = await asyncio.wait_for(req.queue.get(), 5)
+        assert isinstance(got, EngineError) and got.dead
+        with pytest.raises(EngineError, match="weight reload failed") as later:
+            await backend.generate([1, 2], SamplingParams(max_tokens=2))
+        assert later.value.dead
+
+    asyncio.run(scenario())
+    assert backend.failure() == "weight reload failed: ValueError: no such parameter"

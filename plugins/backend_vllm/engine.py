@@ -60,7 +60,11 @@ Semantics (the same contract as the ``hf`` backend)
 Weights
 -------
 ``update_weights(named_tensors=...)`` reloads in place (vLLM handles the
-HF-name to fused-parameter mapping, e.g. q/k/v into ``qkv_proj``). vLLM's
+HF-name to fused-parameter mapping, e.g. q/k/v into ``qkv_proj``; with LoRA on,
+vLLM 0.26's wrapped layers take only ``<module>.base_layer.<param>``, so pushed
+names are renamed for them, see :func:`_base_layer_modules`). A reload that
+raises leaves vLLM's parameters half loaded: the engine is then dead
+(:meth:`failure`), failing every request at once. vLLM's
 reload re-initialises every parameter, so a partial update is completed with
 the current values of the other weights (kept as references to the last full
 weights pushed, or read from the last weights folder).
@@ -79,7 +83,9 @@ On a GPU
 float16 / bfloat16: float32 with LoRA is refused at start), ``enforce_eager``
 unset captures CUDA graphs on a GPU and runs eagerly on CPU, and
 ``gpu_memory_utilization`` is the share of the GPU this engine takes (a trainer
-on the same GPU needs the rest). vLLM 0.26 runs dense decoders on its "V2" GPU
+on the same GPU needs the rest). ``dtype="float32"`` sets ``TRITON_F32_DEFAULT=ieee``
+(unless set): vLLM's float32 attention on CUDA is Triton's, TF32 by default.
+vLLM 0.26 runs dense decoders on its "V2" GPU
 model runner; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the older one if a
 feature misbehaves there.
 """
@@ -114,6 +120,7 @@ from swarmkit.contract import (
     decode_generated,
 )
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
+from swarmkit.errors import EngineError
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
 from swarmkit.weights import load_weights, save_weights
@@ -122,6 +129,8 @@ from swarmkit_plugins.backend_vllm.schema import VLLMBackendConfig
 log = logging.getLogger(__name__)
 
 _STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+#: the dtype names vLLM reads as float32
+_FLOAT32 = ("float32", "float", "fp32")
 
 
 @dataclass
@@ -168,7 +177,8 @@ class VLLMBackend(InferenceBackend):
         self.policy_version = 0
         self.model_dir: Path | None = None
         lora_rank = int(self.model_cfg.lora_rank)
-        self.enable_lora = bool(self.cfg.enable_lora) or lora_rank > 0
+        # unset: serve adapters when the model trains them; an explicit false merges them (float32 on a GPU)
+        self.enable_lora = lora_rank > 0 if self.cfg.enable_lora is None else bool(self.cfg.enable_lora)
         self.max_lora_rank = max(int(self.cfg.max_lora_rank), lora_rank)
         self.in_process = bool(self.cfg.in_process)
         self._engine: Any = None
@@ -184,6 +194,8 @@ class VLLMBackend(InferenceBackend):
         self._base_named: dict[str, Any] = {}  # last full weights pushed (for merging adapters)
         self._weights_folder: str | None = None  # last folder reloaded from (base for merging)
         self._shm_dir: Path | None = None
+        self._wrapped: frozenset[str] | None = None  # HF modules a reload names <module>.base_layer.<param>
+        self._failure: str | None = None  # why the engine serves no more requests (a failed weight reload)
         self.stats: dict[str, float] = {"steps": 0, "tokens_generated": 0, "weight_updates": 0,
                                         "max_batch_seen": 0, "busy_s": 0.0}
 
@@ -239,7 +251,7 @@ class VLLMBackend(InferenceBackend):
         dtype = str(c.dtype)
         if dtype == "auto" and not cpu:
             dtype = "bfloat16"  # what a GPU serves (as the hf backend); CPU: vLLM's own choice
-        if self.enable_lora and not cpu and dtype in ("float32", "float", "fp32"):
+        if self.enable_lora and not cpu and dtype in _FLOAT32:
             raise ValueError("vllm backend: LoRA on a GPU needs dtype bfloat16 or float16 (vLLM's CUDA LoRA "
                              "kernels take no float32); set backend.dtype, or enable_lora=false to merge "
                              "adapters into the weights")
@@ -271,6 +283,11 @@ class VLLMBackend(InferenceBackend):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if _is_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
+        elif str(self.cfg.dtype) in _FLOAT32:
+            # float32 means float32: vLLM's matmuls are (VLLM_FLOAT32_MATMUL_PRECISION=highest), but its Triton
+            # attention (TRITON_ATTN, the one CUDA backend for float32) calls tl.dot without a precision, which
+            # Triton runs in TF32 on NVIDIA GPUs (10-bit mantissa): logprobs ~3e-3 off float32 on an H100
+            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         if self.enable_lora:
             os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
 
@@ -369,6 +386,8 @@ class VLLMBackend(InferenceBackend):
         elif kind == "call":
             fn, loop, fut = arg
             try:
+                if self._failure is not None:  # queued before the engine died
+                    raise self._dead_error()
                 res = fn(self._engine)
             except BaseException as exc:  # noqa: BLE001
                 loop.call_soon_threadsafe(_set_exc, fut, exc)
@@ -380,6 +399,8 @@ class VLLMBackend(InferenceBackend):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        if self._failure is not None:
+            raise self._dead_error()
         p = req.params
         sp = VSP(
             n=max(1, int(p.n)),
@@ -417,11 +438,31 @@ class VLLMBackend(InferenceBackend):
                 self._engine.abort_request([req.rid])
 
     def _submit(self, kind: str, arg: Any) -> None:
+        if self._failure is not None:
+            raise self._dead_error()
         if self._thread is None or self._closed:
             raise RuntimeError("vllm backend not started: await backend.start() first")
         with self._cv:
             self._commands.append((kind, arg))
             self._cv.notify_all()
+
+    def _dead_error(self) -> EngineError:
+        return EngineError(f"the vllm engine failed and serves no more requests: {self._failure}", dead=True)
+
+    def failure(self) -> str | None:
+        return self._failure
+
+    def _fail_engine(self, why: str) -> None:
+        """Mark the engine dead (engine thread): vLLM's failed reload leaves parameters half loaded (0.26: on
+        the meta device), so it must not serve; every live request fails now and every later one at once."""
+        self._failure = why
+        log.error("vllm backend: %s; the engine serves no more requests", why)
+        err = self._dead_error()
+        for req in list(self._live.values()):
+            self._deliver(req, err)
+            with contextlib.suppress(Exception):
+                self._engine.abort_request([req.rid])
+        self._live.clear()
 
     async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(llm_engine)`` on the engine thread between two steps and return its result."""
@@ -647,15 +688,25 @@ class VLLMBackend(InferenceBackend):
         elif keep_base:
             self._base_named = {}
             self._weights_folder = folder
+        wrapped = await self._lora_wrapped()
+        if wrapped:  # vLLM 0.26 with LoRA: name the wrapped layers' own parameters (see _base_layer_modules)
+            if named is None:
+                named = list((await asyncio.to_thread(load_weights, Path(str(folder)))).items())
+            named = _to_base_layer(named, wrapped)
         if named is not None and not self.in_process:
             folder = await asyncio.to_thread(self._write_shm, named)
             named = None
 
         def run(engine: Any) -> None:
-            if named is not None:
-                engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-            else:
-                engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            try:
+                if named is not None:
+                    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+                else:
+                    engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            except Exception as exc:
+                # vLLM re-initialises every parameter first: a reload that fails half way leaves no model to serve
+                self._fail_engine(f"weight reload failed: {type(exc).__name__}: {exc}")
+                raise
             if self._lora is not None:
                 with contextlib.suppress(Exception):
                     engine.remove_lora(self._lora.lora_int_id)
@@ -666,6 +717,18 @@ class VLLMBackend(InferenceBackend):
                 engine.reset_prefix_cache()
 
         await self.call_in_engine(run)
+
+    async def _lora_wrapped(self) -> frozenset[str]:
+        """The HF module names whose weights a reload must name ``<module>.base_layer.<param>`` (learnt once
+        from the served model); empty unless LoRA is on and vLLM's LoRA layers do not map plain names
+        themselves (0.26 does not; 0.32's layers have a ``load_weights`` that does)."""
+        if self._wrapped is None:
+            if not self.enable_lora or _lora_layers_load_plain_names():
+                self._wrapped = frozenset()
+            else:
+                per_worker = await self.call_in_engine(lambda e: e.collective_rpc(_base_layer_modules))
+                self._wrapped = frozenset(per_worker[0])
+        return self._wrapped
 
     async def _load_adapter(self, adapter_dir: str, version: int) -> None:
         from vllm.lora.request import LoRARequest
@@ -742,6 +805,38 @@ def _strip(name: str) -> str:
             if name.startswith(pre):
                 name, changed = name[len(pre):], True
     return name
+
+
+def _lora_layers_load_plain_names() -> bool:
+    """Whether vLLM's LoRA wrappers load ``<module>.weight`` into their ``base_layer`` themselves (0.32)."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    return callable(getattr(BaseLayerWithLoRA, "load_weights", None))
+
+
+def _base_layer_modules(worker: Any) -> list[str]:
+    """Run in vLLM's worker: the HF module names of the layers vLLM wrapped for LoRA (their parameters are
+    ``<module>.base_layer.<param>``), packed modules unpacked (``qkv_proj`` -> ``q_proj``, ``k_proj``,
+    ``v_proj``): the model's own ``load_weights`` stacks ``x.q_proj.base_layer.weight`` onto
+    ``x.qkv_proj.base_layer.weight`` as it does ``x.q_proj.weight`` onto ``x.qkv_proj.weight``."""
+    model = worker.get_model()
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    out: set[str] = set()
+    for name, _ in model.named_parameters():
+        if ".base_layer." not in name:
+            continue
+        parent, _, leaf = name.split(".base_layer.")[0].rpartition(".")
+        out.update(f"{parent}.{sub}" if parent else sub for sub in packed.get(leaf, [leaf]))
+    return sorted(out)
+
+
+def _to_base_layer(named: list[tuple[str, Any]], wrapped: frozenset[str]) -> list[tuple[str, Any]]:
+    """``named`` with ``m.p`` renamed ``m.base_layer.p`` for every module ``m`` in ``wrapped``."""
+    out = []
+    for name, t in named:
+        module, _, param = name.rpartition(".")
+        out.append((f"{module}.base_layer.{param}" if module in wrapped else name, t))
+    return out
 
 
 def _is_cpu() -> bool:

@@ -19,8 +19,9 @@ class VLLMBackendConfig:
     #: run without CUDA graphs / torch.compile; unset (null) = eager on CPU, graphs on a GPU (slower start,
     #: much faster decode)
     enforce_eager: bool | None = None
-    #: serve LoRA adapters (on by itself when model.lora_rank > 0)
-    enable_lora: bool = False
+    #: serve LoRA adapters at run time; unset (null) = on when model.lora_rank > 0; false = merge each adapter
+    #: into the weights (what float32 on a GPU needs: vLLM's CUDA LoRA kernels take no float32)
+    enable_lora: bool | None = None
     max_lora_rank: int = 64
     max_loras: int = 2
     max_num_seqs: int = 256
