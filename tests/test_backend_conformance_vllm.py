@@ -131,22 +131,9 @@ def _merging_engine(model_dir):
 
 
 def _merged_lora_and_folder_reload(suite, tmp_path):
-    import copy
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-
     p = suite.prompts[2]
     before = suite.generate(p)[0]
-    torch.manual_seed(3)
-    peft_model = get_peft_model(copy.deepcopy(suite.ref), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for name, t in peft_model.named_parameters():
-            if "lora_B" in name:
-                t.copy_(torch.randn(t.shape) * 0.5)
-    peft_model.eval()
-    peft_model.save_pretrained(tmp_path / "adapter")
+    peft_model = suite.random_adapter(tmp_path / "adapter", seed=3)
     suite.update(path=str(tmp_path / "adapter"))
     after = suite.generate(p)[0]
     suite.assert_matches_reference(p, after, greedy=True, model=peft_model, what="merged LoRA")

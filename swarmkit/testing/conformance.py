@@ -584,17 +584,13 @@ class BackendConformance:
         raise AssertionError(f"no weight swap landed during a {max_tokens}-token generation "
                              f"(every token had version {seen[-1][0]})")
 
-    def check_lora_adapter(self) -> None:
-        """A peft LoRA adapter folder passed as ``path`` is served (merged or applied)."""
-        import tempfile
-
+    def random_adapter(self, folder: str | Path, seed: int) -> Any:
+        """Save a peft LoRA adapter (rank 4 on q/v, ``B`` random so that it changes the outputs) of the
+        reference model into ``folder``; returns the peft model (the adapter's own reference)."""
         import torch
         from peft import LoraConfig, get_peft_model
 
-        p = self.prompts[2]
-        before = self.generate(p)[0]
-        original = self._state()
-        torch.manual_seed(7)
+        torch.manual_seed(seed)
         peft_model = get_peft_model(copy.deepcopy(self.ref), LoraConfig(
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
         with torch.no_grad():
@@ -602,8 +598,18 @@ class BackendConformance:
                 if "lora_B" in name:
                     t.copy_(torch.randn(t.shape) * 0.5)
         peft_model.eval()
+        peft_model.save_pretrained(str(folder))
+        return peft_model
+
+    def check_lora_adapter(self) -> None:
+        """A peft LoRA adapter folder passed as ``path`` is served (merged or applied)."""
+        import tempfile
+
+        p = self.prompts[2]
+        before = self.generate(p)[0]
+        original = self._state()
         with tempfile.TemporaryDirectory() as tmp:
-            peft_model.save_pretrained(tmp)
+            peft_model = self.random_adapter(tmp, seed=7)
             try:
                 v = self.update(path=tmp)
                 after = self.generate(p)[0]
