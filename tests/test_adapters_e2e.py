@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from swarmkit.client import SwarmClient
-from tests.test_cycle_e2e import TOKEN, _env, _free_port, _stop, start_server
+from tests.test_cycle_e2e import TOKEN, _env, _free_port, _started, _stop, start_server
 
 ADAPTERS = ("vowel_e", "vowel_o")
 #: LoRA on every projection of the tiny model, one adapter per target letter of token_rule
@@ -26,14 +26,6 @@ CONFIG = ["model=tiny", "model.lora_rank=8", "model.lora_alpha=32",
           "model.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
           f"model.adapters=[{','.join(ADAPTERS)}]", "optim.lr=5e-2", "batching.batch_size=4",
           "batching.rollouts_per_task=8"]
-
-
-def _started(port: int, overrides: list[str]) -> SwarmClient:
-    ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
-    ctl.configure(overrides)
-    ctl.start()
-    ctl.wait_for_state("ROLLING", timeout=120)
-    return ctl
 
 
 def _client(port: int, adapter: str, *extra: str) -> subprocess.Popen:
