@@ -108,7 +108,7 @@ from swarmkit_plugins.backend_hf.fused import fuse_projections
 from swarmkit_plugins.backend_hf.multi_lora import MultiLora
 from swarmkit_plugins.backend_hf.runner import MIN_WINDOW, SlotRunner
 from swarmkit_plugins.backend_hf.sampler import RowSampling, sample, to_host
-from swarmkit_plugins.backend_hf.schema import HFBackendConfig
+from swarmkit_plugins.backend_hf.schema import PIPELINE_CHOICES, HFBackendConfig
 from swarmkit_plugins.backend_hf.slots import SlotCache, register_attention
 
 log = logging.getLogger(__name__)
@@ -210,9 +210,6 @@ class _Flight:
     versions: list[int]  # each sequence's policy version at launch: the weights that compute its token
     out: Any  # [rows, 3] float64 host tensor: token, logprob, bad; complete once `event` has completed
     event: Any  # a CUDA event, or None (the CPU computed the step at launch)
-
-
-PIPELINE_CHOICES = ("auto", "on", "off")
 
 
 # --------------------------------------------------------------------------- backend
@@ -949,20 +946,27 @@ class HFBackend(InferenceBackend):
         for s in seqs:
             ids[s.slot] = s.out_ids[-1]
             pos[s.slot] = len(s.prompt) + len(s.out_ids) - 1
+        self._set_lora_rows(seqs, width)
+        logits = self._runner.decode(ids, pos)
+        slots = [s.slot for s in seqs]
+        if slots != list(range(width)):
+            logits = logits.index_select(0, torch_tensor(slots, logits.device))
+        self._count_decode(len(seqs))
+        self._sample_and_append(seqs, logits)
+
+    def _set_lora_rows(self, seqs: list[_Seq], width: int) -> None:
+        """Each row's adapter for the coming decode forward (rows are slots; free rows: no adapter)."""
         if self._lora is not None:
             rows = [0] * width
             for s in seqs:
                 rows[s.slot] = s.adapter_index
             self._lora.set_rows(rows)
-        logits = self._runner.decode(ids, pos)
-        slots = [s.slot for s in seqs]
-        if slots != list(range(width)):
-            logits = logits.index_select(0, torch_tensor(slots, logits.device))
+
+    def _count_decode(self, rows: int) -> None:
         self.stats["forward_passes"] += 1
         self.stats["decode_steps"] += 1
-        self.stats["decode_rows"] += len(seqs)
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
-        self._sample_and_append(seqs, logits)
+        self.stats["decode_rows"] += rows
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], rows)
 
     # ------------------------------------------------------------------ one step in flight
     def _plain(self, seq: _Seq) -> bool:
@@ -1008,7 +1012,7 @@ class HFBackend(InferenceBackend):
         temp, draw, host = [0.0] * width, [0.5] * width, [1.0] * width
         versions: list[int] = []
         max_pos = 0
-        rng, base, adapters = self._rng, self.policy_version, self.adapter_versions
+        rng = self._rng
         for s in seqs:
             r = s.slot
             p = len(s.prompt) + len(s.out_ids) - 1
@@ -1022,18 +1026,11 @@ class HFBackend(InferenceBackend):
                 max_pos = p
             temp[r] = s.req.params.temperature
             draw[r] = _uniform(s.rng or rng)
-            versions.append(base if s.adapter is None else adapters[s.adapter])  # self._version_of
-        if self._lora is not None:
-            lora_rows = [0] * width
-            for s in seqs:
-                lora_rows[s.slot] = s.adapter_index
-            self._lora.set_rows(lora_rows)
+            versions.append(self._version_of(s.adapter))
+        self._set_lora_rows(seqs, width)
         out, event = self._runner.step([ids, pos, temp, draw, host], max_pos)
-        self.stats["forward_passes"] += 1
-        self.stats["decode_steps"] += 1
+        self._count_decode(len(seqs))
         self.stats["fused_steps"] += 1
-        self.stats["decode_rows"] += len(seqs)
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
         return _Flight(list(seqs), [s.slot for s in seqs], versions, out, event)
 
     def _await_flight(self, flight: _Flight) -> list[list[float]]:

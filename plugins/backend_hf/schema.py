@@ -2,6 +2,9 @@
 
 from dataclasses import dataclass
 
+#: the values of ``backend.pipeline``
+PIPELINE_CHOICES = ("auto", "on", "off")
+
 
 @dataclass
 class HFBackendConfig:
@@ -42,7 +45,7 @@ class HFBackendConfig:
             parse_memory(self.kv_cache_memory)
         except ValueError as exc:
             out.append(f"backend.{exc}")
-        if self.pipeline not in ("auto", "on", "off"):
+        if self.pipeline not in PIPELINE_CHOICES:
             out.append(f"backend.pipeline must be auto, on or off, not {self.pipeline!r}")
         if self.max_batch_size < 1:
             out.append("backend.max_batch_size must be >= 1")
