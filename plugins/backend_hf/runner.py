@@ -148,7 +148,7 @@ class SlotRunner:
         return out
 
     def step_shape(self, rows: int, max_pos: int) -> tuple[int, int]:
-        """``(B, L)`` of a decode step of ``rows`` rows whose largest position is ``max_pos``."""
+        """``(B, L)`` of a decode step (serial or fused) of ``rows`` rows whose largest position is ``max_pos``."""
         return bucket(rows, self.cache.slots), bucket(max_pos + 1, self.cache.capacity, MIN_WINDOW)
 
     @property
@@ -197,8 +197,7 @@ class SlotRunner:
         """Logits ``[B', V]`` of one decode step; ``ids[r]``/``pos[r]`` for row (slot) ``r``, ``B' = len(ids)``
         (free slots: any id, position 0). Rows past ``B'`` up to the bucket are computed and dropped."""
         n = len(ids)
-        b = bucket(n, self.cache.slots)
-        length = bucket(max(pos) + 1, self.cache.capacity, MIN_WINDOW)
+        b, length = self.step_shape(n, max(pos))
         host = torch.zeros((2, b), dtype=torch.long)
         host[0, :n] = torch.tensor(ids, dtype=torch.long)
         host[1, :n] = torch.tensor(pos, dtype=torch.long)
