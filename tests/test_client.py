@@ -410,6 +410,52 @@ def test_a_client_holds_its_id_from_its_first_registration(train_cfg, tmp_path, 
         h.stop()
 
 
+def test_concurrent_first_registrations_share_one_client_key(train_cfg, tmp_path, monkeypatch):
+    """CI failure (stop 42, C4 never fired): a task client's threads registered their first episodes at
+    once; each found no key (the disk lookup lets the other thread run), each made its own, the server
+    bound the id to the first to arrive and the client kept the other, so every ready vote got 403 and
+    C4 waited forever. One client makes one key, whatever its threads do."""
+    import threading
+
+    import swarmkit.client._common as common
+    from swarmkit.models import build_tiny_tokenizer
+
+    real_load = common.load_client_key
+    lookups: list[str] = []
+
+    def slow_load(url: str, client_id: str) -> str | None:
+        key = real_load(url, client_id)
+        lookups.append(client_id)
+        # a slow disk: the first lookup ends first, its key is sent first; a later one used to find no key
+        # either (it looked before the first was made) and make a second one, the one the client kept
+        time.sleep(0.05 if len(lookups) == 1 else 0.3)
+        return key
+
+    monkeypatch.setattr(common, "load_client_key", slow_load)
+    monkeypatch.setenv("SWARMKIT_CLIENT_KEYS", str(tmp_path / "keys"))
+    backend = ScriptedBackend(build_tiny_tokenizer(), replies=["ok"])
+    h = start_server_thread({"server": {"port": 0, "admin_token": TOKEN, "run_dir": str(tmp_path)}},
+                            config=train_cfg, backend_factory=lambda cfg: backend, train=False)
+    try:
+        with SwarmClient(h.url, token=TOKEN) as admin:
+            admin.start()
+            admin.wait_for_state("ROLLING", timeout=20)
+            with SwarmClient(h.url, token=TOKEN, client_id="threaded") as client:
+                episodes = []
+                threads = [threading.Thread(target=lambda: episodes.append(client.register("t"))) for _ in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert len(episodes) == 4
+                assert client.ready(True)["ready"] is True  # the key the server bound is the one the client kept
+                for ep in episodes:
+                    ep.abort("done")
+            assert admin.status()["clients"]["ready"] == 1
+    finally:
+        h.stop()
+
+
 def test_a_dead_clients_episode_does_not_hold_the_drain(handle, client):
     """Issue 31: a client that died just before a step held it for server.drain_idle_s (29.8 s by default)
     while registrations got 503. The SDK beats every 2 s while it has an episode open; a client that missed

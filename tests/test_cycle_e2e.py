@@ -44,14 +44,18 @@ def start_server(run_dir: Path, port: int) -> subprocess.Popen:
     return proc
 
 
-def start_clients(port: int, n: int, ready_every: int = 0) -> list[subprocess.Popen]:
+def start_clients(port: int, n: int, ready_every: int = 0, log_dir: Path | None = None) -> list[subprocess.Popen]:
+    """``n`` task-client processes; with ``log_dir`` each one's stderr goes to ``client-<i>.err`` there."""
+    def _err(i: int):
+        return open(log_dir / f"client-{i}.err", "ab") if log_dir is not None else subprocess.DEVNULL
+
     return [
         subprocess.Popen(
             [sys.executable, "-m", "swarmkit.apps.task_client", "--url", f"http://127.0.0.1:{port}",
              "--task", "token_rule", "--train-size", "8", "--rollouts-per-task", "2",
              "--max-tokens", "4", "--concurrency", "2", "--ready-every", str(ready_every),
              "--client-id", f"client-{i}"],
-            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_env(), stdout=subprocess.DEVNULL, stderr=_err(i),
         )
         for i in range(n)
     ]
@@ -84,6 +88,15 @@ def _wait_step(ctl: SwarmClient, step: int, timeout: float, poll: float = 0.2) -
         time.sleep(poll)
 
 
+def _logs(run_dir: Path) -> str:
+    """The last lines of the server's and the clients' stderr in ``run_dir`` (for a failing assertion)."""
+    parts = []
+    for f in sorted(run_dir.glob("*.err")):
+        lines = f.read_text(errors="replace").splitlines()[-15:]
+        parts.append(f"--- {f.name}\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
 def _cycles(history: list[str]) -> int:
     n, i = 0, 0
     while i + 3 < len(history) + 0:
@@ -107,13 +120,13 @@ def test_each_policy_cycles_three_times(tmp_path, policy):
                        "batching.active_window_s=30"])
         ctl.start()
         ctl.wait_for_state("ROLLING", timeout=120)
-        clients = start_clients(port, 2, ready_every=4 if policy in ("c4", "c5") else 0)
+        clients = start_clients(port, 2, ready_every=4 if policy in ("c4", "c5") else 0, log_dir=tmp_path)
         deadline = time.monotonic() + 120
         status = ctl.status()
         while status["global_step"] < 3 and time.monotonic() < deadline:
             time.sleep(0.3)
             status = ctl.status()
-        assert status["global_step"] >= 3, status
+        assert status["global_step"] >= 3, (status["clients"], status["pool"], _logs(tmp_path))
         assert _cycles(status["state_history"]) >= 3, status["state_history"]
         assert status["pool"]["trained"] >= 3 * (4 if policy in ("c1", "c2", "c3") else 1)
         assert status["clients"]["active"] == 2

@@ -310,8 +310,9 @@ class TrainingClient(EpisodeLoop):
         if self.ready_every and self.finished % self.ready_every == 0:
             try:
                 self.client.ready(True)
-            except SwarmError as exc:
+            except SwarmError as exc:  # said, not raised: the next vote may pass; a C4 server waits for it
                 self.last_error = f"ready vote failed: {exc}"
+                log.warning("%s", self.last_error)
 
 
 def _option(item: str) -> tuple[str, Any]:

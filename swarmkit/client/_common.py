@@ -220,6 +220,8 @@ class HoldsClientId:
         self._named = client_id is not None
         self.client_token = client_token if client_token is not None else os.environ.get("SWARMKIT_CLIENT_TOKEN")
         self._client_key = None
+        #: one key per client: its threads' first registrations must not each make their own
+        self._key_lock = threading.Lock()
         self.retry_for = float(retry_for)
         self.on_retry = on_retry
         self._retry_notes = RetryNotes()
@@ -228,21 +230,26 @@ class HoldsClientId:
 
     def _key_header(self, *, create: bool = False) -> dict[str, str]:
         """The key header; with ``create``, a fresh key when this client has none yet (registrations
-        show it, so the server binds the id to this client at its first contact)."""
-        if self._client_key is None:
-            self._client_key = load_client_key(self.url, self.client_id) if self._named else None
-        if self._client_key is None and create:
-            self._client_key = secrets.token_urlsafe(24)
-            if self._named:
-                save_client_key(self.url, self.client_id, self._client_key)
-        return {CLIENT_KEY_HEADER: self._client_key} if self._client_key else {}
+        show it, so the server binds the id to this client at its first contact). Thread-safe: two
+        threads' first registrations show the same key (each making its own, the server bound one and
+        the client kept the other, and every vote of the client got 403)."""
+        with self._key_lock:
+            if self._client_key is None:
+                self._client_key = load_client_key(self.url, self.client_id) if self._named else None
+            if self._client_key is None and create:
+                self._client_key = secrets.token_urlsafe(24)
+                if self._named:
+                    save_client_key(self.url, self.client_id, self._client_key)
+            return {CLIENT_KEY_HEADER: self._client_key} if self._client_key else {}
 
     def _kept_key(self, answer: dict[str, Any]) -> dict[str, Any]:
         key = answer.get("client_key")
-        if isinstance(key, str) and key and key != self._client_key:
-            self._client_key = key
-            if self._named:
-                save_client_key(self.url, self.client_id, key)
+        if isinstance(key, str) and key:
+            with self._key_lock:
+                if key != self._client_key:
+                    self._client_key = key
+                    if self._named:
+                        save_client_key(self.url, self.client_id, key)
         return answer
 
 
