@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -48,6 +47,7 @@ from typing import Any
 import httpx
 
 from swarmkit.client import AsyncSwarmClient, SwarmAPIError
+from swarmkit.procs import peak_rss_bytes
 from swarmkit.tasks import make_tasks, score
 
 TOKEN = "bench-admin-token"
@@ -74,21 +74,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def peak_rss_bytes(pid: int) -> int:
-    """Peak resident set of ``pid`` and its live children (``VmHWM`` from /proc; Linux), 0 if unreadable."""
-    total = 0
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            pids += [int(c) for c in (task / "children").read_text().split()]
-    for p in pids:
-        with contextlib.suppress(OSError, ValueError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
-    return total
 
 
 class Policy:

@@ -3,19 +3,22 @@
 Children that die with their parent (the research executor, the multirun
 launcher in ``hydra_plugins``), whether a port is free (the local and Ray
 launchers, torch's rendezvous), whether a host is this machine's loopback (the
-config checks, the episode routes, ``join``). They sit at the bottom of the
+config checks, the episode routes, ``join``), a process tree's peak memory (the
+multi-server benchmarks and examples). They sit at the bottom of the
 layers so that a launcher plugin needs no upper package for them. Pure
 standard library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import signal
 import socket
 import sys
+from pathlib import Path
 
-__all__ = ["die_with_parent", "free_port", "is_loopback", "port_free"]
+__all__ = ["die_with_parent", "free_port", "is_loopback", "peak_rss_bytes", "port_free"]
 
 
 def die_with_parent() -> None:
@@ -55,3 +58,19 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Peak resident set of ``pid`` and its live children, summed (``VmHWM`` from /proc; Linux), 0 if
+    unreadable (another system, or the process is gone)."""
+    total = 0
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            pids += [int(c) for c in (task / "children").read_text().split()]
+    for p in pids:
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+    return total

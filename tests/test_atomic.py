@@ -251,3 +251,23 @@ def test_peers_name_the_servers_a_primary_may_live_on():
     assert not _peer_allowed("http://10.0.0.2:8001", ["http://10.0.0.2:8000"])
     assert _peer_allowed("https://swarm.example", ["https://swarm.example:443"])
     assert not _peer_allowed("http://127.0.0.1:8001", [])
+
+
+def test_roles_of_one_server_with_different_adapters_are_parts_of_their_own():
+    """On a server with model.adapters an episode trains one adapter: roles bound to different adapters
+    get an episode each there, ordered by server then adapter (the primary first)."""
+    from types import SimpleNamespace
+
+    from swarmkit.client.multi import plan_parts
+
+    a, b = SimpleNamespace(url="http://a"), SimpleNamespace(url="http://b")
+    parts = plan_parts({"civilian": a, "spy": a, "judge": b}, adapters={"civilian": "civilians", "spy": "spies"})
+    assert [(p[0].url, p[1], p[2], p[3]) for p in parts] == [
+        ("http://a", ["civilian"], False, "civilians"), ("http://a", ["spy"], False, "spies"),
+        ("http://b", ["judge"], False, None)]
+    with pytest.raises(ValueError, match="freeze all of them or none"):  # one adapter: one episode for both
+        plan_parts({"civilian": a, "spy": a}, frozen=["spy"], adapters={"civilian": "x", "spy": "x"})
+    assert plan_parts({"civilian": a, "spy": a}, frozen=["spy"],
+                      adapters={"civilian": "civilians", "spy": "spies"})[1][2] is True  # frozen: its own eval part
+    with pytest.raises(ValueError, match="no route"):
+        plan_parts({"civilian": a}, adapters={"spy": "spies"})

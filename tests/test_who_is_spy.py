@@ -1,6 +1,7 @@
-""""Who is the Spy" (examples/who_is_spy): the rules with scripted players, and both set-ups end to end
+""""Who is the Spy" (examples/who_is_spy): the rules with scripted players, and the set-ups end to end
 with real server processes and the tiny model (shared: one server, two roles; adversarial: civilians on
-server A, spies on server B, each journal holding only its own role's tokens)."""
+server A, spies on server B, each journal holding only its own role's tokens; adapters: one server, each
+side's tokens training its own LoRA adapter)."""
 
 from __future__ import annotations
 
@@ -153,10 +154,11 @@ def test_prompts_hide_the_roles_and_show_the_transcript():
 def _journal(run_dir: Path) -> list[dict]:
     db = sqlite3.connect(f"file:{run_dir / 'journal.sqlite'}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT task_family, reward, timelines FROM episodes").fetchall()
+        rows = db.execute("SELECT task_family, reward, timelines, adapter, trained_step FROM episodes").fetchall()
     finally:
         db.close()
-    return [{"family": f, "reward": json.loads(r), "timelines": json.loads(t)} for f, r, t in rows]
+    return [{"family": f, "reward": json.loads(r), "timelines": json.loads(t), "adapter": a, "trained_step": st}
+            for f, r, t, a, st in rows]
 
 
 def _load_runner():
@@ -201,3 +203,26 @@ def test_adversarial_each_server_learns_only_from_its_own_players(tmp_path):
         for r in rows:
             assert set(r["reward"]) == {role}
             assert {t["role"] for t in r["timelines"]} == {role}
+
+
+def test_adapters_one_server_each_side_trains_its_own_adapter(tmp_path):
+    """Civilians and spies as two LoRA adapters of one base on one server, the civilians trained and the
+    spies frozen, with a warm start: every episode holds one side's tokens under that side's adapter, every
+    step trained one adapter's episodes only, and the spies' only in the warm start (their played parts are
+    eval episodes, never journaled)."""
+    summary = _run(tmp_path, "adapters", "--train", "civilian", "--warm-start", "1")
+    assert summary["adapters"] == {CIVILIAN: "civilians", SPY: "spies"} and summary["frozen"] == [SPY]
+    assert list(summary["server_peak_rss_bytes"]) == ["a"] and summary["server_peak_rss_bytes"]["a"] > 0
+    rows = _journal(tmp_path / "server_a")
+    adapter_of = {CIVILIAN: "civilians", SPY: "spies"}
+    steps: dict[int, set[str]] = collections.defaultdict(set)
+    for r in rows:
+        (role,) = set(r["reward"])
+        assert {t["role"] for t in r["timelines"]} == {role} and r["adapter"] == adapter_of[role]
+        demo = any(t["meta"].get("demonstration") for t in r["timelines"])
+        assert demo or role == CIVILIAN, r  # the frozen spies' played parts are eval episodes
+        if r["trained_step"] is not None:
+            steps[r["trained_step"]].add(r["adapter"])
+    assert all(len(a) == 1 for a in steps.values()), steps  # one adapter per step
+    assert len(steps) == 3 and set().union(*steps.values()) == {"civilians", "spies"}  # 2 warm + 1 RL
+    assert any(not any(t["meta"].get("demonstration") for t in r["timelines"]) for r in rows)  # civilians played

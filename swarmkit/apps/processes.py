@@ -91,7 +91,9 @@ def step_line(role: str, m: dict[str, Any]) -> str:
     """One line of a server's training step (its metrics from the status's ``pool.last_step``)."""
     loss = (f"sft nll {m['sft_nll']:.4f}" if m.get("sft_nll") is not None and m.get("demo_samples") == m.get("samples")
             else f"loss {m.get('loss', float('nan')):+.4f}")
-    return (f"[server {role}] step {int(m['step']):>3}  reward {m.get('reward_mean', float('nan')):.3f}  "
+    adapter = next((k.split("/")[1] for k in m if k.startswith("adapter/") and k.endswith("/step")), None)
+    who = f"[server {role}{f' adapter {adapter}' if adapter else ''}]"
+    return (f"{who} step {int(m['step']):>3}  reward {m.get('reward_mean', float('nan')):.3f}  "
             f"{loss}  samples {int(m.get('samples', 0))}  "
             f"step {m.get('cycle_time_s', 0.0):.2f}s (weight sync {m.get('weight_sync_s', 0.0):.3f}s)")
 

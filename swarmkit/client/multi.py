@@ -22,6 +22,16 @@ keeps the episode, or none does::
 Roles routed to the same server share one episode there (``roles=[...]``).
 ``frozen`` roles are played but not trained: their server's part is an eval
 episode (all roles of a part must agree).
+
+On a server that trains several LoRA adapters over one base
+(``model.adapters``), ``adapters`` names each role's adapter; roles of one
+server with different adapters are different parts there (an episode trains
+one adapter), ended together like parts on different servers::
+
+    c = SwarmClient(URL)  # model.adapters=[civilians,spies]
+    with swarm_episode({"civilian": c, "spy": c}, "pair-3",
+                       adapters={"civilian": "civilians", "spy": "spies"}) as ep:
+        ...
 """
 
 from __future__ import annotations
@@ -48,24 +58,31 @@ log = logging.getLogger("swarmkit.client")
 __all__ = ["AsyncSwarmEpisode", "SwarmEpisode", "async_swarm_episode", "plan_parts", "swarm_episode"]
 
 
-def plan_parts(routes: Mapping[str, C], frozen: Collection[str] = ()) -> list[tuple[C, list[str], bool]]:
-    """(server, its roles, eval) per server, in the fixed order (by server URL; the first is the primary)."""
+def plan_parts(routes: Mapping[str, C], frozen: Collection[str] = (), adapters: Mapping[str, str] | None = None
+               ) -> list[tuple[C, list[str], bool, str | None]]:
+    """(server, its roles, eval, adapter) per part, in the fixed order (by server URL, then adapter; the
+    first is the primary). A part is the roles of one server that sample with one adapter (``adapters``:
+    role → adapter; None or a role left out: the server's one model)."""
     if not routes:
         raise ValueError("swarm_episode needs at least one role -> server route")
     unknown = set(frozen) - set(routes)
     if unknown:
         raise ValueError(f"frozen role(s) {sorted(unknown)} have no route")
-    by_url: dict[str, tuple[C, list[str]]] = {}
+    adapters = dict(adapters or {})
+    unrouted = set(adapters) - set(routes)
+    if unrouted:
+        raise ValueError(f"adapters name role(s) {sorted(unrouted)} that have no route")
+    by_part: dict[tuple[str, str], tuple[C, list[str]]] = {}
     for role, client in routes.items():
-        by_url.setdefault(client.url, (client, []))[1].append(role)
+        by_part.setdefault((client.url, adapters.get(role) or ""), (client, []))[1].append(role)
     parts = []
-    for url in sorted(by_url):
-        client, roles = by_url[url]
+    for url, adapter in sorted(by_part):
+        client, roles = by_part[(url, adapter)]
         flags = {r in frozen for r in roles}
         if len(flags) > 1:
-            raise ValueError(f"roles {roles} share the server {url}: freeze all of them or none "
+            raise ValueError(f"roles {roles} share an episode on {url}: freeze all of them or none "
                              "(one episode there is either trained or not)")
-        parts.append((client, roles, flags.pop()))
+        parts.append((client, roles, flags.pop(), adapter or None))
     return parts
 
 
@@ -233,19 +250,23 @@ def _follow_later(ep: Episode | AsyncEpisode, exc: SwarmError) -> None:
 @contextmanager
 def swarm_episode(routes: Mapping[str, SwarmClient], task_id: str, *, eval: bool = False,
                   frozen: Collection[str] = (), timeout_s: float | None = None,
-                  meta: Mapping[str, Any] | None = None) -> Iterator[SwarmEpisode]:
-    """Register one episode per server for the ``with`` block (see the module text).
+                  meta: Mapping[str, Any] | None = None,
+                  adapters: Mapping[str, str] | None = None) -> Iterator[SwarmEpisode]:
+    """Register one episode per server (and adapter) for the ``with`` block (see the module text).
 
     :param routes: role → the client of the server that trains that role.
     :param eval: every part is an eval episode (nothing is trained).
     :param frozen: roles that play but are not trained (their part is an eval episode).
+    :param adapters: role → the LoRA adapter it samples with and trains, on a server with
+        ``model.adapters``; roles of one server with different adapters get an episode each.
     An exception in the block, or a block that ends without :meth:`SwarmEpisode.report`,
     drops every part.
     """
     parts: list[Episode] = []
     try:
-        for client, roles, is_frozen in plan_parts(routes, frozen):
-            parts.append(client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles, meta=meta))
+        for client, roles, is_frozen, adapter in plan_parts(routes, frozen, adapters):
+            parts.append(client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles, meta=meta,
+                                         adapter=adapter))
     except BaseException as exc:
         SwarmEpisode(parts).abort(abort_reason(exc))
         raise
@@ -262,13 +283,14 @@ def swarm_episode(routes: Mapping[str, SwarmClient], task_id: str, *, eval: bool
 @asynccontextmanager
 async def async_swarm_episode(routes: Mapping[str, AsyncSwarmClient], task_id: str, *, eval: bool = False,
                               frozen: Collection[str] = (), timeout_s: float | None = None,
-                              meta: Mapping[str, Any] | None = None) -> AsyncIterator[AsyncSwarmEpisode]:
+                              meta: Mapping[str, Any] | None = None,
+                              adapters: Mapping[str, str] | None = None) -> AsyncIterator[AsyncSwarmEpisode]:
     """:func:`swarm_episode` for :class:`AsyncSwarmClient` routes (``async with``)."""
     parts: list[AsyncEpisode] = []
     try:
-        for client, roles, is_frozen in plan_parts(routes, frozen):
+        for client, roles, is_frozen, adapter in plan_parts(routes, frozen, adapters):
             parts.append(await client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles,
-                                               meta=meta))
+                                               meta=meta, adapter=adapter))
     except BaseException as exc:
         await AsyncSwarmEpisode(parts).abort(abort_reason(exc))
         raise

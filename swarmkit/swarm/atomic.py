@@ -3,7 +3,7 @@
 A multi-server episode (one game with civilians on server A and spies on
 server B, say) is one registered episode per server. The client SDK's
 ``swarm_episode`` ends it in two phases, in one fixed order of the episodes
-(by server URL, then episode id); the first is the **primary**:
+(by server URL, then adapter); the first is the **primary**:
 
 1. ``prepare`` every episode: the reward is stored, the episode takes no more
    calls and is not in the pool yet. Each non-primary episode is told where
