@@ -10,16 +10,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from swarmkit.procs import free_port
 from swarmkit_plugins.backend_scripted.script import (
     ScriptError,
     load_script,
@@ -78,15 +81,40 @@ def test_a_missing_or_unparsable_file_is_named(tmp_path):
         load_script(tmp_path / "bad.yaml")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_env() -> dict[str, str]:
-    return dict(os.environ, SWARMKIT_ADMIN_TOKEN=TOKEN, SWARMKIT_TORCH_THREADS="1", OMP_NUM_THREADS="1",
+def server_env(token: str = TOKEN) -> dict[str, str]:
+    return dict(os.environ, SWARMKIT_ADMIN_TOKEN=token, SWARMKIT_TORCH_THREADS="1", OMP_NUM_THREADS="1",
                 HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+@contextlib.contextmanager
+def scripted_server_process(tmp: Path, script: Path, token: str, overrides: Sequence[str] = ()) -> Iterator[Any]:
+    """``python -m swarmkit mode=server model=tiny backend=scripted`` playing ``script`` on a free port of
+    127.0.0.1 (run dir ``tmp/run``, one no-op training step after two episodes; ``overrides`` after
+    ``model=tiny``), ROLLING; yields its ``SwarmClient`` and prints the tail of the server's log at the
+    end (this file's fixture and test_coding_agent's)."""
+    from swarmkit.client import SwarmClient
+
+    port = free_port()
+    log = open(tmp / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "swarmkit", "mode=server", "model=tiny", *overrides,
+                             "backend=scripted", f"backend.script={script}", f"server.port={port}",
+                             f"server.run_dir={tmp / 'run'}", "batching=c1", "batching.batch_size=2",
+                             "batching.rollouts_per_task=1", "trainer.total_steps=1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=server_env(token), cwd=tmp)
+    client = SwarmClient(f"http://127.0.0.1:{port}", token=token, retry_for=30)
+    try:
+        client.wait_for_state("ROLLING", timeout=120)
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.seek(0)
+        print(log.read()[-4000:])
+        log.close()
 
 
 def test_a_bad_script_stops_the_command_line_with_one_error_line(tmp_path):
@@ -104,32 +132,11 @@ def test_a_bad_script_stops_the_command_line_with_one_error_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def scripted_server(tmp_path_factory):
-    from swarmkit.client import SwarmClient
-
     tmp = tmp_path_factory.mktemp("scripted")
     script = tmp / "script.yaml"
     script.write_text(SCRIPT)
-    run_dir, port = tmp / "run", free_port()
-    log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "swarmkit", "mode=server", "model=tiny", "backend=scripted",
-                             f"backend.script={script}", f"server.port={port}", f"server.run_dir={run_dir}",
-                             "batching=c1", "batching.batch_size=2", "batching.rollouts_per_task=1",
-                             "trainer.total_steps=1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=server_env(), cwd=tmp)
-    client = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=30)
-    try:
-        client.wait_for_state("ROLLING", timeout=120)
-        yield client, run_dir
-    finally:
-        client.close()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.seek(0)
-        print(log.read()[-4000:])
-        log.close()
+    with scripted_server_process(tmp, script, TOKEN) as client:
+        yield client, tmp / "run"
 
 
 def test_a_scripted_server_answers_the_openai_sdk_and_steps_without_weights(scripted_server):

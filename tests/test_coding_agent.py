@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_backend_scripted import scripted_server_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "coding_agent"
@@ -44,42 +43,13 @@ pytestmark = pytest.mark.skipif(
     CODEX is None, reason="Codex not installed: npm install --prefix .npm-agents @openai/codex@0.171.0")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from swarmkit.client import SwarmClient
-
-    tmp = tmp_path_factory.mktemp("codex")
-    port = _free_port()
-    env = dict(os.environ, SWARMKIT_ADMIN_TOKEN=TOKEN, SWARMKIT_TORCH_THREADS="1", OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    log = open(tmp / "server.log", "w+")
     # Codex's first prompt is ~4,100 tokens even trimmed (the tiny model's context is 1,024): the
     # scripted backend keeps the tiny tokenizer and template and is given SmolLM2's 8,192
-    proc = subprocess.Popen([sys.executable, "-m", "swarmkit", "mode=server", "model=tiny", "model.max_context=8192",
-                             "backend=scripted", f"backend.script={RECIPE / 'script.yaml'}", f"server.port={port}",
-                             f"server.run_dir={tmp / 'run'}", "batching=c1", "batching.batch_size=2",
-                             "batching.rollouts_per_task=1", "trainer.total_steps=1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
-    client = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=30)
-    try:
-        client.wait_for_state("ROLLING", timeout=120)
+    with scripted_server_process(tmp_path_factory.mktemp("codex"), RECIPE / "script.yaml", TOKEN,
+                                 ["model.max_context=8192"]) as client:
         yield client
-    finally:
-        client.close()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.seek(0)
-        print(log.read()[-4000:])
-        log.close()
 
 
 def test_codex_fixes_the_task_through_the_episode_and_the_tests_reward_it(server):

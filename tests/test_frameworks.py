@@ -14,6 +14,7 @@ train a few steps on the tiny model with the hf backend, one run per framework.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -167,10 +169,15 @@ class Server:
     client: SwarmClient
     recorder: Recorder
     tokenizer: Any
+    template: str
 
 
-@pytest.fixture(scope="module", params=TEMPLATES)
-def server(request, tmp_path_factory):
+@contextlib.contextmanager
+def recorded_server(model: Callable[[str], str], template: str, run_dir: Path,
+                    overrides: Sequence[str] = ()) -> Iterator[Server]:
+    """A server on 127.0.0.1 (uvicorn in a thread, the tiny tokenizer, chat template ``template``) whose
+    scripted model answers ``model(prompt)``, every chat request recorded, ROLLING (this file's fixture and
+    test_frameworks_more's); ``overrides`` are more config overrides."""
     from swarmkit.apps.wiring import build_server
     from swarmkit.config.compose import compose
     from swarmkit.config.validate import validate_config
@@ -180,10 +187,11 @@ def server(request, tmp_path_factory):
     from swarmkit.testing.scripted import ScriptedBackend
 
     tok = build_tiny_tokenizer()
-    backend = ScriptedBackend(tok, replies=lambda ids: script(tok.decode(ids)))
-    config = validate_config(compose(["model=tiny", f"model.chat_template={request.param}"]), get_registry())
+    backend = ScriptedBackend(tok, replies=lambda ids: model(tok.decode(ids)))
+    config = validate_config(compose(["model=tiny", f"model.chat_template={template}", *overrides]),
+                             get_registry())
     srv, app = build_server({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                        "run_dir": str(tmp_path_factory.mktemp("frameworks"))}},
+                                        "run_dir": str(run_dir)}},
                             train=False, config=config, backend_factory=lambda cfg: backend)
     recorder = Recorder(app)
     handle = run_in_thread(srv, recorder)
@@ -191,10 +199,16 @@ def server(request, tmp_path_factory):
     try:
         client.start()
         client.wait_for_state("ROLLING", timeout=30)
-        yield Server(client, recorder, tok)
+        yield Server(client, recorder, tok, template)
     finally:
         client.close()
         handle.stop()
+
+
+@pytest.fixture(scope="module", params=TEMPLATES)
+def server(request, tmp_path_factory):
+    with recorded_server(script, request.param, tmp_path_factory.mktemp("frameworks")) as served:
+        yield served
 
 
 @dataclass
@@ -213,14 +227,14 @@ def _reference(base_url, api_key, task, *, temperature, seed):
     return out.completion, int(out.metrics["valid_tool_call"]), int(out.metrics["tool_calls"]), int(out.metrics["turns"])
 
 
-@pytest.fixture(scope="module")
-def runs(server):
-    """One episode per (framework, task), shared by the tests."""
+def episode_runs(server: Server, episode_of: Callable[[str], Callable[..., Any]]) -> Callable[..., Run]:
+    """``get(name, task=TASK)``: the Run of one episode of ``episode_of(name)`` (a run_episode), run once per
+    (name, task) and shared by the tests (this file's ``runs`` and test_frameworks_more's)."""
     done: dict[tuple[str, str], Run] = {}
 
     def get(name: str, task: Task = TASK) -> Run:
         if (name, task.task_id) not in done:
-            run_episode = _reference if name == "reference" else load(name).run_episode
+            run_episode = episode_of(name)
             with server.client.episode(task_id=task.task_id) as ep:
                 result = run_episode(ep.base_url, ep.api_key, task, temperature=1.0, seed=7)
                 outcome = grade(task, *result)
@@ -231,6 +245,12 @@ def runs(server):
         return done[name, task.task_id]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def runs(server):
+    """One episode per (framework, task), shared by the tests."""
+    return episode_runs(server, lambda name: _reference if name == "reference" else load(name).run_episode)
 
 
 def _text(content: Any) -> str:
@@ -376,7 +396,13 @@ def test_the_agent_stops_after_three_turns(runs, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_command_line_trains_and_evaluates_with_episodes_at_once(server, capsys, name):
-    module, loop = load(name), _load_file("swarm_loop")
+    check_command_line(server, capsys, name, load(name))
+
+
+def check_command_line(server: Server, capsys: pytest.CaptureFixture[str], name: str, module: ModuleType) -> None:
+    """examples/frameworks/swarm_loop.py's command line with ``module``'s run_episode: 4 training episodes
+    in groups of 2, 4 at once, then 4 eval tasks, every one right (this file's test and test_frameworks_more's)."""
+    loop = _load_file("swarm_loop")
     loop.main(module.run_episode, name, ["--url", server.client.url, "--token", TOKEN, "--episodes", "4",
                                          "--group", "2", "--eval", "4", "--concurrency", "4"])
     out = capsys.readouterr().out
@@ -389,30 +415,39 @@ def test_the_command_line_trains_and_evaluates_with_episodes_at_once(server, cap
 @pytest.mark.parametrize("name", NAMES)
 def test_a_short_training_run_on_the_tiny_model(name, tmp_path):
     """Episodes of the framework on the tiny random model (hf backend): two GRPO steps, finite losses."""
+    short_training_run(load(name), tmp_path)
+
+
+def short_training_run(module: ModuleType, run_dir: Path, overrides: Sequence[str] = (),
+                       step_timeout_s: float = 120) -> list[Any]:
+    """Four episodes of ``module``'s run_episode (groups of 2, 2 at once) on a server of the tiny model (hf
+    backend, CPU; ``overrides`` after ``model=tiny``) until its two GRPO steps, whose losses must be
+    finite; returns the episodes' outcomes (this file's slow test and test_frameworks_more's)."""
     from swarmkit.apps.serve import start_server_thread
     from swarmkit.swarm.metrics import read_metrics
 
-    module, loop = load(name), _load_file("swarm_loop")
+    loop = _load_file("swarm_loop")
     handle = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                             "run_dir": str(tmp_path)}})
+                                             "run_dir": str(run_dir)}})
     try:
         with SwarmClient(handle.url, token=TOKEN, retry_for=120) as client:
-            client.configure(["model=tiny", "backend=hf", "backend.device=cpu", "backend.batch_wait_s=0.01",
-                              "batching=c1", "batching.batch_size=1", "batching.rollouts_per_task=2",
-                              "trainer.total_steps=2", "optim.lr=1e-3"])
+            client.configure(["model=tiny", *overrides, "backend=hf", "backend.device=cpu",
+                              "backend.batch_wait_s=0.01", "batching=c1", "batching.batch_size=1",
+                              "batching.rollouts_per_task=2", "trainer.total_steps=2", "optim.lr=1e-3"])
             client.start()
             client.wait_for_state("ROLLING", timeout=120)
-            outcomes = loop.train(client, module.run_episode, 4, group=2, concurrency=2)
-            deadline = time.monotonic() + 120
+            outcomes: list[Any] = loop.train(client, module.run_episode, 4, group=2, concurrency=2)
+            deadline = time.monotonic() + step_timeout_s
             while client.status()["global_step"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert client.status()["global_step"] == 2
     finally:
         handle.stop()
     assert len(outcomes) == 4
-    rows = [r for r in read_metrics(tmp_path) if r["kind"] == "train"]
+    rows = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) and r["samples"] >= 1 and r["trained_tokens"] > 0 for r in rows)
+    return outcomes
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -32,17 +29,17 @@ from test_frameworks import (
     KNOWN,
     LOOP,
     TASK,
-    TOKEN,
-    Recorder,
     _load_file,
     _text,
+    check_command_line,
+    episode_runs,
+    recorded_server,
+    short_training_run,
 )
 from test_frameworks import script as native_script
 
-from swarmkit.client import SwarmClient
 from swarmkit.tasks import Task
-from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, SYSTEM_PROMPT, grade
-from swarmkit.timelines import Timeline
+from swarmkit.tasks.calc_agent import CALCULATOR_TOOL, SYSTEM_PROMPT
 from swarmkit.timelines.merging import merge_timelines
 
 #: example module -> the packages it imports
@@ -147,70 +144,17 @@ def _reply(prompt: str) -> str:
 
 
 # --------------------------------------------------------------------------- the server
-@dataclass
-class Server:
-    client: SwarmClient
-    recorder: Recorder
-    tokenizer: Any
-    template: str
-
-
 @pytest.fixture(scope="module", params=TEMPLATES)
 def server(request, tmp_path_factory):
-    from swarmkit.apps.wiring import build_server
-    from swarmkit.config.compose import compose
-    from swarmkit.config.validate import validate_config
-    from swarmkit.models import build_tiny_tokenizer
-    from swarmkit.plugins import get_registry
-    from swarmkit.server.run import run_in_thread
-    from swarmkit.testing.scripted import ScriptedBackend
-
-    tok = build_tiny_tokenizer()
-    backend = ScriptedBackend(tok, replies=lambda ids: script(tok.decode(ids)))
-    config = validate_config(compose(["model=tiny", f"model.chat_template={request.param}",
-                                      f"model.max_context={MAX_CONTEXT}"]), get_registry())
-    srv, app = build_server({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                        "run_dir": str(tmp_path_factory.mktemp("frameworks_more"))}},
-                            train=False, config=config, backend_factory=lambda cfg: backend)
-    recorder = Recorder(app)
-    handle = run_in_thread(srv, recorder)
-    client = SwarmClient(handle.url, token=TOKEN, retry_for=10)
-    try:
-        client.start()
-        client.wait_for_state("ROLLING", timeout=30)
-        yield Server(client, recorder, tok, request.param)
-    finally:
-        client.close()
-        handle.stop()
-
-
-@dataclass
-class Run:
-    result: tuple[str, int, int, int]
-    reward: float
-    report: dict
-    timelines: list[Timeline]
-    bodies: list[dict]
+    with recorded_server(script, request.param, tmp_path_factory.mktemp("frameworks_more"),
+                         [f"model.max_context={MAX_CONTEXT}"]) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def runs(server):
     """One episode per (framework, task), shared by the tests."""
-    done: dict[tuple[str, str], Run] = {}
-
-    def get(name: str, task: Task = TASK) -> Run:
-        if (name, task.task_id) not in done:
-            run_episode = (_load_file(name) if name == "raw_httpx" else load(name)).run_episode
-            with server.client.episode(task_id=task.task_id) as ep:
-                result = run_episode(ep.base_url, ep.api_key, task, temperature=1.0, seed=7)
-                outcome = grade(task, *result)
-                report = ep.report(outcome.reward)
-                timelines = ep.timelines(as_objects=True)
-            done[name, task.task_id] = Run(result, outcome.reward, report, timelines,
-                                           server.recorder.of(ep.api_key))
-        return done[name, task.task_id]
-
-    return get
+    return episode_runs(server, lambda name: (_load_file(name) if name == "raw_httpx" else load(name)).run_episode)
 
 
 # --------------------------------------------------------------------------- what each framework does
@@ -364,12 +308,7 @@ def test_a_malformed_tool_call_is_answered_with_an_error_not_a_crash(runs, name)
 
 @pytest.mark.parametrize("name", PARAMS)
 def test_the_command_line_trains_and_evaluates_with_episodes_at_once(server, capsys, name):
-    module, loop = load(name), _load_file("swarm_loop")
-    loop.main(module.run_episode, name, ["--url", server.client.url, "--token", TOKEN, "--episodes", "4",
-                                         "--group", "2", "--eval", "4", "--concurrency", "4"])
-    out = capsys.readouterr().out
-    assert f"{name}: 4 episodes, mean reward 1.100" in out
-    assert f"{name} eval (4 tasks): accuracy 1.000  valid tool calls 1.000  reward 1.100" in out
+    check_command_line(server, capsys, name, load(name))
 
 
 # --------------------------------------------------------------------------- (e) the tiny model
@@ -379,31 +318,9 @@ def test_a_short_training_run_on_the_tiny_model(name, tmp_path):
     """Episodes of the framework on the tiny random model (hf backend): every call captured, two GRPO
     steps, finite losses. A random model rarely follows a framework's format: the episodes end early
     or at the limit, which is what training starts from."""
-    from swarmkit.apps.serve import start_server_thread
-    from swarmkit.swarm.metrics import read_metrics
+    # (CodeAgent's episodes, ~7k-token prompts under the tiny tokenizer, may outlast the default 60 s drain
+    # before a step on a busy CPU: an episode still running then is aborted)
+    outcomes = short_training_run(load(name), tmp_path, [f"model.max_context={MAX_CONTEXT}",
+                                                         "server.drain_timeout_s=600"], step_timeout_s=300)
+    assert all(1 <= o.metrics["turns"] <= 4 for o in outcomes)
 
-    module, loop = load(name), _load_file("swarm_loop")
-    handle = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
-                                             "run_dir": str(tmp_path)}})
-    try:
-        with SwarmClient(handle.url, token=TOKEN, retry_for=120) as client:
-            # (CodeAgent's episodes, ~7k-token prompts under the tiny tokenizer, may outlast the default
-            # 60 s drain before a step on a busy CPU: an episode still running then is aborted)
-            client.configure(["model=tiny", f"model.max_context={MAX_CONTEXT}", "server.drain_timeout_s=600",
-                              "backend=hf",
-                              "backend.device=cpu", "backend.batch_wait_s=0.01", "batching=c1",
-                              "batching.batch_size=1", "batching.rollouts_per_task=2", "trainer.total_steps=2",
-                              "optim.lr=1e-3"])
-            client.start()
-            client.wait_for_state("ROLLING", timeout=120)
-            outcomes = loop.train(client, module.run_episode, 4, group=2, concurrency=2)
-            deadline = time.monotonic() + 300
-            while client.status()["global_step"] < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert client.status()["global_step"] == 2
-    finally:
-        handle.stop()
-    assert len(outcomes) == 4 and all(1 <= o.metrics["turns"] <= 4 for o in outcomes)
-    rows = [r for r in read_metrics(tmp_path) if r["kind"] == "train"]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(math.isfinite(r["loss"]) and r["samples"] >= 1 and r["trained_tokens"] > 0 for r in rows)

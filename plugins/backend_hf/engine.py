@@ -82,6 +82,7 @@ from typing import Any
 
 from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import (
+    EngineFailure,
     GenerationOutput,
     InferenceBackend,
     PromptScores,
@@ -277,8 +278,8 @@ class HFBackend(InferenceBackend):
         self._free: list[int] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        #: why the engine died (its worker: see _die); None while it serves
-        self._failure: str | None = None
+        #: why the engine died (its worker: see _die), and the error each later call raises
+        self._dead = EngineFailure("hf")
         self._lora_base: dict[str, Any] = {}
         self._rng: random.Random | None = None
         self.stats: dict[str, float] = {}
@@ -549,23 +550,18 @@ class HFBackend(InferenceBackend):
                  self.dtype, self.load_time_s)
 
     def _require_started(self) -> None:
-        if self._failure is not None:
-            raise self._dead_error()
+        self._dead.check()
         if self._model is None or self._thread is None:
             raise RuntimeError("hf backend not started: await backend.start() first")
 
     def _check_open(self) -> None:
         """Refuse new work on a closed or dead engine (caller holds ``_cv``)."""
-        if self._failure is not None:
-            raise self._dead_error()
+        self._dead.check()
         if self._closed:
             raise RuntimeError("hf backend closed")
 
-    def _dead_error(self) -> EngineError:
-        return EngineError(f"the hf engine failed and serves no more requests: {self._failure}", dead=True)
-
     def failure(self) -> str | None:
-        return self._failure
+        return self._dead.why
 
     # ------------------------------------------------------------------ submission
     def _submit(self, req: _Request, prompt_ids: Sequence[int]) -> None:
@@ -775,14 +771,13 @@ class HFBackend(InferenceBackend):
         log.error("hf backend: the engine is dead and fails every request from now on: %s", why,
                   exc_info=(type(exc), exc, exc.__traceback__))
         with self._cv:
-            self._failure = why
+            err = self._dead.record(why)
             seqs = list(self._pending) + list(self._active)
             jobs = list(self._jobs)
             self._pending.clear()
             self._jobs.clear()
             self._active = []
             self._flight = None
-        err = self._dead_error()
         for seq in seqs:
             self._fail(seq.req, err)
         for job in jobs:

@@ -112,6 +112,7 @@ from typing import Any
 
 from swarmkit.config.schema import ModelConfig
 from swarmkit.contract import (
+    EngineFailure,
     GenerationOutput,
     InferenceBackend,
     PromptScores,
@@ -120,7 +121,6 @@ from swarmkit.contract import (
     decode_generated,
 )
 from swarmkit.contract.streaming import StreamTextBuffer, cut_at_stop, find_stop
-from swarmkit.errors import EngineError
 from swarmkit.models import resolve_model_path
 from swarmkit.training.lora import adapter_deltas
 from swarmkit.weights import load_weights, save_weights
@@ -195,7 +195,7 @@ class VLLMBackend(InferenceBackend):
         self._weights_folder: str | None = None  # last folder reloaded from (base for merging)
         self._shm_dir: Path | None = None
         self._wrapped: frozenset[str] | None = None  # HF modules a reload names <module>.base_layer.<param>
-        self._failure: str | None = None  # why the engine serves no more requests (a failed weight reload)
+        self._dead = EngineFailure("vllm")  # why the engine serves no more requests (a failed weight reload)
         self.stats: dict[str, float] = {"steps": 0, "tokens_generated": 0, "weight_updates": 0,
                                         "max_batch_seen": 0, "busy_s": 0.0}
 
@@ -386,8 +386,7 @@ class VLLMBackend(InferenceBackend):
         elif kind == "call":
             fn, loop, fut = arg
             try:
-                if self._failure is not None:  # queued before the engine died
-                    raise self._dead_error()
+                self._dead.check()  # queued before the engine died
                 res = fn(self._engine)
             except BaseException as exc:  # noqa: BLE001
                 loop.call_soon_threadsafe(_set_exc, fut, exc)
@@ -399,8 +398,7 @@ class VLLMBackend(InferenceBackend):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if self._failure is not None:
-            raise self._dead_error()
+        self._dead.check()
         p = req.params
         sp = VSP(
             n=max(1, int(p.n)),
@@ -438,26 +436,21 @@ class VLLMBackend(InferenceBackend):
                 self._engine.abort_request([req.rid])
 
     def _submit(self, kind: str, arg: Any) -> None:
-        if self._failure is not None:
-            raise self._dead_error()
+        self._dead.check()
         if self._thread is None or self._closed:
             raise RuntimeError("vllm backend not started: await backend.start() first")
         with self._cv:
             self._commands.append((kind, arg))
             self._cv.notify_all()
 
-    def _dead_error(self) -> EngineError:
-        return EngineError(f"the vllm engine failed and serves no more requests: {self._failure}", dead=True)
-
     def failure(self) -> str | None:
-        return self._failure
+        return self._dead.why
 
     def _fail_engine(self, why: str) -> None:
         """Mark the engine dead (engine thread): vLLM's failed reload leaves parameters half loaded (0.26: on
         the meta device), so it must not serve; every live request fails now and every later one at once."""
-        self._failure = why
+        err = self._dead.record(why)
         log.error("vllm backend: %s; the engine serves no more requests", why)
-        err = self._dead_error()
         for req in list(self._live.values()):
             self._deliver(req, err)
             with contextlib.suppress(Exception):

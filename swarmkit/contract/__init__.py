@@ -22,6 +22,7 @@ from swarmkit.contract.algo import (
     check_algorithm,
 )
 from swarmkit.contract.backend import (
+    EngineFailure,
     GenerationOutput,
     InferenceBackend,
     PromptScores,
@@ -84,6 +85,7 @@ __all__ = [
     "ClientState",
     "CreditUnit",
     "Decision",
+    "EngineFailure",
     "GenerationOutput",
     "InferenceBackend",
     "LossInputs",

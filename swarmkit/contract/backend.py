@@ -15,6 +15,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarmkit.errors import EngineError
+
 #: the episode an inference call belongs to, set by the server around every call: a backend made of
 #: several engines (``backend.replicas``) routes all calls of one episode to the same engine with it
 ROUTING_KEY: ContextVar[str | None] = ContextVar("swarmkit_routing_key", default=None)
@@ -190,6 +192,34 @@ class StreamChunk:
         if self.token_versions is None:
             return [int(default)] * len(self.token_ids)
         return [int(v) for v in self.token_versions]
+
+
+class EngineFailure:
+    """Why an engine died, once it has, and the error each later call then raises.
+
+    A backend whose engine can die keeps one (``EngineFailure("hf")``), answers
+    :meth:`InferenceBackend.failure` with :attr:`why`, calls :meth:`check` before taking work and
+    :meth:`record` where the engine gives up; every error names the engine and the cause.
+    """
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        #: the cause (``"KeyError: ..."``, ``"weight reload failed: ..."``); None while the engine serves
+        self.why: str | None = None
+
+    def record(self, why: str) -> EngineError:
+        """Mark the engine dead for ``why``; returns the error to fail its pending requests with."""
+        self.why = why
+        return self.error()
+
+    def error(self) -> EngineError:
+        """The error (``dead=True``) that every request of the dead engine fails with."""
+        return EngineError(f"the {self.engine} engine failed and serves no more requests: {self.why}", dead=True)
+
+    def check(self) -> None:
+        """Raise :meth:`error` if the engine died; nothing while it serves."""
+        if self.why is not None:
+            raise self.error()
 
 
 class InferenceBackend(ABC):
