@@ -105,5 +105,20 @@ def test_wait_for_wakes_on_transition_and_times_out():
     asyncio.run(go())
 
 
+
+def test_wait_for_keeps_a_cancellation_that_comes_with_the_transition():
+    """A waiter cancelled in the loop turn the awaited state comes is cancelled (asyncio.wait_for on 3.11
+    returned True instead: the cancelled call went on)."""
+    async def go():
+        m = machine_in(S.WEIGHT_SYNCING)
+        waiter = asyncio.create_task(m.wait_for([S.ROLLING], timeout=5))
+        await asyncio.sleep(0.01)
+        m.transition(S.ROLLING)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+    asyncio.run(go())
+
 def test_states_are_plain_strings():
     assert S.ROLLING_POST == "ROLLING_POST" and str(S.ROLLING) == "ROLLING"

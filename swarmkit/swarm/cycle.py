@@ -171,6 +171,8 @@ class TrainingCycle:
         self._trainer_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        #: set by before_stop: the loop ends (a stop never waits on a loop that lost its cancellation)
+        self._stopping = False
         self._server: CycleHost | None = None
         #: the collapse alarm (trainer.collapse) and what it did: this cycle is its only writer
         self.collapse = CollapseConfig()
@@ -342,6 +344,7 @@ class TrainingCycle:
                 # a rollback needs a point to go back to, also before the first periodic checkpoint
                 await asyncio.to_thread(self.trainer.save_checkpoint, None, self._checkpoint_extra())
         if self._task is None or self._task.done():
+            self._stopping = False
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def _resume(self) -> None:
@@ -356,6 +359,7 @@ class TrainingCycle:
                  step, put_back, extra)
 
     async def before_stop(self) -> None:
+        self._stopping = True  # the loop ends at its next turn even if a library lost the cancellation
         for task in (self._training_task, self._task):
             if task is not None:
                 task.cancel()
@@ -392,11 +396,17 @@ class TrainingCycle:
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
+            # asyncio.timeout, never asyncio.wait_for: on Python 3.11 wait_for returns normally when the wait it
+            # wraps ends in the loop turn its task is cancelled (an episode accepted just before a stop), and this
+            # loop ran on with before_stop awaiting it forever (CPython gh-86296, fixed in 3.12)
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
+            if self._stopping:
+                return
             self._wake.clear()
             srv = self.server
             if srv.state.state is not ServerState.ROLLING or self.policy is None:

@@ -243,8 +243,8 @@ class ReplicaSet(InferenceBackend):
             raise ReplicaError("no inference replica is alive to take the new weights")
 
         async def one(rep: Replica) -> None:
-            await asyncio.wait_for(rep.backend.update_weights(tensors, path=path, version=version),
-                                   timeout=self.sync_timeout_s)
+            async with asyncio.timeout(self.sync_timeout_s):
+                await rep.backend.update_weights(tensors, path=path, version=version)
 
         results = await asyncio.gather(*(one(r) for r in live), return_exceptions=True)
         failed: list[tuple[Replica, str]] = []

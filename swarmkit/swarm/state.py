@@ -111,7 +111,8 @@ class StateMachine:
             if remaining is not None and remaining <= 0:
                 return False
             try:
-                await asyncio.wait_for(event.wait(), remaining)
+                async with asyncio.timeout(remaining):  # not wait_for: it can lose a cancellation on 3.11
+                    await event.wait()
             except TimeoutError:
                 return self._state in wanted
         return True
