@@ -271,3 +271,61 @@ def test_roles_of_one_server_with_different_adapters_are_parts_of_their_own():
                       adapters={"civilian": "civilians", "spy": "spies"})[1][2] is True  # frozen: its own eval part
     with pytest.raises(ValueError, match="no route"):
         plan_parts({"civilian": a}, adapters={"spy": "spies"})
+
+
+def test_parts_on_one_server_never_hold_its_drain(tmp_path, monkeypatch):
+    """The spy game as two adapters of one server stalled for a drain's whole timeout: its first part was
+    registered, a step's drain began and waited for that part, and the second part's registration waited
+    for the drain. A later part whose server is busy now drops the parts registered so far, and the set
+    is registered again once the step is over."""
+    import asyncio
+
+    from swarmkit.config.compose import compose
+    from swarmkit.config.validate import validate_config
+    from swarmkit.plugins import get_registry
+
+    cfg = validate_config(compose(["mode=server", "model=tiny", "model.lora_rank=8", "model.adapters=[civilians,spies]"]),
+                          get_registry())
+    h = start_server_thread({"server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN,
+                                        "run_dir": str(tmp_path)}}, config=cfg, train=False)  # the real hf engine
+    srv, drains, began = h.swarm, [], []
+    real_register = SwarmClient.register
+
+    def register(self, *args, **kwargs):
+        ep = real_register(self, *args, **kwargs)
+        if not began:  # a step begins right after the game's first part was registered
+            began.append(True)
+
+            async def drain_then_resume():
+                t0 = time.monotonic()
+                aborted = await srv.drain(timeout_s=20)
+                drains.append((time.monotonic() - t0, aborted))
+                srv.enter_weight_syncing()
+                srv.resume_rolling()
+
+            def step():
+                srv.enter_rolling_post()
+                asyncio.ensure_future(drain_then_resume())
+
+            h.loop.call_soon_threadsafe(step)
+            deadline = time.monotonic() + 5
+            while srv.state.state == "ROLLING" and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return ep
+
+    try:
+        with SwarmClient(h.url, token=TOKEN, retry_for=30) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=60)
+            monkeypatch.setattr(SwarmClient, "register", register)
+            routes = {"civilian": c, "spy": c}
+            with swarm_episode(routes, "pair-1", adapters={"civilian": "civilians", "spy": "spies"}) as ep:
+                assert {ep.episode(r).adapter for r in routes} == {"civilians", "spies"}
+                answers = ep.report({"civilian": 1.0, "spy": 0.0})
+            assert all(a["status"] == "finished" for a in answers.values())
+            seconds, aborted = drains[0]
+            assert aborted == 0 and seconds < 5, drains  # the drain did not wait for a held part
+            dropped = [e for e in srv.episodes.ended() if e.abort_reason and "registered again" in e.abort_reason]
+            assert [e.adapter for e in dropped] == ["civilians"]
+    finally:
+        h.stop()

@@ -494,6 +494,8 @@ class EpisodeInfo:
         self.roles: list[str] = list(info.get("roles") or [])
         self.task_id: str = info.get("task_id", "")
         self.eval: bool = bool(info.get("eval", False))
+        #: the LoRA adapter it samples with and trains (a server with ``model.adapters``); None: the one model
+        self.adapter: str | None = info.get("adapter")
         self.deadline: float = float(info.get("deadline", 0.0))
         self.result: dict[str, Any] | None = None
         #: the answer of ``prepare`` (the first phase of a multi-server end), until the commit

@@ -279,12 +279,14 @@ class AsyncSwarmClient(HoldsClientId):
     # ------------------------------------------------------------------ episodes
     async def register(self, task_id: str, eval: bool = False, *, timeout_s: float | None = None,
                        roles: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None,
-                       adapter: str | None = None) -> AsyncEpisode:
+                       adapter: str | None = None, retry_for: float | None = None) -> AsyncEpisode:
         """Register an episode (retries while the server is busy); prefer :meth:`episode`. ``adapter``: the
-        LoRA adapter it samples with and trains, on a server with ``model.adapters``."""
+        LoRA adapter it samples with and trains, on a server with ``model.adapters``. ``retry_for``: how
+        long to retry while the server is busy or unreachable (default the client's ``retry_for``; 0: raise
+        :class:`ServerUnavailable` at once)."""
         body = register_body(task_id, eval, timeout_s, roles, meta, adapter)
         return self._opened(AsyncEpisode(self, await self._call("POST", "/api/v1/episodes", json_body=body,
-                                                                key=self._sampling_key(),
+                                                                key=self._sampling_key(), retry_for=retry_for,
                                                                 extra_headers=self._key_header(create=True))))
 
     @asynccontextmanager

@@ -4,8 +4,9 @@ A multi-agent episode whose roles are trained by different servers (civilians
 on server A, spies on server B) is one registered episode per server. Ending it
 with one ``report`` per server is not atomic: a client killed between the two
 reports leaves A with a sample and B without. :func:`swarm_episode` registers
-the parts (in one fixed order, so two clients never wait on each other's
-servers) and ends them in two phases, ``prepare`` on every part, then
+the parts (in one fixed order, all or nothing: a part whose server is busy
+with a training step is not waited for while the others are held, which would
+hold their servers' steps) and ends them in two phases, ``prepare`` on every part, then
 ``commit``, primary first; a server whose client died resolves its part from
 the primary's outcome (:mod:`swarmkit.swarm.atomic` says how). So every server
 keeps the episode, or none does::
@@ -36,12 +37,15 @@ one adapter), ended together like parts on different servers::
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
+import time
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, Generic, Protocol, TypeVar
 
-from swarmkit.client._common import SwarmAPIError, SwarmError, abort_reason
+from swarmkit.client._common import ServerUnavailable, SwarmAPIError, SwarmError, abort_reason
 from swarmkit.client.aio import AsyncEpisode, AsyncSwarmClient
 from swarmkit.client.sync import Episode, SwarmClient
 
@@ -54,6 +58,12 @@ C = TypeVar("C", bound=_HasUrl)
 E = TypeVar("E", Episode, AsyncEpisode)
 
 log = logging.getLogger("swarmkit.client")
+
+#: the first and the longest pause before the parts are registered again after a later part's server was
+#: busy (seconds; the pause doubles, with jitter)
+REGISTER_PAUSE_S = (0.25, 4.0)
+#: why the earlier parts are dropped when a later part's server is busy
+REGISTER_AGAIN = "another part's server was busy: the episode is registered again"
 
 __all__ = ["AsyncSwarmEpisode", "SwarmEpisode", "async_swarm_episode", "plan_parts", "swarm_episode"]
 
@@ -247,6 +257,64 @@ def _follow_later(ep: Episode | AsyncEpisode, exc: SwarmError) -> None:
                 ep.episode_id, exc)
 
 
+def _register_parts(plan: list[tuple[SwarmClient, list[str], bool, str | None]], task_id: str, eval: bool,
+                    timeout_s: float | None, meta: Mapping[str, Any] | None) -> list[Episode]:
+    """Register every part, all or nothing, never holding a part while waiting for another.
+
+    The first part waits while its server is busy (the client's ``retry_for``). A later part whose server
+    is busy (a training step being prepared) does not wait: the parts registered so far are dropped and
+    the whole set is registered again after a pause. A held part would hold its server's drain before a
+    step, and for good when both parts are on one server (two adapters): the drain waits for the first
+    part, the second part's registration waits for the drain.
+    """
+    deadline = time.monotonic() + max(client.retry_for for client, *_ in plan)
+    pause = REGISTER_PAUSE_S[0]
+    while True:
+        parts: list[Episode] = []
+        try:
+            for i, (client, roles, is_frozen, adapter) in enumerate(plan):
+                parts.append(client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles, meta=meta,
+                                             adapter=adapter, retry_for=None if i == 0 else 0.0))
+            return parts
+        except ServerUnavailable as exc:
+            SwarmEpisode(parts).abort(REGISTER_AGAIN if parts else abort_reason(exc))
+            left = deadline - time.monotonic()
+            if not parts or left <= 0:
+                raise
+            log.debug("episode of %s: %s (%s)", task_id, REGISTER_AGAIN, exc)
+            time.sleep(min(pause * (0.8 + 0.4 * random.random()), left))
+            pause = min(pause * 2, REGISTER_PAUSE_S[1])
+        except BaseException as exc:
+            SwarmEpisode(parts).abort(abort_reason(exc))
+            raise
+
+
+async def _aregister_parts(plan: list[tuple[AsyncSwarmClient, list[str], bool, str | None]], task_id: str,
+                           eval: bool, timeout_s: float | None, meta: Mapping[str, Any] | None
+                           ) -> list[AsyncEpisode]:
+    """:func:`_register_parts` for :class:`AsyncSwarmClient` routes."""
+    deadline = time.monotonic() + max(client.retry_for for client, *_ in plan)
+    pause = REGISTER_PAUSE_S[0]
+    while True:
+        parts: list[AsyncEpisode] = []
+        try:
+            for i, (client, roles, is_frozen, adapter) in enumerate(plan):
+                parts.append(await client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles,
+                                                   meta=meta, adapter=adapter, retry_for=None if i == 0 else 0.0))
+            return parts
+        except ServerUnavailable as exc:
+            await AsyncSwarmEpisode(parts).abort(REGISTER_AGAIN if parts else abort_reason(exc))
+            left = deadline - time.monotonic()
+            if not parts or left <= 0:
+                raise
+            log.debug("episode of %s: %s (%s)", task_id, REGISTER_AGAIN, exc)
+            await asyncio.sleep(min(pause * (0.8 + 0.4 * random.random()), left))
+            pause = min(pause * 2, REGISTER_PAUSE_S[1])
+        except BaseException as exc:
+            await AsyncSwarmEpisode(parts).abort(abort_reason(exc))
+            raise
+
+
 @contextmanager
 def swarm_episode(routes: Mapping[str, SwarmClient], task_id: str, *, eval: bool = False,
                   frozen: Collection[str] = (), timeout_s: float | None = None,
@@ -262,15 +330,7 @@ def swarm_episode(routes: Mapping[str, SwarmClient], task_id: str, *, eval: bool
     An exception in the block, or a block that ends without :meth:`SwarmEpisode.report`,
     drops every part.
     """
-    parts: list[Episode] = []
-    try:
-        for client, roles, is_frozen, adapter in plan_parts(routes, frozen, adapters):
-            parts.append(client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles, meta=meta,
-                                         adapter=adapter))
-    except BaseException as exc:
-        SwarmEpisode(parts).abort(abort_reason(exc))
-        raise
-    ep = SwarmEpisode(parts)
+    ep = SwarmEpisode(_register_parts(plan_parts(routes, frozen, adapters), task_id, eval, timeout_s, meta))
     try:
         yield ep
     except BaseException as exc:
@@ -286,15 +346,8 @@ async def async_swarm_episode(routes: Mapping[str, AsyncSwarmClient], task_id: s
                               meta: Mapping[str, Any] | None = None,
                               adapters: Mapping[str, str] | None = None) -> AsyncIterator[AsyncSwarmEpisode]:
     """:func:`swarm_episode` for :class:`AsyncSwarmClient` routes (``async with``)."""
-    parts: list[AsyncEpisode] = []
-    try:
-        for client, roles, is_frozen, adapter in plan_parts(routes, frozen, adapters):
-            parts.append(await client.register(task_id, eval or is_frozen, timeout_s=timeout_s, roles=roles,
-                                               meta=meta, adapter=adapter))
-    except BaseException as exc:
-        await AsyncSwarmEpisode(parts).abort(abort_reason(exc))
-        raise
-    ep = AsyncSwarmEpisode(parts)
+    ep = AsyncSwarmEpisode(await _aregister_parts(plan_parts(routes, frozen, adapters), task_id, eval, timeout_s,
+                                                  meta))
     try:
         yield ep
     except BaseException as exc:
