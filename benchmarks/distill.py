@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -135,6 +136,7 @@ def main() -> int:
                                      "eval": evals(job["rows"]), "wall_s": job["wall_s"]})
     finally:
         h.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the jobs' rows are read; their run folders are not kept
     out = {"date": time.strftime("%Y-%m-%d"), "teacher_steps": args.teacher_steps, "steps": args.steps,
            "seeds": args.seeds, "common": COMMON, "arms": {a: ARMS[a] for a in arms},
            "teacher_eval": {"before": teacher["summary"]["eval_before"], "after": teacher["summary"]["eval_after"]},

@@ -135,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     backend = ScriptedBackend(tok, replies=[REPLY])
     cfg = validate_config(compose(["model=tiny", "model.max_context=100000"]), get_registry())
     # a fresh run dir and no training: a step (or a journal left by an earlier run) must not answer 503 mid-timing
+    import shutil
     import tempfile
 
+    run_dir = tempfile.mkdtemp(prefix="swarmkit-bench-proxy-")
     handle = start_server_thread({"server": {"port": 0, "admin_token": "bench-admin-token",
-                                             "run_dir": tempfile.mkdtemp(prefix="bench-proxy-"),
+                                             "run_dir": run_dir,
                                              "episode_timeout_s": 3600}},
                                  config=cfg, backend_factory=lambda c: backend, train=False)
     admin = Conn(handle.url)
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     # the workers start up (imports) inside the wall time; count their own measured window
     rps = total / args.seconds
     handle.stop()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
     ms = 1000.0
 

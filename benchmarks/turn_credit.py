@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -97,6 +98,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace) -> dict:
                     "steps": client.status()["global_step"], "wall_s": time.time() - t0}
     finally:
         handle.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)  # the numbers are returned; the run folder is not kept
 
 
 def _ci95(xs: list[float]) -> float:

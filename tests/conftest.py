@@ -6,8 +6,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# the SDK keeps the keys that hold client ids here, not in the user's ~/.cache (child processes inherit it)
-os.environ.setdefault("SWARMKIT_CLIENT_KEYS", __import__("tempfile").mkdtemp(prefix="swarmkit-client-keys-"))
+# the SDK keeps the keys that hold client ids here, not in the user's ~/.cache (child processes inherit it);
+# a folder this session made is removed at its end (pytest_unconfigure)
+if "SWARMKIT_CLIENT_KEYS" not in os.environ:
+    os.environ["SWARMKIT_CLIENT_KEYS"] = _KEYS_MADE = __import__("tempfile").mkdtemp(prefix="swarmkit-client-keys-")
+else:
+    _KEYS_MADE = ""
 
 import time  # noqa: E402
 
@@ -146,3 +150,11 @@ def interruptible() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def pytest_unconfigure(config):
+    """Remove the client-key folder this session made (one per test run otherwise piles up in /tmp)."""
+    if _KEYS_MADE:
+        import shutil
+
+        shutil.rmtree(_KEYS_MADE, ignore_errors=True)
