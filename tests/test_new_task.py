@@ -126,6 +126,8 @@ def test_the_generated_client_trains_the_tiny_model(tmp_path):
     print(f"\nscaffold: eval {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} in {summary['steps']} steps, "
           f"{summary['episodes']} episodes, {time.monotonic() - started:.0f} s")
     assert summary["steps"] == 10 and summary["failures"] == 0, summary
+    assert summary["eval_failures_before"] == summary["eval_failures_after"] == 0, summary  # a failure scores 0
+    assert summary["answers_after"] and "most common answers:" in out.stdout, out.stdout
     assert summary["eval_after"] >= summary["eval_before"] + 0.2, summary
     rows = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("kind") == "train"] == list(range(1, 11))
