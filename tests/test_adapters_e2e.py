@@ -55,11 +55,17 @@ def _train_rows(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_two_adapters_learn_two_rules_on_one_server(tmp_path):
     """vowel_e is rewarded for 'e', vowel_o for 'o': each learns its own letter from its own samples."""
+    learn_two_rules(tmp_path, [])
+
+
+def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
+    """Two adapters trained at once on one server (config ``CONFIG`` + ``extra``) each learn their own rule,
+    and every step trains the episodes of one adapter."""
     port = _free_port()
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
     try:
-        ctl = _started(port, [*CONFIG, "trainer.total_steps=60"])
+        ctl = _started(port, [*CONFIG, "trainer.total_steps=60", *extra])
         before = {a: _eval(port, a) for a in ADAPTERS}
         clients = [_client(port, a, "--train-size", "64") for a in ADAPTERS]
         deadline = time.monotonic() + 600

@@ -50,14 +50,18 @@ def test_config_refuses_what_adapters_do_not_support_yet():
     from swarmkit.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        compose(["model=tiny", "model.lora_rank=4", "model.adapters=[spy,civ]", "backend=vllm", "trainer.mode=async",
+        compose(["model=tiny", "model.lora_rank=4", "model.adapters=[spy,civ]", "backend=sglang", "trainer.mode=async",
                  "optim=deepspeed"])
     text = str(err.value)
-    for part in ("backend=vllm", "trainer.mode=async", "optim=deepspeed", "not supported with model.adapters yet",
+    for part in ("backend=sglang", "trainer.mode=async", "optim=deepspeed", "not supported with model.adapters yet",
                  "mode=local runs one task client"):
         assert part in text, (part, text)
     with pytest.raises(ConfigError, match="lora_rank > 0"):
         compose(["model=tiny", "model.adapters=[spy,civ]"])
+    with pytest.raises(ConfigError, match="enable_lora=false"):
+        compose(["mode=server", "model=tiny", "model.lora_rank=4", "model.adapters=[spy,civ]", "backend=vllm",
+                 "backend.enable_lora=false"])
+    compose(["mode=server", "model=tiny", "model.lora_rank=4", "model.adapters=[spy,civ]", "backend=vllm"])
     cfg = compose(["mode=server", "model=tiny", "model.lora_rank=4", "model.adapters=[spy,{name:civ,lr:0.01}]"])
     assert ModelConfig.of(cfg.model).adapter_specs() == [AdapterSpec("spy"), AdapterSpec("civ", 0.01)]
 

@@ -77,6 +77,15 @@ as a ``LoRARequest`` used by every later request (the previous adapter is
 removed); without it, the adapter is merged into the base weights here and
 reloaded in place. A full-weight update drops the active adapter.
 
+Several named adapters (``model.adapters``, :attr:`serves_adapters`): a request
+samples with the adapter ``SamplingParams.adapter`` names, as a vLLM
+``LoRARequest`` of its own; :meth:`update_adapter` writes the adapter's tensors
+as a peft folder and loads it under a new LoRA id, then drops that adapter's
+previous one (the other adapters and the base are untouched). A request keeps
+the adapter version it was admitted with, and its tokens carry that version
+(vLLM finishes it on the LoRA it started with). Until an adapter is first
+pushed, its requests sample the base: a fresh LoRA (B = 0) is the base.
+
 On a GPU
 --------
 ``dtype="auto"`` serves bfloat16 on a GPU (vLLM's CUDA LoRA kernels take only
@@ -191,6 +200,16 @@ class VLLMBackend(InferenceBackend):
         self._closed = False
         self._lora: Any = None  # the active vllm LoRARequest
         self._lora_ids = itertools.count(1)
+        #: several named LoRA adapters over the one base (model.adapters), each served as a LoRARequest
+        self.adapter_specs = self.model_cfg.adapter_specs()
+        self.serves_adapters = bool(self.adapter_specs)
+        #: each adapter's policy version (its trainer's optimizer steps); tokens are labelled with it
+        self.adapter_versions: dict[str, int] = {s.name: 0 for s in self.adapter_specs}
+        self._adapter_loras: dict[str, Any] = {}  # adapter name -> the LoRARequest its new requests use
+        self._adapter_dir: Path | None = None  # where update_adapter writes the adapters' peft folders
+        if self.serves_adapters and not self.enable_lora:
+            raise ValueError("vllm backend: model.adapters are served as run-time LoRA adapters; leave "
+                             "backend.enable_lora unset (or true)")
         self._base_named: dict[str, Any] = {}  # last full weights pushed (for merging adapters)
         self._weights_folder: str | None = None  # last folder reloaded from (base for merging)
         self._shm_dir: Path | None = None
@@ -273,8 +292,11 @@ class VLLMBackend(InferenceBackend):
         if c.max_num_seqs:
             kwargs["max_num_seqs"] = int(c.max_num_seqs)
         if self.enable_lora:
+            # model.adapters: every adapter may be in one batch, twice while an update lands (requests in
+            # flight finish on the adapter's previous LoRA)
+            loras = max(int(c.max_loras), 2 * len(self.adapter_specs))
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_bucket(self.max_lora_rank),
-                          max_loras=int(c.max_loras))
+                          max_loras=loras)
         kwargs.update(dict(c.engine_args or {}))
         return EngineArgs(**kwargs)
 
@@ -316,6 +338,9 @@ class VLLMBackend(InferenceBackend):
         if self._shm_dir is not None:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
             self._shm_dir = None
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
 
     # ------------------------------------------------------------------ engine thread
     def _worker(self, report: Callable[[BaseException | None], None]) -> None:
@@ -417,12 +442,20 @@ class VLLMBackend(InferenceBackend):
             **({"allowed_token_ids": [int(req.forced)]} if req.forced is not None else {}),
             **_shaping(p),
         )
-        req.version = self.policy_version
-        req.pinned = self._lora is not None
-        prompt = TokensPrompt(prompt_token_ids=list(req.prompt), cache_salt=f"v{self.policy_version}")
+        adapter = p.adapter
+        if adapter is not None:
+            if adapter not in self.adapter_versions:
+                raise ValueError(f"adapter {adapter!r} is not served here; adapters: "
+                                 f"{sorted(self.adapter_versions) or 'none'}")
+            lora, req.version, req.pinned = self._adapter_loras.get(adapter), self.adapter_versions[adapter], True
+            salt = f"{adapter}-v{req.version}"
+        else:
+            lora, req.version, req.pinned = self._lora, self.policy_version, self._lora is not None
+            salt = f"v{self.policy_version}"
+        prompt = TokensPrompt(prompt_token_ids=list(req.prompt), cache_salt=salt)
         self._live[req.rid] = req
         try:
-            self._engine.add_request(req.rid, prompt, sp, lora_request=self._lora)
+            self._engine.add_request(req.rid, prompt, sp, lora_request=lora)
         except BaseException:
             self._live.pop(req.rid, None)
             raise
@@ -741,6 +774,81 @@ class VLLMBackend(InferenceBackend):
             self.stats["weight_updates"] += 1
 
         await self.call_in_engine(run)
+
+    async def update_adapter(self, name: str, lora: Sequence[tuple[str, Any, Any, float]], *, version: int,
+                             policy_version: int | None = None) -> None:
+        """Serve ``lora`` (``(module, A, B, scale)`` per adapted module) as adapter ``name`` from the next
+        request on, at that adapter's ``version``; the other adapters and the base are untouched.
+        ``policy_version``: the engine's version too (the server's step counter)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.serves_adapters:
+            raise ValueError("update_adapter: this engine serves no adapters (model.adapters is empty)")
+        if name not in self.adapter_versions:
+            raise ValueError(f"update_adapter: unknown adapter {name!r}; adapters: {sorted(self.adapter_versions)}")
+        lora_id = next(self._lora_ids)
+        folder = await asyncio.to_thread(self._write_adapter, name, lora_id, list(lora))
+        request = LoRARequest(lora_name=f"{name}-v{int(version)}-{lora_id}", lora_int_id=lora_id,
+                              lora_path=str(folder))
+
+        def run(engine: Any) -> None:
+            if not engine.add_lora(request):
+                raise RuntimeError(f"vllm refused adapter {name!r} ({folder})")
+            old = self._adapter_loras.get(name)
+            self._adapter_loras[name] = request
+            self.adapter_versions[name] = int(version)
+            if policy_version is not None:
+                self.policy_version = int(policy_version)
+            self.stats["weight_updates"] += 1
+            if old is not None:  # requests in flight on it finish on it (vLLM holds a running request's LoRA)
+                with contextlib.suppress(Exception):
+                    engine.remove_lora(old.lora_int_id)
+
+        try:
+            await self.call_in_engine(run)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        for old_dir in folder.parent.glob(f"{name}.*"):  # the folders of this adapter's older LoRAs
+            if old_dir != folder and int(old_dir.suffix[1:]) < lora_id - 2 * len(self.adapter_versions):
+                shutil.rmtree(old_dir, ignore_errors=True)
+
+    def _write_adapter(self, name: str, lora_id: int, lora: list[tuple[str, Any, Any, float]]) -> Path:
+        """``lora`` as a peft folder vLLM loads: ``A`` as it is, ``scale · B`` as ``B`` (``lora_alpha = r``, so
+        every module's own scale holds); the target modules are the adapted modules' last names."""
+        import torch
+
+        if not lora:
+            raise ValueError("update_adapter: no LoRA tensors given")
+        if self._adapter_dir is None:
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="swarmkit-vllm-adapters-"))
+        tensors: dict[str, Any] = {}
+        targets: set[str] = set()
+        ranks: set[int] = set()
+        for module, a, b, scale in lora:
+            a, b = torch.as_tensor(a).detach(), torch.as_tensor(b).detach()
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+                raise ValueError(f"update_adapter: {module}: A {tuple(a.shape)} and B {tuple(b.shape)} are not "
+                                 "a LoRA pair (A [r, in], B [out, r])")
+            key = "base_model.model." + _strip(module)
+            tensors[key + ".lora_A.weight"] = a.float().cpu().contiguous()
+            tensors[key + ".lora_B.weight"] = (b.float() * float(scale)).cpu().contiguous()
+            targets.add(key.rsplit(".", 1)[-1])
+            ranks.add(int(a.shape[0]))
+        if len(ranks) != 1:
+            raise ValueError(f"update_adapter: the modules' ranks differ ({sorted(ranks)})")
+        rank = ranks.pop()
+        if rank > self.max_lora_rank:
+            raise ValueError(f"update_adapter: rank {rank} is above the engine's max_lora_rank {self.max_lora_rank}")
+        folder = self._adapter_dir / f"{name}.{lora_id}"
+        folder.mkdir()
+        save_weights(tensors, folder / "adapter_model.safetensors")
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+                  "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+                  "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+                  "base_model_name_or_path": str(self.model_dir)}
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        return folder
 
     def _write_shm(self, named: list[tuple[str, Any]]) -> str:
         if self._shm_dir is None:

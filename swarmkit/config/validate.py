@@ -113,7 +113,7 @@ def _check_ray(ray: DictConfig, problems: list[str]) -> None:
 
 
 #: what several adapters on one server run on in this first version (docs/multi_model.md, "Limits")
-ADAPTER_BACKENDS = ("hf",)
+ADAPTER_BACKENDS = ("hf", "vllm")
 ADAPTER_OPTIMS = ("fsdp",)
 
 
@@ -132,7 +132,10 @@ def _check_adapters(result: dict[str, Any], problems: list[str]) -> None:
     later = "not supported with model.adapters yet (docs/multi_model.md, \"Limits\")"
     backend = result.get("backend")
     if backend is not None and str(backend.name) not in ADAPTER_BACKENDS:
-        problems.append(f"backend={backend.name}: serving several adapters is {later}; use backend=hf")
+        problems.append(f"backend={backend.name}: serving several adapters is {later}; use backend=hf or vllm")
+    if backend is not None and str(backend.name) == "vllm" and backend.get("enable_lora") is False:
+        problems.append("backend.enable_lora=false: vllm serves model.adapters as run-time LoRA adapters; "
+                        "leave it unset")
     if backend is not None and "replicas" in backend and int(backend["replicas"]) > 1:
         problems.append(f"backend.replicas={backend.replicas}: inference replicas are {later}")
     optim = result.get("optim")

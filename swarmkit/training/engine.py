@@ -85,6 +85,10 @@ class TrainingEngine(OptimEngine):
         self.cfg = self.config_cls(**dict(optim_cfg or {}))
         self.algo = algo
         self.distributed, self.rank, self.world = dist_info()
+        if self.distributed and self.world == 1 and self.model.adapters:
+            # a world of one the trainer did not form (an in-process vLLM engine's): several adapters train
+            # plainly in this one process (swarmkit.training.adapters), never as FSDP shards
+            self.distributed = False
         device = self.cfg.device
         self.device = torch.device(device) if device and device != "auto" else default_device()
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": this rank's / the current card
