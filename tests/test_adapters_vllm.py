@@ -101,13 +101,24 @@ def test_each_request_samples_with_its_adapter_and_its_version(tmp_path):
             right = (await multi.generate(prompt, sp("right")))[0]
             assert right.token_ids == by["right"].token_ids and right.token_versions == [2] * len(right.token_ids)
 
+            # a request in flight while its adapter is updated twice finishes on the version it was admitted with
+            long = SamplingParams(max_tokens=200, temperature=0.0, adapter="left")
+            first = (await multi.generate(prompt, long))[0]
+            task = asyncio.create_task(multi.generate(prompt, long))
+            await asyncio.sleep(0.2)
+            for v in (5, 6):
+                await multi.update_adapter("left", random_lora(model_dir, 10 + v), version=v)
+            out = (await task)[0]
+            assert out.token_ids == first.token_ids and set(out.token_versions) == {4}, set(out.token_versions)
+            assert set((await multi.generate(prompt, long))[0].token_versions) == {6}
+
             with pytest.raises(ValueError, match="'nope' is not served"):
                 await multi.generate(prompt, sp("nope"))
             with pytest.raises(ValueError, match="unknown adapter 'nope'"):
                 await multi.update_adapter("nope", loras["left"], version=1)
             with pytest.raises(ValueError, match="not a LoRA pair"):
-                await multi.update_adapter("left", [(m, b, a, s) for m, a, b, s in loras["left"]], version=5)
-            assert multi.adapter_versions["left"] == 4  # a refused update changes nothing
+                await multi.update_adapter("left", [(m, b, a, s) for m, a, b, s in loras["left"]], version=7)
+            assert multi.adapter_versions["left"] == 6  # a refused update changes nothing
         finally:
             await multi.close()
             await ref.close()
