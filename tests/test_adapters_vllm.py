@@ -112,6 +112,8 @@ def test_each_request_samples_with_its_adapter_and_its_version(tmp_path):
             assert out.token_ids == first.token_ids and set(out.token_versions) == {4}, set(out.token_versions)
             assert set((await multi.generate(prompt, long))[0].token_versions) == {6}
 
+            with pytest.raises(ValueError, match="echo"):  # it would score with the base, not an adapter
+                await multi.score_prompt(prompt)
             with pytest.raises(ValueError, match="'nope' is not served"):
                 await multi.generate(prompt, sp("nope"))
             with pytest.raises(ValueError, match="unknown adapter 'nope'"):

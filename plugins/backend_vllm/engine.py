@@ -559,6 +559,8 @@ class VLLMBackend(InferenceBackend):
         raw logprob and alternatives are read before that mask). So a prompt that fills the whole context
         is scored too (vLLM refuses a prompt with no room for one generated token)."""
         prompt = [int(t) for t in prompt_ids]
+        if self.serves_adapters:  # it would score with the base, not the episode's adapter
+            raise ValueError("prompt scoring (echo) with model.adapters is not supported yet")
         if not prompt:
             raise ValueError("prompt_ids is empty")
         if top_logprobs < 0:
