@@ -257,6 +257,27 @@ def _follow_later(ep: Episode | AsyncEpisode, exc: SwarmError) -> None:
                 ep.episode_id, exc)
 
 
+class _RegisterAgain:
+    """When a set of parts is registered again: jittered exponential pauses (``REGISTER_PAUSE_S``) within
+    ``budget`` seconds (the clients' longest ``retry_for``); shared by the sync and async registrations."""
+
+    def __init__(self, budget: float, task_id: str):
+        self.deadline = time.monotonic() + budget
+        self.task_id = task_id
+        self.next = REGISTER_PAUSE_S[0]
+
+    def pause(self, exc: ServerUnavailable, parts: Sequence[object]) -> float:
+        """Seconds to wait before the next try (the parts already dropped); re-raises ``exc`` when the first
+        part's own retries gave up (``parts`` empty) or the budget is spent."""
+        left = self.deadline - time.monotonic()
+        if not parts or left <= 0:
+            raise exc
+        log.debug("episode of %s: %s (%s)", self.task_id, REGISTER_AGAIN, exc)
+        wait = min(self.next * (0.8 + 0.4 * random.random()), left)
+        self.next = min(self.next * 2, REGISTER_PAUSE_S[1])
+        return wait
+
+
 def _register_parts(plan: list[tuple[SwarmClient, list[str], bool, str | None]], task_id: str, eval: bool,
                     timeout_s: float | None, meta: Mapping[str, Any] | None) -> list[Episode]:
     """Register every part, all or nothing, never holding a part while waiting for another.
@@ -267,8 +288,7 @@ def _register_parts(plan: list[tuple[SwarmClient, list[str], bool, str | None]],
     step, and for good when both parts are on one server (two adapters): the drain waits for the first
     part, the second part's registration waits for the drain.
     """
-    deadline = time.monotonic() + max(client.retry_for for client, *_ in plan)
-    pause = REGISTER_PAUSE_S[0]
+    again = _RegisterAgain(max(client.retry_for for client, *_ in plan), task_id)
     while True:
         parts: list[Episode] = []
         try:
@@ -278,12 +298,7 @@ def _register_parts(plan: list[tuple[SwarmClient, list[str], bool, str | None]],
             return parts
         except ServerUnavailable as exc:
             SwarmEpisode(parts).abort(REGISTER_AGAIN if parts else abort_reason(exc))
-            left = deadline - time.monotonic()
-            if not parts or left <= 0:
-                raise
-            log.debug("episode of %s: %s (%s)", task_id, REGISTER_AGAIN, exc)
-            time.sleep(min(pause * (0.8 + 0.4 * random.random()), left))
-            pause = min(pause * 2, REGISTER_PAUSE_S[1])
+            time.sleep(again.pause(exc, parts))
         except BaseException as exc:
             SwarmEpisode(parts).abort(abort_reason(exc))
             raise
@@ -293,8 +308,7 @@ async def _aregister_parts(plan: list[tuple[AsyncSwarmClient, list[str], bool, s
                            eval: bool, timeout_s: float | None, meta: Mapping[str, Any] | None
                            ) -> list[AsyncEpisode]:
     """:func:`_register_parts` for :class:`AsyncSwarmClient` routes."""
-    deadline = time.monotonic() + max(client.retry_for for client, *_ in plan)
-    pause = REGISTER_PAUSE_S[0]
+    again = _RegisterAgain(max(client.retry_for for client, *_ in plan), task_id)
     while True:
         parts: list[AsyncEpisode] = []
         try:
@@ -304,12 +318,7 @@ async def _aregister_parts(plan: list[tuple[AsyncSwarmClient, list[str], bool, s
             return parts
         except ServerUnavailable as exc:
             await AsyncSwarmEpisode(parts).abort(REGISTER_AGAIN if parts else abort_reason(exc))
-            left = deadline - time.monotonic()
-            if not parts or left <= 0:
-                raise
-            log.debug("episode of %s: %s (%s)", task_id, REGISTER_AGAIN, exc)
-            await asyncio.sleep(min(pause * (0.8 + 0.4 * random.random()), left))
-            pause = min(pause * 2, REGISTER_PAUSE_S[1])
+            await asyncio.sleep(again.pause(exc, parts))
         except BaseException as exc:
             await AsyncSwarmEpisode(parts).abort(abort_reason(exc))
             raise
