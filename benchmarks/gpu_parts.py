@@ -18,9 +18,14 @@ With ``--vllm`` it prepares vLLM for that GPU instead (issue 35): it downloads
 vLLM 0.26.0 (the last release that pins the image's torch 2.11, a CUDA 13 build)
 and the packages it imports that the image lacks (:data:`VLLM_WHEELS`; the
 image's own aiohttp, attrs, numba, … are used as they are) into
-``.vllm-wheels/`` (ignored, never carried), packs them into one tar (wheels are
-compressed already) and splits it into ``.vpart1/``, ``.vpart2/``, …; the last
-call joins them, checks the MD5 and installs with
+``.vllm-wheels/`` (ignored, never carried). vLLM's own wheel (304 MB) is unpacked
+without what a dense model on a Hopper GPU never loads (:data:`VLLM_STRIP`: the
+FlashAttention-2 kernels, 129 MB compressed, since vLLM takes FlashAttention-3 on
+sm90 and Triton attention for float32; the MoE kernels, an optional import; the
+Rust frontend binary) and re-compressed with xz: 76 MB instead of 304. That
+archive, the other wheels and the small wheels of ``.whl/`` go into one tar, split
+into ``.vpart1/``, ``.vpart2/``, … (two calls instead of seven); the last call joins
+them, checks the MD5, unpacks vLLM into ``/tmp/vsite`` and installs the wheels with
 ``pip install --no-deps --target /tmp/vsite``.
 
     python benchmarks/gpu_parts.py [--file PATH] [--part-mb 50] [--no-wheels]
@@ -117,6 +122,13 @@ def commands(parts: list[Path], name: str, digest: str) -> list[str]:
     return out
 
 
+#: files of vLLM 0.26.0's wheel left out for a dense model on Hopper (see the module docstring); if vLLM ever
+#: needs FlashAttention-2 there, ``VLLM_ATTENTION_BACKEND=TRITON_ATTN`` needs no FlashAttention at all
+VLLM_STRIP = ["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/vllm-rs",
+              "vllm/entrypoints/serve/instrumentator/static",
+              *[f"vllm/third_party/deep_gemm/_C.cpython-3{m}-x86_64-linux-gnu.so" for m in (10, 11, 13, 14)]]
+
+
 def vllm_commands(parts: list[Path], name: str, digest: str) -> list[str]:
     """Each device call's command for vLLM's parts: copy, and in the last call join, check, install."""
     out = []
@@ -124,7 +136,8 @@ def vllm_commands(parts: list[Path], name: str, digest: str) -> list[str]:
         cmd = f"mkdir -p /tmp/vparts && cp .vpart{k}/* /tmp/vparts/;"
         if k == len(parts):
             cmd += (f" cat $(ls /tmp/vparts/{name}.part* | sort -V) > /tmp/{name} && echo '{digest}  /tmp/{name}'"
-                    f" | md5sum -c && mkdir -p /tmp/vwhl && tar -xf /tmp/{name} -C /tmp/vwhl &&"
+                    f" | md5sum -c && mkdir -p /tmp/vwhl /tmp/vsite && tar -xf /tmp/{name} -C /tmp/vwhl &&"
+                    " tar -xJf /tmp/vwhl/vllm.tar.xz -C /tmp/vsite &&"
                     " python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite /tmp/vwhl/*.whl"
                     " && export PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0;"
                     " <your commands, e.g. python3 -c 'import vllm; print(vllm.__version__)'>")
@@ -132,22 +145,67 @@ def vllm_commands(parts: list[Path], name: str, digest: str) -> list[str]:
     return out
 
 
+def strip_vllm(wheel: Path, dest: Path) -> Path:
+    """``wheel`` unpacked without :data:`VLLM_STRIP` and packed as ``dest`` (tar.xz, two threads)."""
+    tmp = Path(tempfile.mkdtemp(prefix="swarmkit-vllm-"))
+    try:
+        subprocess.run(["unzip", "-q", str(wheel), "-d", str(tmp)], check=True)
+        for rel in VLLM_STRIP:
+            target = tmp / rel
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+            else:
+                print(f"warning: {rel} is not in {wheel.name}", file=sys.stderr)
+        names = sorted(p.name for p in tmp.iterdir())
+        with dest.open("wb") as fh:
+            tar = subprocess.Popen(["tar", "-cf", "-", "-C", str(tmp), *names], stdout=subprocess.PIPE)
+            subprocess.run(["xz", "-T2", "-6"], stdin=tar.stdout, stdout=fh, check=True)
+            if tar.wait():
+                raise RuntimeError("tar failed")
+    finally:
+        shutil.rmtree(tmp)
+    return dest
+
+
 def pack_vllm(part_mb: float) -> int:
-    """Download vLLM's wheel set, pack it into one tar and split that into ``.vpart{k}/``."""
+    """Download vLLM's wheel set, strip and xz vLLM, pack all with ``.whl/`` into one tar split into ``.vpart{k}/``."""
     cache = ROOT / ".vllm-wheels"
     cache.mkdir(exist_ok=True)
     pip = [sys.executable, "-m", "pip", "-q", "download", "--no-deps", "-d", str(cache), *GPU_PLATFORM]
     for spec in VLLM_WHEELS:
         subprocess.run([*pip, spec], check=True)
-    wheels = sorted(cache.glob("*.whl"))
+    download_small_wheels()
+    pack = cache / "pack"
+    shutil.rmtree(pack, ignore_errors=True)
+    pack.mkdir()
+    vllm_wheel = next(cache.glob("vllm-*.whl"))
+    strip_vllm(vllm_wheel, pack / "vllm.tar.xz")
+    for w in [*cache.glob("*.whl"), *(ROOT / ".whl").glob("*.whl")]:
+        if w != vllm_wheel:
+            shutil.copy2(w, pack / w.name)
     tar = cache / "vllm-gpu-wheels.tar"
-    subprocess.run(["tar", "-cf", str(tar), "-C", str(cache), *[w.name for w in wheels]], check=True)
+    subprocess.run(["tar", "-cf", str(tar), "-C", str(pack), *sorted(p.name for p in pack.iterdir())], check=True)
+    for old in ROOT.glob(".vpart*"):
+        shutil.rmtree(old)
     parts = split(tar, ROOT, int(part_mb * 1e6), prefix=".vpart")
-    exclude(ROOT, [".vllm-wheels", *[p.parent.name for p in parts]])
+    exclude(ROOT, [".vllm-wheels", ".whl", *[p.parent.name for p in parts]])
     digest = md5(tar)
-    print(f"{len(wheels)} wheels, {tar.stat().st_size / 1e6:.1f} MB (MD5 {digest}) in {len(parts)} parts")
+    print(f"vLLM stripped to {(pack / 'vllm.tar.xz').stat().st_size / 1e6:.1f} MB; "
+          f"{len(list(pack.glob('*.whl')))} wheels; {tar.stat().st_size / 1e6:.1f} MB (MD5 {digest}) in {len(parts)} parts")
     print("\n".join(vllm_commands(parts, tar.name, digest)))
     return 0
+
+
+def download_small_wheels() -> None:
+    """The pure-Python wheels the GPU image lacks (:data:`WHEELS`, :data:`BUILT`) into ``.whl/``."""
+    whl = ROOT / ".whl"
+    whl.mkdir(exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "download", "--no-deps", "-d", str(whl), *WHEELS], check=True)
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(whl), *BUILT], check=True)
+    print(f"wheels in {whl}: {', '.join(sorted(p.name for p in whl.glob('*.whl')))}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,12 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         path = next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
     if not args.no_wheels:
-        whl = ROOT / ".whl"
-        whl.mkdir(exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "-q"]
-        subprocess.run([*pip, "download", "--no-deps", "-d", str(whl), *WHEELS], check=True)
-        subprocess.run([*pip, "wheel", "--no-deps", "-w", str(whl), *BUILT], check=True)
-        print(f"wheels in {whl}: {', '.join(sorted(p.name for p in whl.glob('*.whl')))}")
+        download_small_wheels()
     parts = split(path, ROOT, int(args.part_mb * 1e6))
     exclude(ROOT, [p.parent.name for p in parts])
     digest = md5(path)

@@ -23,7 +23,7 @@ Measured, with every policy busy at once (the clients run in this process, over 
 
     python benchmarks/multi_lora.py                                   # tiny model on the CPU, N = 1, 2, 4
     python benchmarks/multi_lora.py --ns 1,2,4,8 --steps 20 --json benchmarks/results/multi_lora.json
-    python benchmarks/multi_lora.py --device cuda --model FOLDER --lr 1e-4 --max-tokens 32
+    python benchmarks/multi_lora.py --device cuda --model 0.5b --lr 1e-3 --max-tokens 32
     python benchmarks/multi_lora.py --smoke                           # N = 2, one step each, seconds
 """
 
@@ -208,6 +208,12 @@ def _model(name: str) -> list[str]:
         from swarmkit.testing import build_test_model
 
         return ["model=tiny", f"model.path={build_test_model(Path(tempfile.gettempdir()) / 'swarmkit-bench-tiny')}"]
+    if name == "0.5b":  # a random Qwen2.5-0.5B trunk (tiny tokenizer), weights std 0.05 (gpu_rollout.py)
+        import torch
+        from gpu_rollout import build_trunk
+
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return ["model=tiny", f"model.path={build_trunk('0.5b', dtype)}"]
     return [f"model={name}"] if name == "smollm2" else ["model=tiny", f"model.path={name}"]
 
 
@@ -354,8 +360,8 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="tiny (the built-in one, weights std 0.1), smollm2, or a local "
-                   "HF model folder")
+    p.add_argument("--model", default="tiny", help="tiny (the built-in one, weights std 0.1), 0.5b (a random "
+                   "Qwen2.5-0.5B trunk, std 0.05), smollm2, or a local HF model folder")
     p.add_argument("--device", default="cpu", help="the servers' device: cpu or cuda (engine and trainer)")
     p.add_argument("--ns", default="1,2,4", help="numbers of policies")
     p.add_argument("--setups", default="adapters,servers")
