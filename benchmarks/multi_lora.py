@@ -24,6 +24,7 @@ Measured, with every policy busy at once (the clients run in this process, over 
     python benchmarks/multi_lora.py                                   # tiny model on the CPU, N = 1, 2, 4
     python benchmarks/multi_lora.py --ns 1,2,4,8 --steps 20 --json benchmarks/results/multi_lora.json
     python benchmarks/multi_lora.py --device cuda --model 0.5b --lr 1e-3 --max-tokens 32
+    python benchmarks/multi_lora.py --ns 2,4 --seeds 0,1,2,3,4        # each set-up over 5 seeds, compared over seeds
     python benchmarks/multi_lora.py --smoke                           # N = 2, one step each, seconds
 """
 
@@ -287,7 +288,7 @@ async def run_setup(setup: str, n: int, args: argparse.Namespace) -> dict[str, A
                 train_rewards[p.name] += [float(r[key]) for r in rows if key in r]
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
-    row = {"setup": setup, "n": n, "processes": n_proc, "torch_threads": threads, "boot_s": boot_s,
+    row = {"setup": setup, "n": n, "seed": args.seed, "processes": n_proc, "torch_threads": threads, "boot_s": boot_s,
            "rss_after_boot_bytes": rss_boot, "rss_peak_bytes": rss_peak, "cuda_max_allocated_bytes": cuda,
            "rollout": tp, "train": tr, "step_time_s": summary(step_times), "steps_total": len(step_times),
            "policies": {p.name: {"letter": p.letter, "before": before[p.name], "after": after[p.name],
@@ -296,7 +297,7 @@ async def run_setup(setup: str, n: int, args: argparse.Namespace) -> dict[str, A
         row["run_dir"] = str(root)
     learned = ", ".join(f"{p.letter} {before[p.name]['mean']:.2f}->{after[p.name]['mean']:.2f} (train "
                         f"{_ends(train_rewards[p.name])})" for p in policies)
-    print(f"  {setup} N={n}: peak RSS {rss_peak / 2**20:.0f} MiB, step {summary(step_times)['mean']:.2f} s, "
+    print(f"  {setup} N={n} seed {args.seed}: peak RSS {rss_peak / 2**20:.0f} MiB, step {summary(step_times)['mean']:.2f} s, "
           f"train {tr['wall_s']:.0f} s; {learned}", flush=True)
     return row
 
@@ -323,13 +324,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table: one line per (N, set-up), memory ratio against one server of one model."""
     one = one_server_rss(rows)
     cuda = any(r["cuda_max_allocated_bytes"] for r in rows)
-    head = ["N", "set-up", "processes", "peak RSS MiB", "× one server"] + (["CUDA max alloc MiB"] if cuda else []) + [
+    head = ["N", "set-up", "seed", "processes", "peak RSS MiB", "× one server"] + (["CUDA max alloc MiB"] if cuda else []) + [
         "rollout tok/s", "s / step (trainer)", "training wall s", "held-out reward before → after (95% CI) per rule"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         pol = "; ".join(f"{v['letter']}: {v['before']['mean']:.2f} → {v['after']['mean']:.2f} ± {v['after']['ci95']:.2f}"
                         for v in r["policies"].values())
-        cells = [str(r["n"]), r["setup"], str(r["processes"]), _mib(r["rss_peak_bytes"]),
+        cells = [str(r["n"]), r["setup"], str(r.get("seed", 0)), str(r["processes"]), _mib(r["rss_peak_bytes"]),
                  f"{r['rss_peak_bytes'] / one:.2f}×"]
         if cuda:
             cells.append(_mib(r["cuda_max_allocated_bytes"]))
@@ -341,20 +342,44 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per N and rule: held-out reward after training, adapters - servers, with the interval of the difference."""
+    """Per N, seed and rule: held-out reward after training, adapters - servers, with the interval of the
+    difference (over the eval episodes of the one run: run-to-run noise is not in it; see :func:`over_seeds`)."""
     out = []
-    for n in sorted({r["n"] for r in rows}):
-        a = next((r for r in rows if r["n"] == n and r["setup"] == "adapters"), None)
-        s = next((r for r in rows if r["n"] == n and r["setup"] == "servers"), None)
+    for n, seed in sorted({(r["n"], r.get("seed", 0)) for r in rows}):
+        a = next((r for r in rows if (r["n"], r.get("seed", 0), r["setup"]) == (n, seed, "adapters")), None)
+        s = next((r for r in rows if (r["n"], r.get("seed", 0), r["setup"]) == (n, seed, "servers")), None)
         if a is None or s is None:
             continue
         for va, vs in zip(a["policies"].values(), s["policies"].values(), strict=True):
             diff = va["after"]["mean"] - vs["after"]["mean"]
             half = math.hypot(va["after"]["ci95"], vs["after"]["ci95"])
-            out.append({"n": n, "letter": va["letter"], "adapters": va["after"]["mean"], "servers": vs["after"]["mean"],
-                        "diff": diff, "diff_ci95": half, "within": abs(diff) <= half})
-        out.append({"n": n, "memory_ratio": a["rss_peak_bytes"] / s["rss_peak_bytes"],
+            out.append({"n": n, "seed": seed, "letter": va["letter"], "adapters": va["after"]["mean"],
+                        "servers": vs["after"]["mean"], "diff": diff, "diff_ci95": half, "within": abs(diff) <= half})
+        out.append({"n": n, "seed": seed, "memory_ratio": a["rss_peak_bytes"] / s["rss_peak_bytes"],
                     "memory_vs_one_server": a["rss_peak_bytes"] / one_server_rss(rows)})
+    return out
+
+
+def over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per N and rule, over seeds: each set-up's held-out reward after training (mean ± 95% t-interval over
+    seeds) and the difference adapters - servers with its Welch interval (t at the smaller degrees of freedom).
+    This is the comparison the issue asks for: a seed is one whole run, so the interval holds run-to-run noise."""
+    out = []
+    for n in sorted({r["n"] for r in rows}):
+        by_setup: dict[str, dict[str, list[float]]] = {"adapters": {}, "servers": {}}
+        for r in rows:
+            if r["n"] == n and r["setup"] in by_setup:
+                for v in r["policies"].values():
+                    by_setup[r["setup"]].setdefault(v["letter"], []).append(v["after"]["mean"])
+        for letter in by_setup["adapters"]:
+            xa, xs = by_setup["adapters"][letter], by_setup["servers"].get(letter, [])
+            if len(xa) < 2 or len(xs) < 2:
+                continue
+            se = math.sqrt(statistics.variance(xa) / len(xa) + statistics.variance(xs) / len(xs))
+            t = next((T95[k] for k in sorted(T95) if k >= min(len(xa), len(xs)) - 1), 1.96)
+            diff = statistics.fmean(xa) - statistics.fmean(xs)
+            out.append({"n": n, "letter": letter, "seeds": len(xa), "adapters": summary(xa), "servers": summary(xs),
+                        "diff": diff, "diff_ci95": t * se, "within": abs(diff) <= t * se})
     return out
 
 
@@ -381,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-timeout", type=float, default=3600.0, help="seconds before the training phase fails")
     p.add_argument("--override", action="append", default=[], help="extra config override for every server")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, help="comma-separated seeds: every set-up once per seed, compared over "
+                   "seeds (default: --seed alone)")
     p.add_argument("--keep", action="store_true", help="keep the run folders")
     p.add_argument("--json", default="benchmarks/results/multi_lora.json")
     p.add_argument("--smoke", action="store_true", help="N = 2, one step per policy, 4 eval episodes, no JSON")
@@ -398,15 +425,17 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after every row: a run stopped half way keeps what it measured
         if args.json:
             payload = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "cpu_count": os.cpu_count(),
-                       "args": vars(args), "rows": rows, "compare": compare(rows)}
+                       "args": vars(args), "rows": rows, "compare": compare(rows), "over_seeds": over_seeds(rows)}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=1))
 
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [args.seed]
     for n in ns:
-        for setup in args.setups.split(","):
-            print(f"running {setup} N={n} ...", flush=True)
-            rows.append(asyncio.run(run_setup(setup, n, args)))
-            save()
+        for seed in seeds:
+            for setup in args.setups.split(","):
+                print(f"running {setup} N={n} seed {seed} ...", flush=True)
+                rows.append(asyncio.run(run_setup(setup, n, argparse.Namespace(**{**vars(args), "seed": seed}))))
+                save()
     print()
     print(f"{args.model} on {args.device}, LoRA r={args.lora_rank}, {args.steps} steps per policy of "
           f"{args.batch_size}×{args.rollouts} episodes, {os.cpu_count()} CPUs")
@@ -414,11 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     cmp = compare(rows)
     for c in cmp:
         if "letter" in c:
-            print(f"N={c['n']} rule {c['letter']}: adapters {c['adapters']:.3f} vs servers {c['servers']:.3f}, "
+            print(f"N={c['n']} seed {c['seed']} rule {c['letter']}: adapters {c['adapters']:.3f} vs servers {c['servers']:.3f}, "
                   f"diff {c['diff']:+.3f} ± {c['diff_ci95']:.3f} ({'within' if c['within'] else 'OUTSIDE'} the interval)")
         else:
-            print(f"N={c['n']}: memory adapters/servers {c['memory_ratio']:.2f}, "
+            print(f"N={c['n']} seed {c['seed']}: memory adapters/servers {c['memory_ratio']:.2f}, "
                   f"adapters / one server {c['memory_vs_one_server']:.2f}")
+    for c in over_seeds(rows):
+        print(f"N={c['n']} rule {c['letter']} over {c['seeds']} seeds: adapters {c['adapters']['mean']:.3f} ± "
+              f"{c['adapters']['ci95']:.3f}, servers {c['servers']['mean']:.3f} ± {c['servers']['ci95']:.3f}, diff "
+              f"{c['diff']:+.3f} ± {c['diff_ci95']:.3f} ({'within' if c['within'] else 'OUTSIDE'} the interval)")
     if args.json:
         save()
         print(f"\nwrote {args.json}")
