@@ -162,9 +162,11 @@ def test_cocktail_c2_caps_a_fast_family():
     fast = [(f"f{i}", 0.0, "fast") for i in range(6)]
     d = pol.decide(pool(fast), {}, 0.0)
     assert not d.fire and d.current == 2  # only 2 fast tasks may count
+    assert d.detail["held_by_cocktail"] == {"fast": 4}  # enough in the pool: the caps alone hold it back
+    assert "held_by_cocktail" not in pol.decide(pool(fast[:3]), {}, 0.0).detail  # too few anyway
     eps = pool([*fast, ("s0", 1.0, "slow"), ("s1", 1.0, "slow")])
     d = pol.decide(eps, {}, 0.0)
-    assert d.fire and d.current == 4
+    assert d.fire and d.current == 4 and "held_by_cocktail" not in d.detail
     assert d.selected == ["f0#0", "f1#0", "s0#0", "s1#0"]
 
 
@@ -173,6 +175,7 @@ def test_cocktail_c1_in_episodes():
     eps = pool([("f", 0, "fast")] * 5 + [("s", 1, "slow")] * 2)
     d = pol.decide(eps, {}, 0.0)
     assert not d.fire and d.current == 3  # 1 fast (cap floor(.25*4)) + 2 slow
+    assert d.detail["held_by_cocktail"] == {"fast": 4}
     eps += pool([("t", 1, "slow")])
     d = pol.decide(eps, {}, 0.0)
     assert d.fire and d.selected == ["f#0", "s#0", "s#1", "t#0"]

@@ -48,3 +48,23 @@ def test_two_clients_two_tasks_one_server(tmp_path):
         assert m.get("episodes/calc_agent", 0) + m.get("demonstrations/calc_agent", 0) == 2
     assert any(k.startswith("eval_reward/") for m in rows for k in m)
     assert list((tmp_path / "server" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_cocktail_as_three_adapters_of_one_base(tmp_path):
+    """--adapters: the tool agent trains ``tools``, the game's roles ``civilians`` and ``spies``; a step trains one
+    adapter on its own family's episodes only."""
+    cocktail = _load()
+    out = tmp_path / "out.json"
+    rc = cocktail.main(["--model", "tiny", "--adapters", "--steps", "4", "--max-tokens", "8", "--batch-size", "2",
+                        "--rollouts", "2", "--demonstrations", "4", "--eval-every", "2", "--timeout", "300",
+                        "--work-dir", str(tmp_path), "--out", str(out)])
+    summary = json.loads(out.read_text())
+    assert rc == 0 and summary["broken"] == []
+    every = [json.loads(line) for line in (tmp_path / "server" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in every if r.get("kind") == "train"]
+    assert len(rows) >= 4
+    for m in rows:
+        (adapter,) = [k.split("/")[1] for k in m if k.startswith("adapter/") and k.endswith("/step")]
+        families = {k.split("/")[1] for k in m if k.startswith(("episodes/", "demonstrations/"))}
+        assert families == ({"calc_agent"} if adapter == "tools" else {"who_is_spy"}), (adapter, families)
+    assert {k.split("/")[1] for m in rows for k in m if k.startswith("adapter/")} <= {"tools", "civilians", "spies"}

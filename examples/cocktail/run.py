@@ -14,9 +14,17 @@ batch, in tasks; default 0.5 / 0.5), and the server logs every step's metrics
 per task family (``reward_mean/<family>``, ``episodes/<family>``,
 ``tokens/<family>``, ``eval_reward/<family>`` from the clients' held-out eval
 episodes) in ``metrics.jsonl`` and TensorBoard. At the end the journal is
-read back to check that every trained batch kept the caps::
+read back to check that every trained batch kept the caps.
+
+With ``--adapters`` the same two clients train three LoRA adapters of one base
+instead of one shared model (``model.adapters=[tools,civilians,spies]``): the
+tool agent its own ``tools``, the game's civilians and spies theirs. A step
+then trains one adapter on its own episodes only, so no batch mixes families
+and ``--cocktail`` is not used (a cap below 1 on an adapter's only family would
+hold its batches back for ever); every step's line names its adapter::
 
     python examples/cocktail/run.py                     # SmolLM2 on CPU, 12 steps
+    python examples/cocktail/run.py --adapters          # the same, three adapters of one base
     python examples/cocktail/run.py --model tiny --steps 3 --max-tokens 8   # a quick look
 """
 
@@ -42,6 +50,8 @@ from swarmkit.swarm.metrics import read_metrics
 HERE = Path(__file__).resolve().parent
 SPY = HERE.parent / "who_is_spy" / "run.py"
 FAMILIES = ("calc_agent", "who_is_spy")
+#: ``--adapters``: the adapter of the tool agent, and of each role of the game
+ADAPTERS = {"calc_agent": "tools", "civilian": "civilians", "spy": "spies"}
 
 
 def batch_families(run_dir: Path) -> dict[int, collections.Counter]:
@@ -69,7 +79,8 @@ def check_caps(batches: dict[int, collections.Counter], caps: dict[str, float], 
 
 
 def family_line(m: dict[str, Any]) -> str:
-    parts = []
+    trained = [k.split("/")[1] for k in m if k.startswith("adapter/") and k.endswith("/step")]  # its adapter
+    parts = [f"[{trained[0]}]"] if trained else []
     for fam in FAMILIES:
         if f"episodes/{fam}" in m or f"demonstrations/{fam}" in m:
             r = m.get(f"reward_mean/{fam}")
@@ -97,8 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout", type=float, default=7200.0)
     p.add_argument("--out", default=None, help="write the summary JSON here")
+    p.add_argument("--adapters", action="store_true", help="three LoRA adapters of one base: tools (the tool agent), "
+                   "civilians and spies (the game's roles), instead of one shared model")
     args = p.parse_args(argv)
-    caps = {k: float(v) for k, v in (item.split("=") for item in args.cocktail.split(",") if item)}
+    # with adapters each adapter trains one family, so a cap below 1 would hold its batches back for ever
+    caps = {} if args.adapters else {k: float(v) for k, v in (item.split("=") for item in args.cocktail.split(",")
+                                                               if item)}
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="swarmkit-cocktail-"))
     server = launch_server("cocktail", work / "server", token=args.token)
     clients: list[subprocess.Popen] = []
@@ -106,9 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cocktail = "{" + ",".join(f"{k}:{v}" for k, v in caps.items()) + "}"
         boot_servers([server], {"cocktail": [
             f"model={args.model}", "batching=c2", f"batching.batch_size={args.batch_size}",
-            f"batching.rollouts_per_task={args.rollouts}", f"batching.cocktail={cocktail}",
+            f"batching.rollouts_per_task={args.rollouts}", *([f"batching.cocktail={cocktail}"] if caps else []),
             f"optim.lr={args.lr}", f"optim.sft_lr={args.sft_lr}", f"trainer.total_steps={args.steps}",
-            "trainer.checkpoint_every=0", "server.drain_timeout_s=120", "server.drain_idle_s=120"]}, timeout=args.timeout)
+            "trainer.checkpoint_every=0", "server.drain_timeout_s=120", "server.drain_idle_s=120",
+            *(["model.lora_rank=8", f"model.adapters=[{','.join(ADAPTERS.values())}]"] if args.adapters else [])]}, timeout=args.timeout)
         print(f"server {server.url}  model {args.model}  caps {caps}  run dir {server.run_dir}", flush=True)
         env = server_env(args.token)
         logs = {name: open(work / f"{name}.log", "ab") for name in FAMILIES}  # noqa: SIM115
@@ -116,11 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             [sys.executable, "-m", "swarmkit.apps.task_client", "--url", server.url, "--task", "calc_agent",
              "--demonstrations", str(args.demonstrations), "--rollouts-per-task", str(args.rollouts),
              "--max-tokens", str(args.max_tokens), "--concurrency", "4", "--eval-every", str(args.eval_every),
-             "--client-id", "calc-agent-client"], env=env, stdout=logs["calc_agent"], stderr=subprocess.STDOUT))
+             "--client-id", "calc-agent-client",
+             *(["--adapter", ADAPTERS["calc_agent"]] if args.adapters else [])], env=env, stdout=logs["calc_agent"], stderr=subprocess.STDOUT))
         clients.append(subprocess.Popen(
             [sys.executable, str(SPY), "client", "--route", f"civilian={server.url}", "--route", f"spy={server.url}",
              "--rollouts", str(args.rollouts), "--max-tokens", str(min(24, args.max_tokens)), "--concurrency", "2",
-             "--eval-every", str(args.eval_every), "--client-id", "spy-client"],
+             "--eval-every", str(args.eval_every), "--client-id", "spy-client",
+             *([a for role in ("civilian", "spy") for a in ("--adapter", f"{role}={ADAPTERS[role]}")]
+               if args.adapters else [])],
             env=env, stdout=logs["who_is_spy"], stderr=subprocess.STDOUT))
         ctl = server.client()
         t0 = time.perf_counter()

@@ -125,6 +125,18 @@ class PoolPolicy(BatchingPolicy):
             picked.append(unit)
         return picked, countable
 
+    def held_by_caps(self, units: Sequence[tuple[str, Any]], total: int) -> dict[str, int]:
+        """Per capped family, its units past its cap in a batch of ``total``: what the caps hold back."""
+        per_family: dict[str, int] = {}
+        for fam, _ in units:
+            per_family[fam] = per_family.get(fam, 0) + 1
+        held = {}
+        for fam, n in per_family.items():
+            cap = self.family_cap(fam, total)
+            if cap is not None and n > cap:
+                held[fam] = n - cap
+        return held
+
     @staticmethod
     def _ordered_ids(episodes: Sequence[PoolEpisode], chosen: set[str]) -> list[str]:
         """``chosen`` ids grouped by task (tasks oldest first), oldest first within."""
@@ -153,9 +165,12 @@ class EpisodeCount(PoolPolicy):
         self, episodes: Sequence[PoolEpisode], clients: Mapping[str, ClientState], now: float
     ) -> Decision:
         target = self.batch_size * self.rollouts_per_task
-        picked, current = self._capped_pick([(e.task_family, e) for e in episodes], target)
+        units = [(e.task_family, e) for e in episodes]
+        picked, current = self._capped_pick(units, target)
         detail = self._base_detail(episodes)
         fire = len(picked) >= target
+        if not fire and len(units) >= target:  # enough in the pool: only the caps keep the batch short
+            detail["held_by_cocktail"] = self.held_by_caps(units, target)
         chosen = {e.episode_id for e in picked} if fire else set()
         return Decision(fire, current, target, self.unit,
                         self._ordered_ids(episodes, chosen), detail)
@@ -196,6 +211,8 @@ class TaskCount(PoolPolicy):
             detail["degenerate_tasks"] = len(filtered) // n
             detail["filtered"] = filtered
         fire = len(picked) >= self.batch_size
+        if not fire and len(units) >= self.batch_size:  # enough complete tasks: only the caps keep it short
+            detail["held_by_cocktail"] = self.held_by_caps(units, self.batch_size)
         selected = [e.episode_id for group in picked for e in group] if fire else []
         return Decision(fire, current, self.batch_size, self.unit, selected, detail)
 

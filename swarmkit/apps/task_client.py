@@ -75,11 +75,12 @@ def run_episode(
 
 
 def send_demonstrations(client: SwarmClient, tasks: list[Task], *, group_size: int,
-                        concurrency: int = 8) -> int:
+                        concurrency: int = 8, adapter: str | None = None) -> int:
     """The supervised warm start: one demonstration episode per task (families that have them).
 
     Episodes are grouped ``group_size`` to a task id (``demo-<k>``), so a batching policy that
     waits for N episodes per task (C2/C3) releases B groups of N different demonstrations.
+    ``adapter``: the LoRA adapter they train (a server with ``model.adapters``).
     Returns how many were accepted.
     """
     demos = [(t, d) for t in tasks if (d := demonstration(t)) is not None]
@@ -87,7 +88,7 @@ def send_demonstrations(client: SwarmClient, tasks: list[Task], *, group_size: i
     def send(k: int) -> bool:
         task, demo = demos[k]
         with client.episode(task_id=f"demo-{k // max(1, group_size)}",
-                            meta={"task_family": task.family, "demo_of": task.task_id}) as ep:
+                            meta={"task_family": task.family, "demo_of": task.task_id}, adapter=adapter) as ep:
             ep.demonstrate(demo["messages"], tools=demo.get("tools"))
             return bool(ep.report(1.0).get("accepted"))
 
@@ -424,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.demonstrations:
         sent = send_demonstrations(client, make_tasks(args.task, args.demonstrations, seed=1, split="demo",
-                                                      options=options), group_size=args.rollouts_per_task)
+                                                      options=options), group_size=args.rollouts_per_task,
+                                   adapter=args.adapter)
         print(f"{sent} demonstrations accepted")
     log_file = open(args.episode_log, "a", buffering=1) if args.episode_log else None  # noqa: SIM115
     summary: Summary | None = None

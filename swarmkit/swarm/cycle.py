@@ -188,6 +188,7 @@ class TrainingCycle:
         #: the LoRA adapters trained over one base (model.adapters); each step trains one, in turn
         self.adapters: list[str] = []
         self._last_adapter: str | None = None
+        self._cocktail_warned: set[str | None] = set()  # adapters (None: the model) told of a cocktail stall
         #: each adapter's last step's mean reward (status)
         self._adapter_reward: dict[str, float] = {}
 
@@ -838,7 +839,7 @@ class TrainingCycle:
         on their own, the adapter after the last one trained first: a batch never mixes adapters, and an
         adapter whose batch is ready never waits behind another's."""
         if not self.adapters:
-            return self.pool.decide(self.policy, clients, now)
+            return self._warn_if_held(self.pool.decide(self.policy, clients, now), None)
         view = self.pool.view()
         start = self.adapters.index(self._last_adapter) + 1 if self._last_adapter in self.adapters else 0
         decision = None
@@ -847,12 +848,33 @@ class TrainingCycle:
             mine = [e for e in view if e.adapter == name]
             if not mine:
                 continue
-            decision = self.policy.decide(mine, dict(clients or {}), now)
+            decision = self._warn_if_held(self.policy.decide(mine, dict(clients or {}), now), name)
             if decision.fire and decision.selected:
                 decision.detail["adapter"] = name
                 self._last_adapter = name
                 return decision
         return decision if decision is not None else self.pool.decide(self.policy, clients, now)
+
+    def _warn_if_held(self, decision: Any, adapter: str | None) -> Any:
+        """Say (once per stall and adapter) when only ``batching.cocktail`` keeps a batch from
+        firing: the pool holds enough, but the shares of the families in it add up to less than one, so
+        C1-C3 wait for other families' episodes, maybe forever (one family's client alone, or an adapter
+        that only one family trains). Returns ``decision``."""
+        if decision is not None and decision.fire:
+            self._cocktail_warned.discard(adapter)  # a batch formed: a later stall is told again
+        held = (decision.detail or {}).get("held_by_cocktail") if decision is not None else None
+        if not held or adapter in self._cocktail_warned:
+            return decision
+        self._cocktail_warned.add(adapter)
+        caps = getattr(self.policy, "cocktail", {})
+        where = f" (adapter {adapter})" if adapter else ""
+        over = sum(held.values())
+        log.warning("batching.cocktail holds the batch back%s: %d %s are ready and a batch needs %d, but the caps %s "
+                    "let only %d count (%s); it waits for episodes of other families. The shares of the families "
+                    "present must add up to at least 1 (docs/batching.md, \"Cocktail limits\")",
+                    where, int(decision.current) + over, decision.unit, int(decision.target), caps,
+                    int(decision.current), ", ".join(f"{fam!r}: {n} over its cap" for fam, n in sorted(held.items())))
+        return decision
 
     async def _catch_up(self) -> bool:
         """Finish what an earlier step left undone (its journal write, its weight sync); True when
