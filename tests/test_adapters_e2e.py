@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import time
@@ -79,6 +80,11 @@ def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
         rows = _train_rows(tmp_path)
         per = {a: [r for r in rows if f"adapter/{a}/step" in r] for a in ADAPTERS}
         assert all(len(per[a]) >= 25 for a in ADAPTERS), {a: len(v) for a, v in per.items()}
+        # staleness counts the adapter's own versions (it counted the server's steps: ~the other adapters' steps)
+        # (median: a group left over by a drain is one version stale, rarely more; by the servers' steps most were
+        # ~the other adapter's step count)
+        worst = [r["staleness_max"] for a in ADAPTERS for r in per[a]]
+        assert statistics.median(worst) <= 1, worst
         # every episode has an adapter, and every step trained the episodes of one adapter only
         by_step: dict[int, set[str]] = {}
         for eid, adapter, step, _ in _journal(tmp_path):

@@ -212,7 +212,9 @@ class Trainer:
             self.last_adapter = adapter
         merge_stats: dict[str, float] = {}
         samples = build_samples(records, self.algo, self.match, stats=merge_stats)
-        staleness = bound_staleness(samples, self.global_step, max_staleness)
+        # a token's version is its adapter's version (each adapter counts its own steps), else the model's
+        current = self.adapter_step(adapter) if adapter is not None else self.global_step
+        staleness = bound_staleness(samples, current, max_staleness)
         relabel = dict(self.algo.prepare_samples(samples))  # e.g. a teacher's per-token advantages
         if self.run_dir is not None:  # for the trajectory viewer: the advantages the tokens are trained with
             append_advantages(self.run_dir, self.train_steps + 1, samples)
