@@ -80,9 +80,9 @@ def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
         rows = _train_rows(tmp_path)
         per = {a: [r for r in rows if f"adapter/{a}/step" in r] for a in ADAPTERS}
         assert all(len(per[a]) >= 25 for a in ADAPTERS), {a: len(v) for a, v in per.items()}
-        # staleness counts the adapter's own versions (it counted the server's steps: ~the other adapters' steps)
-        # (median: a group left over by a drain is one version stale, rarely more; by the servers' steps most were
-        # ~the other adapter's step count)
+        # staleness counts the adapter's own versions; counted in the server's steps it read about the other
+        # adapter's step count (median 16 here). The median, since a group left over by a drain is one version
+        # stale, rarely more
         worst = [r["staleness_max"] for a in ADAPTERS for r in per[a]]
         assert statistics.median(worst) <= 1, worst
         # every episode has an adapter, and every step trained the episodes of one adapter only

@@ -104,15 +104,9 @@ class PoolPolicy(BatchingPolicy):
 
         ``units`` are ``(family, unit)`` pairs. Returns the picked units and
         how many units count towards the trigger (the sum over families of
-        ``min(available, cap)``).
+        ``min(available, cap)``: all units but those the caps hold back).
         """
-        per_family: dict[str, int] = {}
-        for fam, _ in units:
-            per_family[fam] = per_family.get(fam, 0) + 1
-        countable = 0
-        for fam, n in per_family.items():
-            cap = self.family_cap(fam, total)
-            countable += n if cap is None else min(n, cap)
+        countable = len(units) - sum(self.held_by_caps(units, total).values())
         picked: list[Any] = []
         used: dict[str, int] = {}
         for fam, unit in units:

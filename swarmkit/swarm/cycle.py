@@ -860,9 +860,9 @@ class TrainingCycle:
         firing: the pool holds enough, but the shares of the families in it add up to less than one, so
         C1-C3 wait for other families' episodes, maybe forever (one family's client alone, or an adapter
         that only one family trains). Returns ``decision``."""
-        if decision is not None and decision.fire:
+        if decision.fire:
             self._cocktail_warned.discard(adapter)  # a batch formed: a later stall is told again
-        held = (decision.detail or {}).get("held_by_cocktail") if decision is not None else None
+        held = decision.detail.get("held_by_cocktail")
         if not held or adapter in self._cocktail_warned:
             return decision
         self._cocktail_warned.add(adapter)
