@@ -126,3 +126,24 @@ def test_checkpoint_keeps_each_adapter_and_its_optimizer(tmp_path):
     with pytest.raises(ValueError, match="not \\['three'\\]"):
         FSDPEngine(tiny_model_dir(), {**MODEL, "adapters": ["one", "three"]}, {"lr": 1e-3}, GRPO()).load_checkpoint(
             str(tmp_path / "ck"))
+
+
+def test_one_adapter_trains_bit_for_bit_as_the_plain_lora_model():
+    """model.adapters=[x] and a plain LoRA model of the same seed start from the same LoRA tensors and take
+    the same steps: the adapters' code path adds nothing of its own to what N = 1 learns (docs/multi_model.md)."""
+    plain, one = engine(adapters=[]), engine(adapters=["solo"])
+    assert one.adapters is not None and plain.adapters is None
+
+    def loras(eng: FSDPEngine, name: str) -> dict[str, torch.Tensor]:
+        return {n.replace(f".{name}.", "."): p.detach().clone() for n, p in eng.policy.named_parameters()
+                if ".lora_" in n}
+
+    start = loras(plain, "default")
+    assert start.keys() == loras(one, "solo").keys() and len(start) == 8
+    assert all(torch.equal(v, loras(one, "solo")[k]) for k, v in start.items())
+    for seed in range(3):
+        mp, ma = plain.train_step(make_batch(seed)), one.train_step(make_batch(seed))
+        assert [mp[k] for k in ("loss", "grad_norm", "lr")] == [ma[k] for k in ("loss", "grad_norm", "lr")]
+    after = loras(plain, "default")
+    assert any(not torch.equal(v, start[k]) for k, v in after.items())  # it trained
+    assert all(torch.equal(v, loras(one, "solo")[k]) for k, v in after.items())

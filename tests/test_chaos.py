@@ -123,6 +123,7 @@ def test_hot_swap_an_edited_client_continues_the_same_run(server):
     assert trained_after and min(trained_after) > step0  # the edited client's samples train the same model
 
 
+@pytest.mark.slow  # about 35 s: the slow step of .ci/run
 def test_chaos_sigkilled_clients_lose_nothing_and_never_stall_training(server):
     ctl, work = server["ctl"], server["work"]
     tasks = ["arithmetic", "token_rule", "calc_agent"]

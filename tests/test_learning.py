@@ -33,7 +33,7 @@ def run_token_rule_job(run_dir, *overrides: str, timeout: float = 600) -> subpro
     return out
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])  # ppo: the slow step
 def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
     out = run_token_rule_job(tmp_path, f"algo={algo}")
     every = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

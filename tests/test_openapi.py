@@ -223,6 +223,7 @@ class Run:
             self.unbreakable.append(operation.label)
 
 
+@pytest.mark.slow  # about 50 s: the slow step of .ci/run keeps README's test command under 20 minutes
 def test_schemathesis_finds_no_server_error(server, capsys):
     served = httpx.get(f"{server.url}/openapi.json")  # public: no token
     assert served.status_code == 200 and served.json() == openapi_document()

@@ -320,6 +320,7 @@ def _raise_stream(*_a, **_k):
     return gen()
 
 
+@pytest.mark.slow  # about 40 s: the slow step of .ci/run
 def test_the_main_job_learns_with_two_replicas(tmp_path):
     from test_learning import run_token_rule_job
 
