@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from swarmkit.client import SwarmClient
+from swarmkit.testing.conformance import build_test_model
 from tests.test_cycle_e2e import TOKEN, _env, _free_port, _started, _stop, start_server
 
 ADAPTERS = ("vowel_e", "vowel_o")
@@ -61,12 +62,22 @@ def test_two_adapters_learn_two_rules_on_one_server(tmp_path):
 
 def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
     """Two adapters trained at once on one server (config ``CONFIG`` + ``extra``) each learn their own rule,
-    and every step trains the episodes of one adapter."""
+    and every step trains the episodes of one adapter.
+
+    The model is the tiny one with weights std 0.1 (``build_test_model``). At the default std 0.02 its tied
+    embeddings keep every logit within about ±2.6, so a LoRA on its projections cannot move what it samples
+    (sampled reward 0.07 -> 0.09 in 30 steps, entropy 6.04 of ln 512 = 6.24); its greedy answer then
+    changed by argmax luck alone, 0.2-0.67, and this test failed on 2 of 4 runs at a 0.3 rise. At std 0.1
+    each adapter settles within ~10 steps on one token that holds its letter, most often a word of the
+    prompts, whose share is at least 0.2 (``tool`` 0.5 and ``world`` 0.2 for o; ``weather`` 0.29, ``apple``
+    and ``hello`` 0.2 for e): over 10 runs its sampled reward went from 0.07 (first 3 steps) to 0.25-0.67
+    and its greedy held-out reward rose by 0.17-0.65. The bounds below hold for a plateau of 0.2."""
     port = _free_port()
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
+    model = build_test_model(tmp_path / "model")
     try:
-        ctl = _started(port, [*CONFIG, "trainer.total_steps=60", *extra])
+        ctl = _started(port, [*CONFIG, f"model.path={model}", "trainer.total_steps=60", *extra])
         before = {a: _eval(port, a) for a in ADAPTERS}
         clients = [_client(port, a, "--train-size", "64") for a in ADAPTERS]
         deadline = time.monotonic() + 600
@@ -74,12 +85,14 @@ def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
             time.sleep(1)
         _stop(clients)
         after = {a: _eval(port, a) for a in ADAPTERS}
-        print("held-out reward before", before, "after", after)
-        for a in ADAPTERS:
-            assert after[a] > before[a] + 0.3, (a, before, after)
         rows = _train_rows(tmp_path)
         per = {a: [r for r in rows if f"adapter/{a}/step" in r] for a in ADAPTERS}
+        curves = {a: [round(r["reward_mean"], 2) for r in per[a]] for a in ADAPTERS}
+        print("held-out reward before", before, "after", after, "sampled reward per step", curves)
         assert all(len(per[a]) >= 25 for a in ADAPTERS), {a: len(v) for a, v in per.items()}
+        for a in ADAPTERS:  # what it samples moved, and its greedy held-out answer with it
+            assert statistics.mean(curves[a][-5:]) > statistics.mean(curves[a][:3]) + 0.1, (a, curves[a])
+            assert after[a] > before[a] + 0.1, (a, before, after)
         # staleness counts the adapter's own versions; counted in the server's steps it read about the other
         # adapter's step count (median 16 here). The median, since a group left over by a drain is one version
         # stale, rarely more
