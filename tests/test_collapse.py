@@ -22,8 +22,10 @@ from swarmkit.swarm.collapse import (
     GROUPS,
     IDENTICAL,
     SAMPLED_NLL,
+    WARM_ENTROPY,
     CollapseAlarm,
     collapse_signals,
+    entropy_floor,
     group_signals,
     is_flat,
     rollout_key,
@@ -114,6 +116,51 @@ def test_collapse_signals_take_the_trainers_entropy_when_it_reports_one():
     assert collapse_signals(records, {"entropy": 1.25})[ENTROPY] == 1.25
     assert collapse_signals(records, {"entropy": math.nan})[ENTROPY] == pytest.approx(0.3)
     assert out[IDENTICAL] == 1.0 and out[FLAT] == 1.0
+
+
+def test_a_step_of_demonstrations_only_reports_the_warm_entropy_not_the_policys():
+    demos = [_rec("d1", "t", 0.0, [_tl([[1, 2]])], demonstration=True),
+             _rec("d2", "t", 0.0, [_tl([[1, 2]])], demonstration=True)]
+    out = collapse_signals(demos, {"entropy": 0.04})
+    assert out == {WARM_ENTROPY: 0.04}  # no groups, no sampled tokens: supervised learning, not sampling
+    mixed = [*demos, _rec("s", "t", 0.5, [_tl([[3]], logprobs=[-0.2])])]
+    assert collapse_signals(mixed, {"entropy": 0.04})[ENTROPY] == 0.04 and WARM_ENTROPY not in collapse_signals(
+        mixed, {"entropy": 0.04})
+
+
+def test_the_entropy_floor_after_a_warm_start_is_a_share_of_where_it_ended():
+    assert entropy_floor(0.05, 0.5, None) == 0.05  # no warm start
+    assert entropy_floor(0.05, 0.5, 0.036) == pytest.approx(0.018)
+    assert entropy_floor(0.05, 0.5, 1.2) == 0.05  # a warm start that left a wide policy: the floor stays
+    assert entropy_floor(0.05, 0.0, 0.036) == 0.05  # the factor off
+    assert entropy_floor(0.05, 0.5, math.nan) == 0.05
+
+
+def test_a_warm_started_run_at_its_own_entropy_is_not_a_collapse_but_a_fall_below_it_is():
+    """calc_agent seed 3 (benchmarks/results/learning_robustness_calc_cpu5.json): 8 demonstration steps end
+    at 0.034 nats per token, then 6 RL steps at 0.032-0.054 that ended with every held-out item right. The
+    absolute floor 0.05 fired on them; the floor 0.5 x 0.034 does not, and still fires on a real fall."""
+    cfg = CollapseConfig(patience=3)
+    warm = [1.12, 0.95, 0.62, 0.29, 0.17, 0.107, 0.059, 0.034]
+    rl = [0.035, 0.043, 0.047, 0.032, 0.035, 0.054]
+
+    def run(alarm, rl_entropies):
+        for step, e in enumerate(warm, 1):
+            assert alarm.observe(step, {WARM_ENTROPY: e}) is None  # the warm start itself never fires
+        return [alarm.observe(len(warm) + i, {ENTROPY: e, FLAT: 0.0, IDENTICAL: 0.0})
+                for i, e in enumerate(rl_entropies, 1)]
+
+    alarm = CollapseAlarm(cfg)
+    assert run(alarm, rl) == [None] * 6
+    assert alarm.warm_entropy == 0.034 and alarm.limits[ENTROPY] == (pytest.approx(0.017), "below")
+    # the same numbers under the old absolute rule (factor 0) fire on the third RL step
+    old = run(CollapseAlarm(CollapseConfig(patience=3, entropy_warm_factor=0.0)), rl)
+    assert [a is not None for a in old] == [False, False, True, False, False, False]
+    # a fall to near-deterministic sampling after the warm start still fires, and says which floor
+    fell = run(CollapseAlarm(cfg), [0.03, 0.01, 0.004, 0.002, 0.002, 0.001])
+    fired = [a for a in fell if a is not None]
+    assert len(fired) == 1 and fired[0].step == len(warm) + 4
+    assert "entropy_warm_factor 0.5 x the warm start's 0.034" in fired[0].message
 
 
 def test_trainer_config_takes_the_collapse_group_as_a_dict():

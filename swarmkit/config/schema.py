@@ -225,6 +225,10 @@ class CollapseConfig:
     flat_groups_max: float = 0.95
     #: ... below this policy entropy (nats per generated token)
     entropy_min: float = 0.05
+    #: after a supervised warm start the entropy floor is at most this times the entropy its last
+    #: demonstration step ended with (a warm-started tool call format samples at 0.03-0.05 nats per token);
+    #: 0 keeps ``entropy_min`` as it is
+    entropy_warm_factor: float = 0.5
     #: a task-declared validity metric (a client's ``meta["metrics"]`` key, e.g. "valid_tool_call"),
     #: averaged per step; "" = none
     validity_metric: str = ""

@@ -252,6 +252,9 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             problems.append(f"trainer.collapse.patience: must be >= 1, got {collapse.patience}")
         if not 0 < collapse.lr_factor <= 1:
             problems.append(f"trainer.collapse.lr_factor: must be in (0, 1], got {collapse.lr_factor}")
+        if not 0 <= collapse.entropy_warm_factor <= 1:
+            problems.append("trainer.collapse.entropy_warm_factor: must be in [0, 1], got "
+                            f"{collapse.entropy_warm_factor}")
     optim = result.get("optim")
     if optim is not None:
         sft = optim.get("sft_lr")

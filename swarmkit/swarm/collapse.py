@@ -14,11 +14,16 @@ and writes them with the step's metrics:
 ``collapse/groups``            groups of two or more rollouts the two shares count
 ``collapse/sampled_nll``       mean negative logprob of the sampled tokens (:func:`sampled_nll`)
 ``collapse/entropy``           the trainer's ``entropy`` when it reports one, else ``collapse/sampled_nll``
+``collapse/warm_entropy``      the trainer's ``entropy`` on a step of demonstrations only (supervised warm start)
 ``task/<name>``                the step mean of a metric clients report in ``meta["metrics"]`` (:func:`task_metrics`)
 ============================  ====================================================================
 
 A *group* is the rollouts of one task in one step (the unit GRPO normalises
-over). Demonstrations (supervised warm start) are left out of every signal.
+over). Demonstrations (supervised warm start) are left out of every signal; a
+step that trains on demonstrations alone reports ``collapse/warm_entropy``
+instead, and the alarm lowers its entropy floor to ``entropy_warm_factor`` times
+the last one (:func:`entropy_floor`): a warm-started format samples near
+deterministically by design, which is not a collapse.
 :class:`CollapseAlarm` (``trainer.collapse``) turns the signals into an alarm.
 """
 
@@ -34,7 +39,7 @@ from swarmkit.pool.records import EpisodeRecord
 
 #: metric names of the signals
 IDENTICAL, FLAT, GROUPS = "collapse/identical_groups", "collapse/flat_groups", "collapse/groups"
-ENTROPY, SAMPLED_NLL = "collapse/entropy", "collapse/sampled_nll"
+ENTROPY, SAMPLED_NLL, WARM_ENTROPY = "collapse/entropy", "collapse/sampled_nll", "collapse/warm_entropy"
 #: prefix of the task-declared metrics (``task/valid_tool_call``)
 TASK_PREFIX = "task/"
 #: what a signal past its threshold means to the person reading the alarm (a newcomer's first alarm
@@ -156,13 +161,19 @@ def task_metrics(records: Iterable[EpisodeRecord]) -> dict[str, float]:
 def collapse_signals(records: Sequence[EpisodeRecord], step_metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
     """Every signal of one step: :func:`group_signals`, ``collapse/sampled_nll``,
     ``collapse/entropy`` (``step_metrics["entropy"]``, the trainer's, when it is a finite number,
-    else the sampled NLL) and :func:`task_metrics`. Signals that cannot be measured are absent."""
+    else the sampled NLL) and :func:`task_metrics`. Signals that cannot be measured are absent.
+    A step of demonstrations only gives the trainer's entropy as ``collapse/warm_entropy`` instead
+    of ``collapse/entropy``: it is what supervised learning left, not what the policy samples."""
     out = group_signals(records)
     nll = sampled_nll(records)
     if nll is not None:
         out[SAMPLED_NLL] = nll
     entropy = (step_metrics or {}).get("entropy")
-    if isinstance(entropy, int | float) and not isinstance(entropy, bool) and math.isfinite(entropy):
+    measured = isinstance(entropy, int | float) and not isinstance(entropy, bool) and math.isfinite(entropy)
+    demonstrations_only = bool(records) and not _sampled(records)
+    if measured and demonstrations_only:
+        out[WARM_ENTROPY] = float(entropy)
+    elif measured:
         out[ENTROPY] = float(entropy)
     elif nll is not None:
         out[ENTROPY] = nll
@@ -219,6 +230,15 @@ def thresholds(cfg: CollapseConfig) -> dict[str, tuple[float, str]]:
     return out
 
 
+def entropy_floor(entropy_min: float, warm_factor: float, warm_entropy: float | None) -> float:
+    """The entropy the alarm fires below: ``entropy_min``, lowered after a supervised warm start to
+    ``warm_factor`` times the entropy (nats per token) its last demonstration step ended with, when that
+    is lower. ``warm_factor`` 0 or no warm start: ``entropy_min``."""
+    if warm_entropy is None or warm_factor <= 0 or not math.isfinite(warm_entropy):
+        return entropy_min
+    return min(entropy_min, warm_factor * warm_entropy)
+
+
 def past(value: float, threshold: float, side: str) -> bool:
     """Whether ``value`` is past ``threshold`` on ``side``."""
     return value > threshold if side == "above" else value < threshold
@@ -231,18 +251,30 @@ class CollapseAlarm:
     reaches ``patience`` steps (once per run: the next one needs the signal back within its
     threshold first, or :meth:`reset`). A step that does not measure a signal (no group of two
     rollouts, no validity metric reported) leaves that signal's run as it is. ``active`` holds the
-    last alarm while any signal of it is still past its threshold.
+    last alarm while any signal of it is still past its threshold. A step's ``collapse/warm_entropy``
+    sets :attr:`warm_entropy`, which lowers the entropy floor (:func:`entropy_floor`).
     """
 
     def __init__(self, cfg: CollapseConfig):
         self.cfg = cfg
         self.limits = thresholds(cfg)
+        #: the entropy the supervised warm start ended with (its last demonstration step), None without one
+        self.warm_entropy: float | None = None
         self.patience = max(1, int(cfg.patience))
         #: signal -> (first step of its current run past the threshold, steps in the run)
         self.runs: dict[str, tuple[int, int]] = {}
         self._fired: set[str] = set()
         self.active: Alarm | None = None
         self.fired = 0
+
+    def set_warm_entropy(self, value: float | None) -> None:
+        """Record the entropy a supervised warm start ended with (also from a checkpoint on resume) and
+        move the entropy floor to :func:`entropy_floor` of it."""
+        if value is not None and (not isinstance(value, int | float) or not math.isfinite(value)):
+            return
+        self.warm_entropy = None if value is None else float(value)
+        floor = entropy_floor(float(self.cfg.entropy_min), float(self.cfg.entropy_warm_factor), self.warm_entropy)
+        self.limits[ENTROPY] = (floor, "below")
 
     def reset(self) -> None:
         """Forget every run (after a rollback: the steps of the window are undone)."""
@@ -265,6 +297,8 @@ class CollapseAlarm:
         """Count ``step``'s ``signals``; an :class:`Alarm` when one reaches ``patience`` steps."""
         if not self.cfg.enabled:
             return None
+        if isinstance(signals.get(WARM_ENTROPY), int | float):
+            self.set_warm_entropy(float(signals[WARM_ENTROPY]))
         for name, (limit, side) in self.limits.items():
             value = signals.get(name)
             if not isinstance(value, int | float) or not math.isfinite(value):
@@ -288,5 +322,9 @@ class CollapseAlarm:
         alarm.message = (f"collapse alarm at step {step}: " + "; ".join(c.text() for c in ripe)
                          + f" (steps {alarm.window_start}..{step}; trainer.collapse.action={self.cfg.action})"
                          + "".join(f" - {m}" for m in meanings({c.signal for c in ripe})))
+        floor = self.limits[ENTROPY][0]
+        if any(c.signal == ENTROPY for c in ripe) and floor < float(self.cfg.entropy_min):
+            alarm.message += (f" (entropy floor {floor:.3g} = trainer.collapse.entropy_warm_factor "
+                              f"{self.cfg.entropy_warm_factor:g} x the warm start's {self.warm_entropy:.3g})")
         self.active = alarm
         return alarm

@@ -354,6 +354,7 @@ class TrainingCycle:
                 and hasattr(self.trainer, "set_lr_factor"):
             self.trainer.set_lr_factor(float(extra["lr_factor"]))  # lowered by an earlier rollback
         self.rollbacks = int(extra.get("rollbacks") or 0)
+        self.alarm.set_warm_entropy(extra.get("warm_entropy"))  # the entropy floor a warm start lowered
         step = self.trainer.global_step
         put_back = self.pool.reset_after(step)
         log.info("resumed at step %d (%d episodes consumed after it went back to the pool; %s)",
@@ -578,9 +579,10 @@ class TrainingCycle:
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         """What a checkpoint keeps of the cycle: the pool position, the learning-rate factor and
-        rollbacks so far (a resume keeps the learning rate a rollback lowered)."""
+        rollbacks so far (a resume keeps the learning rate a rollback lowered), and the entropy the
+        warm start ended with (a resume keeps the alarm's lowered floor)."""
         return {"pool": self.pool.stats(), "lr_factor": float(getattr(self.trainer, "lr_factor", 1.0)),
-                "rollbacks": self.rollbacks}
+                "rollbacks": self.rollbacks, "warm_entropy": self.alarm.warm_entropy}
 
     def _keep(self) -> int:
         """Checkpoints to keep: ``trainer.keep_checkpoints``, and with the alarm's rollback at least
