@@ -163,6 +163,36 @@ def test_a_warm_started_run_at_its_own_entropy_is_not_a_collapse_but_a_fall_belo
     assert "entropy_warm_factor 0.5 x the warm start's 0.034" in fired[0].message
 
 
+def test_a_resumed_run_keeps_the_floor_its_warm_start_lowered(tmp_path):
+    """The cycle's checkpoint extra carries the warm start's entropy; a resume from it restores the floor."""
+    from swarmkit.swarm.cycle import TrainingCycle
+
+    class Trainer:
+        global_step, lr_factor = 12, 1.0
+        saved: dict = {}
+
+        def load_checkpoint(self):
+            return self.saved
+
+    cycle = TrainingCycle(tmp_path, trainer_factory=lambda cfg, run_dir: Trainer())
+    cycle.trainer = Trainer()
+    cycle.alarm.observe(4, {WARM_ENTROPY: 0.04})
+    Trainer.saved = cycle._checkpoint_extra()
+    assert Trainer.saved["warm_entropy"] == 0.04
+
+    resumed = TrainingCycle(tmp_path, trainer_factory=lambda cfg, run_dir: Trainer())
+    resumed.trainer = Trainer()
+    assert resumed.alarm_status()["entropy_floor"] == 0.05
+    resumed._resume()
+    status = resumed.alarm_status()
+    assert status["warm_entropy"] == 0.04 and status["entropy_floor"] == pytest.approx(0.02)
+    Trainer.saved = {"rollbacks": 0}  # a checkpoint from before this key, or of a run with no warm start
+    resumed._resume()
+    assert resumed.alarm_status()["entropy_floor"] == 0.05
+    cycle.pool.close()
+    resumed.pool.close()
+
+
 def test_trainer_config_takes_the_collapse_group_as_a_dict():
     cfg = TrainerConfig(**{"collapse": {"action": "pause", "patience": 2}})
     assert isinstance(cfg.collapse, CollapseConfig) and cfg.collapse.patience == 2 and cfg.collapse.lr_factor == 0.5

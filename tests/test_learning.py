@@ -74,6 +74,12 @@ def test_calc_agent_main_job_warm_starts_then_samples_multi_turn_episodes(tmp_pa
     assert set(summary["eval_metrics_after"]) == {"correct", "valid_tool_call"}
     assert list(summary["eval_midway"]) == ["4"]  # evaluated after the warm start, before sampling
     assert "eval reward after the warm start (step 4)" in out.stdout
+    # the warm start's entropy is not the sampling policy's: it sets the alarm's floor instead
+    assert all("collapse/entropy" not in r and r["collapse/warm_entropy"] == r["entropy"] for r in steps[:4])
+    assert all("collapse/entropy" in r and "collapse/warm_entropy" not in r for r in steps[4:6])
+    alarm = summary["collapse_alarm"]
+    assert alarm["warm_entropy"] == pytest.approx(steps[3]["entropy"])
+    assert alarm["entropy_floor"] == pytest.approx(min(0.05, 0.5 * steps[3]["entropy"]))
 
 
 def test_tiny_model_learns_with_asynchronous_training(tmp_path):

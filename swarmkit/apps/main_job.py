@@ -55,8 +55,9 @@ folder of its own: ``server_<k>/`` under Ray):
 - ``train_episodes``: training episodes its clients finished; ``clients``:
   ``[{slot, name, replacements, finished, nodes}]``; ``client_replacements``:
   dead client actors replaced (always 0 locally);
-- ``collapse_alarm``: ``{fired, rollbacks, paused}`` of the server's collapse alarm (docs/training.md;
-  ``paused``: why training paused, which ends the run there);
+- ``collapse_alarm``: ``{fired, rollbacks, paused, entropy_floor, warm_entropy}`` of the server's collapse
+  alarm (docs/training.md; ``paused``: why training paused, which ends the run there; ``entropy_floor``: the
+  entropy it fired below at the end, lowered after a warm start that ended at ``warm_entropy``);
 - ``wall_time_s``: the whole run's wall time.
 """
 
@@ -576,7 +577,8 @@ def server_record(r: _Run, status: dict[str, Any], checkpoint: dict[str, Any], c
         "train_episodes": sum(int(c["finished"]) for c in clients),
         "clients": clients,
         "client_replacements": sum(int(c["replacements"]) for c in clients),
-        "collapse_alarm": {k: (status.get("pool") or {}).get("alarm", {}).get(k) for k in ("fired", "rollbacks", "paused")},
+        "collapse_alarm": {k: (status.get("pool") or {}).get("alarm", {}).get(k)
+                           for k in ("fired", "rollbacks", "paused", "entropy_floor", "warm_entropy")},
         "wall_time_s": wall,
     }
 

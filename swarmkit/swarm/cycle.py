@@ -34,7 +34,7 @@ from swarmkit.config.schema import CollapseConfig, ModelConfig, TrainerConfig
 from swarmkit.contract import PoolEpisode
 from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
-from swarmkit.swarm.collapse import Alarm, CollapseAlarm, collapse_signals
+from swarmkit.swarm.collapse import ENTROPY, Alarm, CollapseAlarm, collapse_signals
 from swarmkit.swarm.episodes import Episode
 from swarmkit.swarm.families import step_family_metrics
 from swarmkit.swarm.metrics import MetricsWriter, finite_or_none, step_line
@@ -274,12 +274,14 @@ class TrainingCycle:
         alarm are still past their thresholds, or training is paused by it), ``paused`` (why),
         ``message`` and ``last`` (the last alarm: step, window, signals, action ``taken``: ``pending``
         while a rollback is under way), ``fired``,
-        ``rollbacks``, ``action`` (trainer.collapse.action)."""
+        ``rollbacks``, ``action`` (trainer.collapse.action), ``entropy_floor`` (the entropy it fires below
+        now) and ``warm_entropy`` (what a supervised warm start ended with, which lowers that floor)."""
         last = self.last_alarm
         return {"active": self.alarm.active is not None or self.paused is not None, "paused": self.paused,
                 "message": last.message if last is not None else None,
                 "last": last.as_dict() if last is not None else None, "fired": self.alarm.fired,
-                "rollbacks": self.rollbacks, "action": self.collapse.action, "enabled": self.collapse.enabled}
+                "rollbacks": self.rollbacks, "action": self.collapse.action, "enabled": self.collapse.enabled,
+                "entropy_floor": self.alarm.limits[ENTROPY][0], "warm_entropy": self.alarm.warm_entropy}
 
     def resume_training(self) -> dict[str, Any]:
         """Training goes on after the alarm paused it (``POST /api/v1/admin/resume_training``); the
