@@ -213,3 +213,48 @@ def test_kill_9_and_resume_keeps_each_adapters_weights_and_pool(tmp_path):
         _stop([server])
         if os.environ.get("KEEP"):
             print(tmp_path)
+
+
+@pytest.mark.slow
+def test_an_adapter_added_through_the_admin_api_trains_beside_the_resumed_one(tmp_path):
+    """Adding a policy at run time: checkpoint, configure model.adapters with one more and trainer.resume,
+    restart. The adapter that trained keeps its weights and steps; the new one starts at step 0 and trains."""
+    port = _free_port()
+    one = [x for x in CONFIG if not x.startswith("model.adapters")]
+    server = start_server(tmp_path, port)
+    clients: list[subprocess.Popen] = []
+    try:
+        ctl = _started(port, [*one, "model.adapters=[vowel_e]", "trainer.total_steps=0"])
+        clients = [_client(port, "vowel_e", "--train-size", "16")]
+        deadline = time.monotonic() + 300
+        while ctl.status()["global_step"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        _stop(clients)
+        saved = ctl.checkpoint()
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(saved["path"]) / "adapters" / "vowel_e" / "adapter" / "adapter_model.safetensors"))
+        step = ctl.status()["pool"]["adapters"]["vowel_e"]["step"]
+        assert step >= 3
+        ctl.configure([*one, f"model.adapters=[{','.join(ADAPTERS)}]", "trainer.total_steps=0",
+                       "trainer.resume=true"])
+        ctl.restart()
+        status = ctl.wait_for_state("ROLLING", timeout=120)
+        adapters = status["pool"]["adapters"]
+        assert set(adapters) == set(ADAPTERS) and adapters["vowel_e"]["step"] == step and adapters["vowel_o"]["step"] == 0
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert set(ADAPTERS) <= {m["id"] for m in models["data"]}
+        ctl.checkpoint()
+        latest = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+        now = load_file(str(latest / "adapters" / "vowel_e" / "adapter" / "adapter_model.safetensors"))
+        assert set(now) == set(weights) and all(now[k].equal(weights[k]) for k in now)
+        clients = [_client(port, "vowel_o", "--train-size", "16")]  # the new adapter trains
+        deadline = time.monotonic() + 300
+        while ctl.status()["pool"]["adapters"]["vowel_o"]["step"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        adapters = ctl.status()["pool"]["adapters"]
+        assert adapters["vowel_o"]["step"] >= 2 and adapters["vowel_e"]["step"] == step
+    finally:
+        _stop(clients)
+        _stop([server])
+

@@ -123,9 +123,34 @@ def test_checkpoint_keeps_each_adapter_and_its_optimizer(tmp_path):
         e.select_adapter("one")
         e.train_step(make_batch(5))
     assert all(torch.allclose(lora_of(eng, "one")[k], v, atol=1e-7) for k, v in lora_of(fresh, "one").items())
-    with pytest.raises(ValueError, match="not \\['three'\\]"):
-        FSDPEngine(tiny_model_dir(), {**MODEL, "adapters": ["one", "three"]}, {"lr": 1e-3}, GRPO()).load_checkpoint(
-            str(tmp_path / "ck"))
+
+
+def test_an_adapter_added_to_the_config_starts_fresh_when_the_others_resume(tmp_path, caplog):
+    """model.adapters grown between runs (stop, configure, restart with trainer.resume): the adapters the
+    checkpoint holds come back, a new one keeps its initial LoRA (B = 0) and optimizer; one dropped is logged."""
+    eng = engine()
+    for name, seed in (("one", 0), ("two", 1)):
+        eng.select_adapter(name)
+        eng.train_step(make_batch(seed))
+    eng.save_checkpoint(str(tmp_path / "ck"))
+    want = lora_of(eng, "one")
+    grown = FSDPEngine(tiny_model_dir(), {**MODEL, "adapters": ["one", "three"]}, {"lr": 1e-3}, GRPO())
+    initial = lora_of(grown, "three")
+    with caplog.at_level("INFO"):
+        grown.load_checkpoint(str(tmp_path / "ck"))
+    assert grown.adapter_steps() == {"one": 1, "three": 0}
+    assert all(torch.equal(want[k], v) for k, v in lora_of(grown, "one").items())
+    assert all(torch.equal(initial[k], v) for k, v in lora_of(grown, "three").items())
+    assert all(not v.any() for k, v in lora_of(grown, "three").items() if k.endswith("B"))
+    assert "three not in checkpoint" in caplog.text and "no longer lists: not loaded" in caplog.text
+    grown.select_adapter("three")  # the new adapter trains, the resumed one is left as it was
+    grown.train_step(make_batch(3))
+    assert grown.adapter_steps() == {"one": 1, "three": 1}
+    assert all(torch.equal(want[k], v) for k, v in lora_of(grown, "one").items())
+    plain = FSDPEngine(tiny_model_dir(), {**MODEL, "adapters": []}, {"lr": 1e-3}, GRPO())
+    plain.save_checkpoint(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="saved without model.adapters"):
+        engine().load_checkpoint(str(tmp_path / "plain"))
 
 
 def test_one_adapter_trains_bit_for_bit_as_the_plain_lora_model():

@@ -174,17 +174,29 @@ class AdapterBank:
 
     @torch.no_grad()
     def load(self, path: Path) -> None:
-        """Restore every adapter a checkpoint saved (weights, AdamW, schedule, counters, reference)."""
+        """Restore every adapter a checkpoint saved (weights, AdamW, schedule, counters, reference).
+
+        ``model.adapters`` may have changed since: an adapter the checkpoint lacks is new and keeps its
+        initial LoRA (B = 0: it serves the base until its first step) with a fresh optimizer; one the
+        checkpoint holds that ``model.adapters`` no longer lists is left on disk. Both are logged. (The engine
+        refuses a checkpoint saved without ``model.adapters`` before this.)"""
         from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         root = path / ADAPTERS_DIR
         saved = sorted(p.name for p in root.iterdir()) if root.exists() else []
-        missing = [n for n in self.names if n not in saved]
-        if missing:
-            raise ValueError(f"checkpoint {path} holds adapters {saved}, not {missing} of model.adapters={self.names}")
+        new = [n for n in self.names if n not in saved]
+        dropped = [n for n in saved if n not in self.names]
+        if new:
+            log.info("model.adapters: %s not in checkpoint %s: new, starting from their initial LoRA",
+                     ", ".join(new), path)
+        if dropped:
+            log.warning("checkpoint %s holds adapters %s that model.adapters no longer lists: not loaded "
+                        "(their episodes stay in the journal, untrained)", path, ", ".join(dropped))
         current = self.active
         for name in self.names:
+            if name in new:
+                continue
             self.select(name)
             eng = self.engine
             folder = root / name
