@@ -217,10 +217,15 @@ def test_kill_9_and_resume_keeps_each_adapters_weights_and_pool(tmp_path):
 
 @pytest.mark.slow
 def test_an_adapter_added_through_the_admin_api_trains_beside_the_resumed_one(tmp_path):
-    """Adding a policy at run time: checkpoint, configure model.adapters with one more and trainer.resume,
-    restart. The adapter that trained keeps its weights and steps; the new one starts at step 0 and trains."""
+    add_an_adapter(tmp_path, [])
+
+
+def add_an_adapter(tmp_path: Path, extra: list[str]) -> None:
+    """Adding a policy at run time (config ``CONFIG`` + ``extra``): checkpoint, configure model.adapters with
+    one more and trainer.resume, restart. The adapter that trained keeps its weights and steps; the new one
+    starts at step 0 and trains."""
     port = _free_port()
-    one = [x for x in CONFIG if not x.startswith("model.adapters")]
+    one = [x for x in CONFIG if not x.startswith("model.adapters")] + extra
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
     try:

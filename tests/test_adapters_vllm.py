@@ -147,3 +147,11 @@ def test_two_adapters_learn_two_rules_on_a_vllm_server(tmp_path):
     from tests.test_adapters_e2e import learn_two_rules
 
     learn_two_rules(tmp_path, ["backend=vllm", "backend.cpu_kvcache_gib=1"])
+
+
+def test_an_adapter_added_by_configure_and_restart_on_a_vllm_server(tmp_path):
+    """The hf end-to-end check of growing model.adapters across a restart, on backend=vllm."""
+    from tests.test_adapters_e2e import add_an_adapter
+
+    add_an_adapter(tmp_path, ["backend=vllm", "backend.cpu_kvcache_gib=1"])
+
