@@ -216,6 +216,36 @@ def test_kill_9_and_resume_keeps_each_adapters_weights_and_pool(tmp_path):
 
 
 @pytest.mark.slow
+def test_each_adapter_steps_on_its_own_batch_size(tmp_path):
+    """model.adapters[i].batching: vowel_e steps on 1 task x 2 rollouts, vowel_o on the shared 2 x 2."""
+    port = _free_port()
+    shared = [x for x in CONFIG if not x.startswith(("model.adapters", "batching."))]
+    server = start_server(tmp_path, port)
+    clients: list[subprocess.Popen] = []
+    try:
+        ctl = _started(port, [*shared, "batching.batch_size=2", "batching.rollouts_per_task=2", "trainer.total_steps=0",
+                              "model.adapters=[{name:vowel_e,batching:{batch_size:1}},vowel_o]"])
+        batching = {a: v["batching"] for a, v in ctl.status()["pool"]["adapters"].items()}
+        assert batching == {"vowel_e": {"policy": "c2", "batch_size": 1, "rollouts_per_task": 2},
+                            "vowel_o": {"policy": "c2", "batch_size": 2, "rollouts_per_task": 2}}, batching
+        clients = [_client(port, a, "--train-size", "8", "--rollouts-per-task", "2") for a in ADAPTERS]
+        deadline = time.monotonic() + 300
+        while (min(v["step"] for v in ctl.status()["pool"]["adapters"].values()) < 3
+               and time.monotonic() < deadline):
+            time.sleep(0.3)
+        _stop(clients)
+        per_step: dict[int, list[str]] = {}
+        for _, adapter, step, _ in _journal(tmp_path):
+            if step is not None:
+                per_step.setdefault(step, []).append(adapter)
+        sizes = {a: {len(v) for v in per_step.values() if v[0] == a} for a in ADAPTERS}
+        assert sizes == {"vowel_e": {2}, "vowel_o": {4}}, per_step
+    finally:
+        _stop(clients)
+        _stop([server])
+
+
+@pytest.mark.slow
 def test_an_adapter_added_through_the_admin_api_trains_beside_the_resumed_one(tmp_path):
     add_an_adapter(tmp_path, [])
 

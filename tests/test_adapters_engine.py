@@ -66,6 +66,25 @@ def test_config_refuses_what_adapters_do_not_support_yet():
     assert ModelConfig.of(cfg.model).adapter_specs() == [AdapterSpec("spy"), AdapterSpec("civ", 0.01)]
 
 
+def test_an_adapter_may_batch_on_its_own_terms():
+    """model.adapters[i].batching: keys laid over the batching group, checked by the policy they name."""
+    from swarmkit.config.compose import compose_checked as compose
+    from swarmkit.errors import ConfigError
+
+    base = ["mode=server", "model=tiny", "model.lora_rank=4", "batching=c2", "batching.batch_size=4"]
+    cfg = compose([*base, "model.adapters=[spy,{name:civ,batching:{batch_size:1,rollouts_per_task:2}}]"])
+    specs = ModelConfig.of(cfg.model).adapter_specs()
+    assert specs[0].batching == {} and specs[1].batching == {"batch_size": 1, "rollouts_per_task": 2}
+    compose([*base, "model.adapters=[spy,{name:civ,batching:{name:c1}}]"])  # another policy
+    with pytest.raises(ConfigError) as err:
+        compose([*base, "model.adapters=[{name:spy,batching:{batch_sise:1}},{name:civ,batching:{name:c9}}]"])
+    text = str(err.value)
+    for part in ("model.adapters[spy].batching.batch_sise: unknown key", "model.adapters[civ].batching:", "c9"):
+        assert part in text, (part, text)
+    with pytest.raises(ConfigError, match=r"model.adapters\[0\].batching: expected a mapping"):
+        compose([*base, "model.adapters=[{name:spy,batching:3}]"])
+
+
 # --------------------------------------------------------------------------- engine
 def test_a_step_trains_only_the_selected_adapter_with_its_own_optimizer():
     eng = engine()

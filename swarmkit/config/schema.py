@@ -43,9 +43,10 @@ class ModelConfig:
     #: (swarmkit.chat_templates), a .jinja file path, or the template text
     chat_template: str = "auto"
     #: several named LoRA adapters trained at once over one frozen base (docs/multi_model.md): a list of
-    #: names (``model.adapters=[spies,civilians]``) or of ``{name: ..., lr: ...}`` (``lr``: that adapter's
-    #: learning rate, a number or "auto"; default ``optim.lr``, whose default "auto" is the LoRA rate of the
-    #: base's size, swarmkit.config.lr); each adapter has the LoRA shape of ``lora_*`` above. [] (the
+    #: names (``model.adapters=[spies,civilians]``) or of ``{name: ..., lr: ..., batching: ...}`` (``lr``: that
+    #: adapter's learning rate, a number or "auto"; default ``optim.lr``, whose default "auto" is the LoRA rate
+    #: of the base's size, swarmkit.config.lr; ``batching``: keys over the ``batching`` group for its batches
+    #: alone); each adapter has the LoRA shape of ``lora_*`` above. [] (the
     #: default): one model, trained as ``lora_rank`` says
     adapters: list[Any] = field(default_factory=list)
 
@@ -83,14 +84,17 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 @dataclass(frozen=True)
 class AdapterSpec:
     """One named LoRA adapter of ``model.adapters``; ``lr`` None = ``optim.lr``, ``"auto"`` = the LoRA
-    rate of :func:`~swarmkit.config.lr.auto_lr` (what ``optim.lr: auto`` gives an adapter without ``lr``)."""
+    rate of :func:`~swarmkit.config.lr.auto_lr` (what ``optim.lr: auto`` gives an adapter without ``lr``);
+    ``batching``: keys laid over the ``batching`` group for this adapter's batches (``{}``: the shared one;
+    a ``name`` picks another policy)."""
 
     name: str
     lr: float | str | None = None
+    batching: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
-    """``model.adapters`` (names, or ``{name, lr}`` mappings) → ``(specs, problems)``."""
+    """``model.adapters`` (names, or ``{name, lr, batching}`` mappings) → ``(specs, problems)``."""
     specs: list[AdapterSpec] = []
     problems: list[str] = []
     if entries is None:
@@ -100,6 +104,7 @@ def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
     for i, entry in enumerate(entries):
         where = f"model.adapters[{i}]"
         lr: Any = None
+        batching: dict[str, Any] = {}
         if isinstance(entry, str):
             name = entry
         else:
@@ -110,10 +115,15 @@ def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
             if not isinstance(item, dict):
                 problems.append(f"{where}: expected a name or {{name: ..., lr: ...}}, got {entry!r}")
                 continue
-            extra = sorted(set(item) - {"name", "lr"})
+            extra = sorted(set(item) - {"name", "lr", "batching"})
             if extra:
-                problems.append(f"{where}.{extra[0]}: unknown key (an adapter takes name and lr)")
+                problems.append(f"{where}.{extra[0]}: unknown key (an adapter takes name, lr and batching)")
             name, lr = item.get("name"), item.get("lr")
+            batching = item.get("batching") or {}
+            if not isinstance(batching, dict):
+                problems.append(f"{where}.batching: expected a mapping of batching keys, e.g. "
+                                f"{{batch_size: 2}}; got {batching!r}")
+                batching = {}
             if is_auto(lr):
                 lr = AUTO
             elif lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float)
@@ -130,7 +140,7 @@ def parse_adapters(entries: Any) -> tuple[list[AdapterSpec], list[str]]:
         if name in {s.name for s in specs}:
             problems.append(f"{where}: adapter '{name}' is listed twice")
             continue
-        specs.append(AdapterSpec(name, None if lr is None else lr if lr == AUTO else float(lr)))
+        specs.append(AdapterSpec(name, None if lr is None else lr if lr == AUTO else float(lr), dict(batching)))
     return specs, problems
 
 

@@ -117,8 +117,9 @@ ADAPTER_BACKENDS = ("hf", "vllm")
 ADAPTER_OPTIMS = ("fsdp",)
 
 
-def _check_adapters(result: dict[str, Any], problems: list[str]) -> None:
-    """``model.adapters``: the names, and the combinations this version refuses (each with why)."""
+def _check_adapters(result: dict[str, Any], registry: Registry, problems: list[str]) -> None:
+    """``model.adapters``: the names, each adapter's ``batching`` keys (laid over the ``batching`` group and
+    checked by its policy's schema), and the combinations this version refuses (each with why)."""
     model = result.get("model")
     if model is None:
         return
@@ -129,6 +130,10 @@ def _check_adapters(result: dict[str, Any], problems: list[str]) -> None:
         return
     if not specs:
         return
+    shared = result.get("batching")
+    for spec in specs:
+        if spec.batching and shared is not None:
+            adapter_batching(OmegaConf.to_container(shared, resolve=True), spec, registry, problems)  # type: ignore[arg-type]
     later = "not supported with model.adapters yet (docs/multi_model.md, \"Limits\")"
     backend = result.get("backend")
     if backend is not None and str(backend.name) not in ADAPTER_BACKENDS:
@@ -151,6 +156,34 @@ def _check_adapters(result: dict[str, Any], problems: list[str]) -> None:
     trainer = result.get("trainer")
     if trainer is not None and str(trainer.mode) != "sync":
         problems.append(f"trainer.mode={trainer.mode}: asynchronous training is {later}; use trainer.mode=sync")
+
+
+def adapter_batching(shared: dict[str, Any], spec: Any, registry: Registry,
+                     problems: list[str] | None = None) -> dict[str, Any] | None:
+    """The batching config of adapter ``spec`` (an ``AdapterSpec``): its ``batching`` keys over ``shared``
+    (the ``batching`` group's), checked by the schema of the policy it names. Problems go to ``problems``
+    (then None is returned); without a list they raise :class:`ConfigError`."""
+    found: list[str] = []
+    merged = {**shared, **spec.batching}
+    where = f"model.adapters[{spec.name}].batching"
+    try:
+        component = registry.get("batching", str(merged.get("name")))
+    except UnknownComponentError as exc:
+        found.append(f"{where}: {exc}")
+        component = None
+    checked = None
+    if component is not None and component.schema is not None:
+        checked = _check_node(component.schema, OmegaConf.create({k: v for k, v in merged.items() if k != "name"}),
+                              where, found)
+        if checked is not None and callable(getattr(component.schema, "problems", None)):
+            found.extend(f"{where}: {p}" for p in component.schema(**OmegaConf.to_container(checked)).problems())
+    if problems is not None:
+        problems.extend(found)
+    elif found:
+        raise ConfigError(found)
+    if found or checked is None:
+        return None
+    return {"name": merged["name"], **OmegaConf.to_container(checked, resolve=True)}  # type: ignore[dict-item]
 
 
 def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
@@ -238,7 +271,7 @@ def validate_config(cfg: DictConfig | dict, registry: Registry) -> DictConfig:
             resolve_chat_template(str(model.chat_template), str(model.path))
         except ValueError as exc:
             problems.append(str(exc))
-    _check_adapters({**result, "_mode": cfg.get("mode", "local")}, problems)
+    _check_adapters({**result, "_mode": cfg.get("mode", "local")}, registry, problems)
     trainer = result.get("trainer")
     if trainer is not None:
         if trainer.mode not in TRAINER_MODES:

@@ -191,6 +191,8 @@ class TrainingCycle:
         self._cocktail_warned: set[str | None] = set()  # adapters (None: the model) told of a cocktail stall
         #: each adapter's last step's mean reward (status)
         self._adapter_reward: dict[str, float] = {}
+        #: the batching policy of each adapter with batching keys of its own (the others use ``policy``)
+        self.adapter_policies: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the server's Cycle
     def attach(self, server: CycleHost) -> None:
@@ -267,7 +269,15 @@ class TrainingCycle:
         running = [e for e in self.server.episodes.running() if not e.eval] if self._server is not None else []
         return {n: {"step": steps.get(n), "policy_version": served.get(n) if isinstance(served, dict) else None,
                     "waiting": sum(e.adapter == n for e in view), "running": sum(e.adapter == n for e in running),
-                    "reward_mean": self._adapter_reward.get(n)} for n in self.adapters}
+                    "reward_mean": self._adapter_reward.get(n), "batching": self._batching_of(n)}
+                for n in self.adapters}
+
+    def _batching_of(self, adapter: str) -> dict[str, Any]:
+        """The batch an adapter's steps wait for: its policy's name, ``batch_size``, ``rollouts_per_task``."""
+        policy = self.adapter_policies.get(adapter, self.policy)
+        name = getattr(policy, "name", None) or self.policy_name
+        return {"policy": name, "batch_size": getattr(policy, "batch_size", None),
+                "rollouts_per_task": getattr(policy, "rollouts_per_task", None)}
 
     def alarm_status(self) -> dict[str, Any]:
         """The collapse alarm, for ``status()["pool"]["alarm"]``: ``active`` (signals of the last
@@ -302,7 +312,11 @@ class TrainingCycle:
         batching = dict(cfg["batching"])
         self.policy_name = str(batching["name"])
         self.policy = load_component("batching", self.policy_name)(**batching)
-        self.adapters = [s.name for s in ModelConfig.of(cfg.get("model")).adapter_specs()]
+        specs = ModelConfig.of(cfg.get("model")).adapter_specs()
+        self.adapters = [s.name for s in specs]
+        #: adapters with batching keys of their own (model.adapters[i].batching): their policy; the rest share
+        self.adapter_policies = {s.name: load_component("batching", str({**batching, **s.batching}["name"]))(
+            **{**batching, **s.batching}) for s in specs if s.batching}
         trainer_cfg = TrainerConfig(**as_dict(cfg.get("trainer")))
         self.total_steps = int(trainer_cfg.total_steps)
         self.training_finished = None
@@ -852,7 +866,8 @@ class TrainingCycle:
             mine = [e for e in view if e.adapter == name]
             if not mine:
                 continue
-            decision = self._warn_if_held(self.policy.decide(mine, dict(clients or {}), now), name)
+            policy = self.adapter_policies.get(name, self.policy)
+            decision = self._warn_if_held(policy.decide(mine, dict(clients or {}), now), name)
             if decision.fire and decision.selected:
                 decision.detail["adapter"] = name
                 self._last_adapter = name
@@ -870,7 +885,7 @@ class TrainingCycle:
         if not held or adapter in self._cocktail_warned:
             return decision
         self._cocktail_warned.add(adapter)
-        caps = getattr(self.policy, "cocktail", {})
+        caps = getattr(self.adapter_policies.get(adapter or "", self.policy), "cocktail", {})
         where = f" (adapter {adapter})" if adapter else ""
         over = sum(held.values())
         log.warning("batching.cocktail holds the batch back%s: %d %s are ready and a batch needs %d, but the caps %s "

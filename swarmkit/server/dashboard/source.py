@@ -244,7 +244,7 @@ def rollouts_per_task(config: Any) -> int | None:
 
 
 def adapter_names(config: Any) -> list[str]:
-    """The names of a config's ``model.adapters`` (each a name or ``{name, lr}``); [] for one model."""
+    """The names of a config's ``model.adapters`` (each a name or ``{name, lr, batching}``); [] for one model."""
     try:
         entries = config["model"]["adapters"] or []
     except (KeyError, TypeError):
