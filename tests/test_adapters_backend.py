@@ -92,3 +92,36 @@ def test_each_request_is_served_by_its_adapter_in_one_mixed_batch(pipeline):
             await multi.close()
             await ref.close()
     asyncio.run(go())
+
+
+def test_an_adapter_added_at_run_time_serves_the_base_then_its_lora():
+    """add_adapter (POST /api/v1/admin/adapters): a free slot of model.max_adapters, version 0, the base's
+    answer until update_adapter fills it; the adapters already served are untouched; no room past the cap."""
+    async def go():
+        multi = HFBackend(config=CFG, model={**MODEL, "adapters": ["left"], "max_adapters": 2})
+        await multi.start()
+        try:
+            prompt = multi.tokenizer("the quick brown fox")["input_ids"]
+
+            def sp(adapter):
+                return SamplingParams(max_tokens=8, temperature=0.0, adapter=adapter)
+
+            left = random_lora(multi, 1)
+            await multi.update_adapter("left", left, version=3)
+            before = (await multi.generate(prompt, sp("left")))[0]
+            base = (await multi.generate(prompt, sp(None)))[0]
+            await multi.add_adapter("right")
+            assert multi.adapter_versions == {"left": 3, "right": 0}
+            fresh, again = await asyncio.gather(multi.generate(prompt, sp("right")), multi.generate(prompt, sp("left")))
+            assert fresh[0].token_ids == base.token_ids and fresh[0].token_versions == [0] * len(base.token_ids)
+            assert again[0].token_ids == before.token_ids and again[0].logprobs == pytest.approx(before.logprobs, abs=1e-5)
+            await multi.update_adapter("right", left, version=1)  # the same LoRA as left: the same answer
+            assert (await multi.generate(prompt, sp("right")))[0].token_ids == before.token_ids
+            with pytest.raises(ValueError, match="served already"):
+                await multi.add_adapter("left")
+            with pytest.raises(ValueError, match="at most 2 adapters"):
+                await multi.add_adapter("third")
+            assert multi.adapter_versions == {"left": 3, "right": 1}
+        finally:
+            await multi.close()
+    asyncio.run(go())

@@ -295,3 +295,83 @@ def add_an_adapter(tmp_path: Path, extra: list[str]) -> None:
         _stop(clients)
         _stop([server])
 
+
+
+def _group(ctl: SwarmClient, url: str, adapter: str, task: str, rewards: list[float]) -> None:
+    """One group of episodes of ``adapter`` (one short chat each), reported with ``rewards``."""
+    with httpx.Client(timeout=60) as http:
+        for reward in rewards:
+            with ctl.episode(task, adapter=adapter) as ep:
+                r = http.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+                r.raise_for_status()
+                ep.report(reward)
+
+
+def _adapter_steps(ctl: SwarmClient, want: dict[str, int], timeout: float = 120) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        steps = {n: a["step"] for n, a in ctl.status()["pool"]["adapters"].items()}
+        if steps == want or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.2)
+
+
+def add_an_adapter_while_running(tmp_path: Path, extra: list[str]) -> None:
+    """POST /api/v1/admin/adapters on a running server (config ``extra`` on top): the new adapter is served and
+    trains at once on its own batching, the one that trained is left as it was, bad requests are refused and
+    change nothing, and the running config lists it, so a restart resumes both."""
+    from swarmkit.client import SwarmAPIError
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp_path, port)
+    ctl = SwarmClient(url, token=TOKEN, retry_for=60)
+    base = ["model=tiny", "model.lora_rank=4", "model.max_adapters=3", "batching=c2", "batching.batch_size=1",
+            "batching.rollouts_per_task=2", "trainer.total_steps=0", "trainer.checkpoint_every=0",
+            "trainer.resume=true", *extra]
+    try:
+        with pytest.raises(SwarmAPIError) as err:
+            ctl.add_adapter("two")
+        assert err.value.status == 409, err.value
+        ctl.configure([*base, "model.adapters=[one]"])
+        ctl.start()
+        ctl.wait_for_state("ROLLING", timeout=300)
+        _group(ctl, url, "one", "t1", [0.0, 1.0])
+        assert _adapter_steps(ctl, {"one": 1}) == {"one": 1}
+        added = ctl.add_adapter("two", lr=0.01, batching={"rollouts_per_task": 3})
+        assert added == {"adapter": "two", "adapters": ["one", "two"], "global_step": 1, "note": None}
+        adapters = ctl.status()["pool"]["adapters"]
+        assert adapters["two"]["step"] == 0 and adapters["one"]["step"] == 1
+        assert adapters["two"]["batching"]["rollouts_per_task"] == 3 and adapters["one"]["batching"]["rollouts_per_task"] == 2
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert {"one", "two"} <= {m["id"] for m in models["data"]}
+        for bad, status, part in ((dict(name="two"), 422, "listed twice"), (dict(name="has space"), 422, "has space"),
+                                  (dict(name="x", batching={"batch_sise": 1}), 422, "batch_sise"),
+                                  (dict(name="x", lr=-1), 422, "'lr' must be a number > 0")):
+            with pytest.raises(SwarmAPIError) as err:
+                ctl.add_adapter(**bad)
+            assert err.value.status == status and part in str(err.value), (bad, err.value)
+        assert list(ctl.status()["pool"]["adapters"]) == ["one", "two"]
+        _group(ctl, url, "two", "t2", [0.0, 1.0, 0.5])  # its own group size: three
+        assert _adapter_steps(ctl, {"one": 1, "two": 1}) == {"one": 1, "two": 1}
+        saved = ctl.checkpoint()
+        config = json.loads((Path(saved["path"]) / "config.json").read_text())
+        assert config["model"]["adapters"] == ["one", {"name": "two", "lr": 0.01, "batching": {"rollouts_per_task": 3}}]
+        assert (Path(saved["path"]) / "adapters" / "two" / "adapter" / "adapter_model.safetensors").exists()
+        ctl.restart()  # the running config: both adapters, resumed from the checkpoint
+        ctl.wait_for_state("ROLLING", timeout=300)
+        assert _adapter_steps(ctl, {"one": 1, "two": 1}, timeout=5) == {"one": 1, "two": 1}
+        ctl.configure([*base, "model.adapters=[one,two]"])  # a config for the next start: it does not list three
+        added = ctl.add_adapter("three")
+        assert added["adapters"] == ["one", "two", "three"] and "next restart" in added["note"]
+        with pytest.raises(SwarmAPIError) as err:
+            ctl.add_adapter("four")
+        assert err.value.status == 422 and "model.max_adapters=3" in str(err.value)
+    finally:
+        _stop([server])
+        ctl.close()
+
+
+def test_an_adapter_added_while_the_server_runs_trains_at_once(tmp_path):
+    add_an_adapter_while_running(tmp_path, [])

@@ -172,6 +172,48 @@ def test_an_adapter_added_to_the_config_starts_fresh_when_the_others_resume(tmp_
         engine().load_checkpoint(str(tmp_path / "plain"))
 
 
+@pytest.mark.parametrize("compute_copy", [False, True])
+def test_an_adapter_added_at_run_time_is_the_one_listed_from_the_start(compute_copy, monkeypatch, tmp_path):
+    """AdapterBank.add (POST /api/v1/admin/adapters): the new adapter is initialised as if model.adapters had
+    listed it last, trains with its own optimizer and lr from step 0, leaves the others and the active one as
+    they were, and is checkpointed with them. ``compute_copy``: the bf16 compute copy a GPU engine keeps
+    (forced on the CPU), whose new tensors must feed their gradients to the fp32 masters."""
+    if compute_copy:
+        monkeypatch.setattr(FSDPEngine, "_wants_compute_copy", lambda self: True)
+    optim = {"lr": 1e-3, "token_budget": 64, "dtype": "bf16" if compute_copy else "fp32"}
+    eng = FSDPEngine(tiny_model_dir(), MODEL, optim, GRPO())
+    eng.select_adapter("two")
+    eng.train_step(make_batch(0))
+    before = {n: lora_of(eng, n) for n in ("one", "two")}
+    rng = torch.get_rng_state()
+    eng.add_adapter(AdapterSpec("three", 2e-3))
+    assert torch.equal(rng, torch.get_rng_state())  # the process's random stream is left alone
+    assert eng.adapters is not None and eng.adapters.names == ["one", "two", "three"]
+    assert eng.adapters.active == "two" and eng.adapter_steps() == {"one": 0, "two": 1, "three": 0}
+    listed = FSDPEngine(tiny_model_dir(), {**MODEL, "adapters": [*MODEL["adapters"], "three"]}, optim, GRPO())
+    assert all(torch.equal(v, lora_of(listed, "three")[k]) for k, v in lora_of(eng, "three").items())
+    eng.select_adapter("three")
+    m = eng.train_step(make_batch(1))
+    assert m["optimizer_steps"] == 1 and m["lr"] == pytest.approx(2e-3)
+    assert any(not torch.equal(v, lora_of(listed, "three")[k]) for k, v in lora_of(eng, "three").items())
+    for n in ("one", "two"):
+        assert all(torch.equal(before[n][k], v) for k, v in lora_of(eng, n).items())
+    if compute_copy:  # the compute copy holds the masters' new values after the step
+        assert eng._compute is not None
+        masters = dict(eng.policy.named_parameters())
+        for name, p in eng._compute.named_parameters():
+            if ".three." in name:
+                torch.testing.assert_close(p.float(), masters[name].float(), rtol=1e-2, atol=1e-3)
+    eng.save_checkpoint(str(tmp_path / "ck"))
+    listed.load_checkpoint(str(tmp_path / "ck"))  # a restart that lists it resumes it
+    assert listed.adapter_steps() == {"one": 0, "two": 1, "three": 1}
+    with pytest.raises(ValueError, match="exists already"):
+        eng.add_adapter(AdapterSpec("one"))
+    eng.remove_adapter("three")  # the undo of a failed add
+    assert eng.adapters.names == ["one", "two"] and eng.adapters.active in ("one", "two")
+    assert "three" not in eng.policy.lm.peft_config
+
+
 def test_one_adapter_trains_bit_for_bit_as_the_plain_lora_model():
     """model.adapters=[x] and a plain LoRA model of the same seed start from the same LoRA tensors and take
     the same steps: the adapters' code path adds nothing of its own to what N = 1 learns (docs/multi_model.md)."""

@@ -155,3 +155,11 @@ def test_an_adapter_added_by_configure_and_restart_on_a_vllm_server(tmp_path):
 
     add_an_adapter(tmp_path, ["backend=vllm", "backend.cpu_kvcache_gib=1"])
 
+
+
+def test_an_adapter_added_while_a_vllm_server_runs_trains_at_once(tmp_path):
+    """The hf end-to-end check of POST /api/v1/admin/adapters, on backend=vllm (the new adapter is served as a
+    LoRA request from its first push)."""
+    from tests.test_adapters_e2e import add_an_adapter_while_running
+
+    add_an_adapter_while_running(tmp_path, ["backend=vllm", "backend.cpu_kvcache_gib=1"])

@@ -458,6 +458,20 @@ class HFBackend(InferenceBackend):
                 self.stats["weight_updates"] += 1
         await asyncio.to_thread(run)
 
+    async def add_adapter(self, name: str) -> None:
+        """Serve adapter ``name`` too, at version 0 (the base until :meth:`update_adapter` fills it), in one of
+        the slots ``model.max_adapters`` keeps; the others and requests in flight are untouched."""
+        self._require_started()
+        if self._lora is None:
+            raise ValueError("add_adapter: this engine serves no adapters (start it with model.adapters)")
+
+        def run() -> None:
+            with self._swapping():
+                assert self._lora is not None
+                self._lora.add(name)
+                self.adapter_versions[name] = 0
+        await asyncio.to_thread(run)
+
     async def unload_lora(self, version: int | None = None) -> None:
         """Undo a merged LoRA adapter (restore the base weights)."""
         def run() -> None:
@@ -543,7 +557,8 @@ class HFBackend(InferenceBackend):
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         if self.adapter_specs:
             self._lora = MultiLora(model, [a.name for a in self.adapter_specs], self.model_cfg.lora_rank,
-                                   self.model_cfg.lora_target_modules, rows=self.max_batch_size)
+                                   self.model_cfg.lora_target_modules, rows=self.max_batch_size,
+                                   capacity=self.model_cfg.adapter_capacity())
         self._rng = random.Random()  # unseeded requests' uniforms (seeded from the OS)
         self.load_time_s = time.perf_counter() - t0
         log.info("hf backend: loaded %s on %s (%s) in %.1fs", self.model_dir, self.device,

@@ -28,9 +28,12 @@ from swarmkit.training.lora import pattern_key
 class MultiLora:
     """The stacked adapters of a served model and the per-row index buffer (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, names: Sequence[str], rank: int, targets: Sequence[str], rows: int):
+    def __init__(self, model: nn.Module, names: Sequence[str], rank: int, targets: Sequence[str], rows: int,
+                 capacity: int | None = None):
+        """``capacity``: the adapters it has room for (``model.max_adapters``; at least ``names``)."""
         self.names = list(names)
         self.index = {n: i + 1 for i, n in enumerate(self.names)}
+        self.capacity = max(int(capacity or 0), len(self.names))
         self.rank = int(rank)
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
@@ -39,7 +42,7 @@ class MultiLora:
         self.layers: dict[str, _LayerLora] = {}
         for name, mod in model.named_modules():
             if isinstance(mod, nn.Linear) and pattern_key(list(targets), name) is not None:
-                self.layers[name] = _LayerLora(mod, len(self.names) + 1, self.rank, self.rows)
+                self.layers[name] = _LayerLora(mod, self.capacity + 1, self.rank, self.rows)
         if not self.layers:
             raise ValueError(f"model.lora_target_modules {list(targets)} names no linear layer of the served model")
 
@@ -48,6 +51,32 @@ class MultiLora:
         host = torch.zeros(len(indices), dtype=torch.long)
         host[:] = torch.tensor(list(indices), dtype=torch.long)
         self.rows[: len(indices)].copy_(host, non_blocking=True)
+
+    @torch.no_grad()
+    def add(self, name: str) -> None:
+        """Serve adapter ``name`` too, in a free slot (zeros: the base until :meth:`load` fills it)."""
+        if name in self.index:
+            raise ValueError(f"adapter '{name}' is served already")
+        free = sorted(set(range(1, self.capacity + 1)) - set(self.index.values()))
+        if not free:
+            raise ValueError(f"no room for adapter '{name}': this engine holds at most {self.capacity} adapters "
+                             f"({', '.join(self.names)}); start the server with a larger model.max_adapters")
+        self.index[name] = free[0]
+        self.names.append(name)
+        self._clear(free[0])
+
+    @torch.no_grad()
+    def remove(self, name: str) -> None:
+        """Stop serving adapter ``name`` and free its slot (rows that still name it add nothing)."""
+        i = self.index.pop(name)
+        self.names.remove(name)
+        self._clear(i)
+
+    def _clear(self, i: int) -> None:
+        for layer in self.layers.values():
+            layer.a[i].zero_()
+            layer.b[i].zero_()
+            layer.scale[i] = 0.0
 
     @torch.no_grad()
     def load(self, name: str, lora: Sequence[tuple[str, Any, Any, float]]) -> None:

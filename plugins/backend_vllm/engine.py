@@ -815,6 +815,25 @@ class VLLMBackend(InferenceBackend):
             if old_dir != folder and int(old_dir.suffix[1:]) < lora_id - 2 * len(self.adapter_versions):
                 shutil.rmtree(old_dir, ignore_errors=True)
 
+    async def add_adapter(self, name: str) -> None:
+        """Serve adapter ``name`` too, at version 0: its requests run on the base until :meth:`update_adapter`
+        gives it a LoRA. At most ``model.max_adapters``; beyond ``backend.max_loras`` adapters at once in a
+        batch, vLLM schedules their requests in turn."""
+        if not self.serves_adapters:
+            raise ValueError("add_adapter: this engine serves no adapters (start it with model.adapters)")
+        capacity = self.model_cfg.adapter_capacity()
+
+        def run(engine: Any) -> None:
+            if name in self.adapter_versions:
+                raise ValueError(f"adapter '{name}' is served already")
+            if len(self.adapter_versions) >= capacity:
+                raise ValueError(f"no room for adapter '{name}': this engine holds at most {capacity} adapters "
+                                 f"({', '.join(self.adapter_versions)}); start the server with a larger "
+                                 "model.max_adapters")
+            self.adapter_versions[name] = 0
+
+        await self.call_in_engine(run)
+
     def _write_adapter(self, name: str, lora_id: int, lora: list[tuple[str, Any, Any, float]]) -> Path:
         """``lora`` as a peft folder vLLM loads: ``A`` as it is, ``scale · B`` as ``B`` (``lora_alpha = r``, so
         every module's own scale holds); the target modules are the adapted modules' last names."""

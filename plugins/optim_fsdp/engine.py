@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -98,6 +99,36 @@ class FSDPEngine(TrainingEngine):
                 for p in self.reference.parameters():
                     p.data = p.data.to(cd)
         self._native_low_precision = True
+
+    @torch.no_grad()
+    def _adapter_added(self, name: str, config: Any) -> None:
+        """Adapter ``name``, just added to the fp32 masters (:meth:`AdapterBank.add`), in the compute copy
+        too: the same tensors in the compute dtype, their gradients flowing into the masters."""
+        if self._compute is None:
+            return
+        self._compute.lm.add_adapter(name, config)
+        masters = dict(self.policy.named_parameters())
+        mine = f".{name}."
+        for pname, p in self._compute.named_parameters():
+            if ".lora_" not in pname or mine not in pname:
+                continue
+            master = masters[pname]
+            p.data = master.data.to(device=self.device, dtype=self.compute_dtype)
+            self._pairs.append((master, p))
+            trainable = p.requires_grad
+            p.requires_grad_(True)
+            p.register_post_accumulate_grad_hook(_grad_to_master(master))
+            p.requires_grad_(trainable)
+
+    def _adapter_removed(self, name: str) -> None:
+        """Adapter ``name`` out of the compute copy (the undo of :meth:`_adapter_added`)."""
+        if self._compute is None:
+            return
+        mine = f".{name}."
+        gone = {id(p) for pname, p in self._compute.named_parameters() if ".lora_" in pname and mine in pname}
+        self._pairs = [(m, p) for m, p in self._pairs if id(p) not in gone]
+        if name in self._compute.lm.peft_config:
+            self._compute.lm.delete_adapter(name)
 
     @torch.no_grad()
     def _sync_compute(self, everything: bool = False) -> None:

@@ -569,3 +569,13 @@ def abort_reason(exc: BaseException | None) -> str:
     if exc is None:
         return "the episode block ended without a reward"
     return f"exception in the client: {type(exc).__name__}: {exc}"[:1000]
+
+
+def adapter_body(name: str, lr: float | str | None = None, batching: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The body of ``POST /api/v1/admin/adapters``: ``name``, and ``lr`` / ``batching`` when given."""
+    body: dict[str, Any] = {"name": name}
+    if lr is not None:
+        body["lr"] = lr
+    if batching:
+        body["batching"] = dict(batching)
+    return body

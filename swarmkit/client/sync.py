@@ -30,6 +30,7 @@ from swarmkit.client._common import (
     SwarmError,
     TurnRewards,
     abort_reason,
+    adapter_body,
     already_reported,
     auth_headers,
     beat_body,
@@ -249,6 +250,14 @@ class SwarmClient(HoldsClientId):
     def restart(self) -> dict[str, Any]:
         """Stop, then start with the latest configuration."""
         return self._call("POST", "/api/v1/admin/restart", admin=True, timeout=LIFECYCLE_TIMEOUT_S)
+
+    def add_adapter(self, name: str, *, lr: float | str | None = None,
+                    batching: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Add LoRA adapter ``name`` to a server started with ``model.adapters``: trained and served from now
+        on, without a restart (``lr``: a number or "auto", default ``optim.lr``; ``batching``: keys for its
+        batches alone). Returns ``{"adapter", "adapters", "global_step", "note"}``."""
+        return self._call("POST", "/api/v1/admin/adapters", json_body=adapter_body(name, lr, batching), admin=True,
+                          timeout=LIFECYCLE_TIMEOUT_S)
 
     def checkpoint(self) -> dict[str, Any]:
         return self._call("POST", "/api/v1/admin/checkpoint", admin=True, timeout=LIFECYCLE_TIMEOUT_S)

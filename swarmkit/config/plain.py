@@ -24,3 +24,16 @@ def as_dict(cfg: Any) -> dict[str, Any]:
 
 def _is_omegaconf(cfg: Any) -> bool:
     return type(cfg).__module__.startswith("omegaconf")
+
+
+def with_adapters(cfg: Any, entries: list[Any]) -> Any:
+    """A copy of ``cfg`` whose ``model.adapters`` is ``entries`` (an OmegaConf config stays one, unresolved)."""
+    if _is_omegaconf(cfg):
+        from omegaconf import OmegaConf
+
+        out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        out.model.adapters = entries
+        return out
+    out_dict = as_dict(cfg)
+    out_dict["model"] = {**as_dict(out_dict.get("model")), "adapters": list(entries)}
+    return out_dict

@@ -49,6 +49,10 @@ class ModelConfig:
     #: alone); each adapter has the LoRA shape of ``lora_*`` above. [] (the
     #: default): one model, trained as ``lora_rank`` says
     adapters: list[Any] = field(default_factory=list)
+    #: the most adapters one server holds: those of ``adapters`` and those added while it runs
+    #: (``POST /api/v1/admin/adapters``; docs/multi_model.md); never fewer than ``adapters`` lists. The hf
+    #: engine keeps room for this many (each slot costs one adapter's LoRA tensors in the served dtype)
+    max_adapters: int = 8
 
     @classmethod
     def of(cls, model: ModelConfig | Any) -> ModelConfig:
@@ -72,9 +76,17 @@ class ModelConfig:
         if specs and self.name in {s.name for s in specs}:
             problems.append(f"model.adapters: '{self.name}' is also model.name; an adapter needs a name of its own "
                             "(a request's model field names its adapter)")
+        if specs and (not isinstance(self.max_adapters, int) or self.max_adapters < 1):
+            problems.append(f"model.max_adapters: must be an integer >= 1, not {self.max_adapters!r}")
         if problems:
             raise ValueError("; ".join(problems))
         return specs
+
+    def adapter_capacity(self) -> int:
+        """How many adapters a server of this model holds at most: ``max_adapters``, or more if
+        ``adapters`` lists more (0 without ``adapters``: run-time adapters need a server started with some)."""
+        specs = self.adapter_specs()
+        return max(int(self.max_adapters), len(specs)) if specs else 0
 
 
 #: what an adapter may be called: it travels in a request's ``model`` field and names folders

@@ -300,6 +300,12 @@ class InferenceBackend(ABC):
         engine that :attr:`serves_adapters`."""
         raise NotImplementedError(f"{type(self).__name__} does not serve several adapters")
 
+    async def add_adapter(self, name: str) -> None:
+        """Serve adapter ``name`` too from now on, at version 0 and equal to the base until
+        :meth:`update_adapter` fills it (a server's ``POST /api/v1/admin/adapters``); ValueError when the
+        engine has no room for it. Only for an engine that :attr:`serves_adapters`."""
+        raise NotImplementedError(f"{type(self).__name__} does not add adapters at run time")
+
     async def score_prompt(self, prompt_ids: Sequence[int], top_logprobs: int = 0) -> PromptScores:
         """The logprob of every token of ``prompt_ids`` given the ones before it (one forward over the
         prompt, nothing generated), with the ``top_logprobs`` most likely tokens at each position.

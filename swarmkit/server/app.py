@@ -79,6 +79,7 @@ def create_app(swarm: SwarmServer | None = None, **kwargs: Any) -> Starlette:
         Route("/api/v1/admin/restart", admin.restart, methods=["POST"]),
         Route("/api/v1/admin/checkpoint", admin.checkpoint, methods=["POST"]),
         Route("/api/v1/admin/resume_training", admin.resume_training, methods=["POST"]),
+        Route("/api/v1/admin/adapters", admin.add_adapter, methods=["POST"]),
         Route("/api/v1/episodes", episodes.register, methods=["POST"]),
         Route("/api/v1/episodes", episodes.list_episodes, methods=["GET"]),
         Route("/api/v1/episodes/{episode_id}", episodes.get_episode, methods=["GET"]),

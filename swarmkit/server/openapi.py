@@ -17,6 +17,7 @@ from swarmkit import __version__
 from swarmkit.server.schema.anthropic import CountTokensRequest, MessagesRequest
 from swarmkit.server.schema.control import (
     AbortRequest,
+    AddAdapterRequest,
     ConfigureRequest,
     DemonstrationRequest,
     HeartbeatRequest,
@@ -341,6 +342,13 @@ def _controller_paths() -> dict[str, Schema]:
             responses={"200": answer("whether it was paused", obj({"resumed": BOOL, "global_step": integer()},
                                                                   ("resumed", "global_step"))),
                        **errors(401, 403)})},
+        "/api/v1/admin/adapters": {"post": op(
+            "Add a LoRA adapter to a server started with model.adapters: trained and served from now on", tag,
+            ADMIN, operation_id="addAdapter", body=json_body(AddAdapterRequest.openapi_body()),
+            responses={"200": answer("the adapter added", obj({"adapter": string(), "adapters": array(string()),
+                                                               "global_step": integer(), "note": nullable(string())},
+                                                              ("adapter", "adapters"))),
+                       **errors(400, 401, 403, 409, 422)})},
         "/api/v1/episodes": {
             "get": op("Summaries of running episodes (and the last N ended ones)", tag, ADMIN,
                       operation_id="listEpisodes",

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import CollapseConfig, ModelConfig, TrainerConfig
-from swarmkit.contract import PoolEpisode
+from swarmkit.config.schema import AdapterSpec, CollapseConfig, ModelConfig, TrainerConfig
+from swarmkit.contract import InferenceBackend, PoolEpisode
 from swarmkit.plugins import get_hooks, load_component
 from swarmkit.pool import EpisodeRecord, SamplePool
 from swarmkit.swarm.collapse import ENTROPY, Alarm, CollapseAlarm, collapse_signals
@@ -844,6 +844,27 @@ class TrainingCycle:
             weights = await asyncio.to_thread(lambda: list(self.trainer.export_weights()))
             await self.server.backend.update_weights(named_tensors=weights, version=step)
         self._unsynced = None
+
+    async def add_adapter(self, spec: AdapterSpec, policy: Any, backend: InferenceBackend) -> None:
+        """Train adapter ``spec`` from now on, served by ``backend`` (``policy``: its own batching policy, None =
+        the shared one). Under the trainer lock (no step is under way): the trainer adds it (fresh, at step 0),
+        the engine serves it and gets its initial LoRA; if serving fails the trainer forgets it again."""
+        async with self._trainer_lock:
+            if self.trainer is not None:
+                await asyncio.to_thread(self.trainer.add_adapter, spec)
+            try:
+                await backend.add_adapter(spec.name)
+                if self.trainer is not None:
+                    await self._push_adapters([spec.name], self.global_step)
+            except BaseException:
+                if self.trainer is not None:
+                    await asyncio.to_thread(self.trainer.remove_adapter, spec.name)
+                raise
+            self.adapters.append(spec.name)
+            if policy is not None:
+                self.adapter_policies[spec.name] = policy
+        log.info("adapter %s added at step %d: it trains from its own batches from now on", spec.name,
+                 self.global_step)
 
     async def _push_adapters(self, names: Sequence[str], step: int) -> None:
         """Serve the trainer's ``names`` adapters, each at its own version; the engine's version is ``step``."""

@@ -13,6 +13,7 @@ cycle drives the state machine through :meth:`SwarmServer.enter_rolling_post`,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import logging
@@ -26,12 +27,19 @@ from typing import Any, Protocol
 
 import httpx
 
-from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import REPLICA_KEYS, ModelConfig, ReplicaConfig, ServerConfig
+from swarmkit.config.plain import as_dict, with_adapters
+from swarmkit.config.schema import (
+    REPLICA_KEYS,
+    AdapterSpec,
+    ModelConfig,
+    ReplicaConfig,
+    ServerConfig,
+)
+from swarmkit.config.validate import adapter_batching
 from swarmkit.contract import GenerationOutput, InferenceBackend, PromptScores, SamplingParams
 from swarmkit.contract.backend import ROUTING_KEY
-from swarmkit.errors import ApiError, busy
-from swarmkit.plugins import get_hooks, get_registry
+from swarmkit.errors import ApiError, ConfigError, busy
+from swarmkit.plugins import get_hooks, get_registry, load_component
 from swarmkit.swarm.atomic import resolve_prepared
 from swarmkit.swarm.auth import AdminAuth, ClientAuth, redacted
 from swarmkit.swarm.episodes import (
@@ -140,6 +148,10 @@ class Cycle(Protocol):
     async def before_stop(self) -> None:
         """The server stops: stop the loop, free the trainer."""
 
+    async def add_adapter(self, spec: AdapterSpec, policy: Any, backend: InferenceBackend) -> None:
+        """Train and serve adapter ``spec`` too from now on (``backend`` serves it; ``policy``: its own batching
+        policy, None = the shared one); raising leaves everything as it was."""
+
 
 class MemoryCycle:
     """Keeps accepted episodes in memory and never trains (tests, demos, eval-only servers).
@@ -187,6 +199,9 @@ class MemoryCycle:
     async def before_stop(self) -> None:
         pass
 
+    async def add_adapter(self, spec: AdapterSpec, policy: Any, backend: InferenceBackend) -> None:
+        await backend.add_adapter(spec.name)
+
 
 class SwarmServer:
     """State shared by every endpoint of one server process.
@@ -233,6 +248,9 @@ class SwarmServer:
         self.eval_tally = EvalTally()
         self.clients = ClientTracker()
         self.config: Any = config
+        #: the config the running model was booted with (``config`` may be a newer one for the next start)
+        self._booted_config: Any = None
+        self._adapter_lock = asyncio.Lock()
         #: (algo name, its declared credit) once per-call rewards asked (check_call_rewards)
         self._algo_credit: tuple[str, str] | None = None
         self.backend_factory = backend_factory
@@ -556,6 +574,60 @@ class SwarmServer:
         """Training goes on after the collapse alarm paused it (the cycle owns the pause)."""
         return dict(self.cycle.resume_training())
 
+    async def add_adapter(self, entry: Any) -> dict[str, Any]:
+        """Adapter ``entry`` (a name, or ``{name, lr, batching}`` as in ``model.adapters``) trained and served
+        over the base from now on, without a restart (``POST /api/v1/admin/adapters``): fresh, at step 0, as
+        if ``model.adapters`` had listed it last. The running config lists it from then on (checkpoints,
+        ``status``; a restart with ``trainer.resume`` brings it back with what it learned).
+
+        :raises ApiError: 409 when the server is not running or serves one model (no ``model.adapters``);
+            422 for an entry ``model.adapters`` would refuse, a name served already, or one adapter past
+            ``model.max_adapters``.
+        """
+        async with self._adapter_lock:
+            state = self.state.state
+            backend = self.backend
+            if state not in (*SERVING_STATES, ServerState.WEIGHT_SYNCING) or backend is None \
+                    or self._booted_config is None:
+                raise ApiError(409, f"the server is {state}: adapters are added while it runs (start it first)",
+                               "not_running")
+            if not self.adapters:
+                raise ApiError(409, "this server serves one model: adapters are added to a server started with "
+                               "model.adapters (docs/multi_model.md)", "no_adapters")
+            full = as_dict(self._booted_config)
+            model = ModelConfig.of(full.get("model"))
+            entries = [*list(model.adapters), entry]
+            try:
+                spec = dataclasses.replace(model, adapters=entries).adapter_specs()[-1]
+            except ValueError as exc:
+                raise ApiError(422, str(exc), "invalid_adapter", param="name") from None
+            if len(entries) > model.adapter_capacity():
+                raise ApiError(422, f"no room for adapter {spec.name!r}: this server holds at most "
+                               f"model.max_adapters={model.adapter_capacity()} ({', '.join(self.adapters)}); "
+                               "restart it with a larger model.max_adapters", "invalid_adapter", param="name")
+            policy = None
+            if spec.batching:
+                try:
+                    merged = adapter_batching(dict(full.get("batching") or {}), spec, get_registry())
+                except ConfigError as exc:
+                    raise ApiError(422, str(exc), "invalid_adapter", param="batching") from None
+                assert merged is not None
+                policy = load_component("batching", str(merged["name"]))(**merged)
+            try:
+                await self.cycle.add_adapter(spec, policy, backend)
+            except ValueError as exc:  # the engine's refusal (no room): nothing was added
+                raise ApiError(422, str(exc), "invalid_adapter", param="name") from None
+            self.inference.adapters.append(spec.name)
+            staged = self.config is not self._booted_config
+            self._booted_config = with_adapters(self._booted_config, entries)
+            if not staged:
+                self.config = self._booted_config
+        log.info("adapter %s added by the controller; adapters now %s", spec.name, ", ".join(self.adapters))
+        note = ("a config sent by configure since the start applies at the next restart and does not list it; "
+                "add it there to keep it") if staged else None
+        return {"adapter": spec.name, "adapters": list(self.adapters), "global_step": self.global_step,
+                "note": note}
+
     def start(self) -> None:
         """OFFLINE → BOOTING; the boot runs as a task and ends in ROLLING or OFFLINE."""
         if self.config is None:
@@ -569,6 +641,7 @@ class SwarmServer:
 
     async def _boot(self) -> None:
         cfg = self.config
+        self._booted_config = cfg
         backend = None
         try:
             backend = await asyncio.to_thread(self._make_backend, cfg)

@@ -18,6 +18,7 @@ One process only (no torch.distributed): the configuration refuses ``optim.nproc
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Sequence
@@ -61,24 +62,89 @@ class AdapterBank:
             raise ValueError("model.adapters: an algorithm with a value head (ppo) is not supported yet "
                              "(the value head would be shared by the adapters); use grpo")
         self.engine = engine
-        self.specs = list(specs)
-        self.names = [s.name for s in self.specs]
+        self.specs: list[AdapterSpec] = []
+        self.names: list[str] = []
         self.active = ""
         self._state: dict[str, dict[str, Any]] = {}
-        for spec in self.specs:
-            self._activate_peft(spec.name)
-            params = [p for p in engine.policy.parameters() if p.requires_grad]
-            optimizer = engine._adamw(params, lr=self.lr_of(spec))
-            engine.optimizer = optimizer  # _warmup's schedule reads the engine's LR factors at each step
-            self._state[spec.name] = {
-                "optimizer": optimizer, "scheduler": engine._warmup(optimizer), "_params": params,
-                "optimizer_steps": 0, "train_steps": 0, "_lr_scale": 1.0, "_lr_factor": 1.0,
-                "_ref_adapter": None, "_ref_anchored": False, "_ref_pending": False}
-        self.active = ""
+        for spec in specs:
+            self._state[spec.name] = self._fresh_state(spec)
+            self.specs.append(spec)
+            self.names.append(spec.name)
         self.select(self.names[0])
         log.info("model.adapters: learning rates %s", ", ".join(
             f"{s.name} {self.lr_of(s):.3g}{' (auto)' if is_auto(s.lr) or (s.lr is None and engine.lr_auto) else ''}"
             for s in self.specs))
+
+    def _fresh_state(self, spec: AdapterSpec) -> dict[str, Any]:
+        """The per-adapter attributes of adapter ``spec`` (already in the peft model) before its first step:
+        a new AdamW over its tensors, its warm-up schedule from step 0, counters at 0, no anchored
+        reference. The engine's attributes (the active adapter's) are as they were after."""
+        eng = self.engine
+        saved = {k: getattr(eng, k) for k in PER_ADAPTER if hasattr(eng, k)}
+        try:
+            eng._lr_scale, eng._lr_factor = 1.0, 1.0  # the schedule's first LR reads them
+            self._activate_peft(spec.name)
+            params = [p for p in eng.policy.parameters() if p.requires_grad]
+            optimizer = eng._adamw(params, lr=self.lr_of(spec))
+            eng.optimizer = optimizer  # _warmup's schedule reads the engine's LR factors at each step
+            return {"optimizer": optimizer, "scheduler": eng._warmup(optimizer), "_params": params,
+                    "optimizer_steps": 0, "train_steps": 0, "_lr_scale": 1.0, "_lr_factor": 1.0,
+                    "_ref_adapter": None, "_ref_anchored": False, "_ref_pending": False}
+        finally:
+            for k, v in saved.items():
+                setattr(eng, k, v)
+            if self.active:
+                self._activate_peft(self.active)
+
+    # ------------------------------------------------------------------ adding at run time
+    @torch.no_grad()
+    def add(self, spec: AdapterSpec) -> None:
+        """Adapter ``spec`` over the base from now on (``POST /api/v1/admin/adapters``): its LoRA is
+        initialised exactly as if ``model.adapters`` had listed it at this position from the start (the
+        seed of :func:`~swarmkit.training.lm.load_lm`; B = 0, so it serves the base until its first step),
+        with a fresh optimizer. The active adapter stays active; nothing of the others changes."""
+        if spec.name in self._state:
+            raise ValueError(f"adapter '{spec.name}' exists already; this engine trains {self.names}")
+        eng = self.engine
+        lm = eng.policy.lm
+        config = copy.deepcopy(lm.peft_config[self.names[0]])
+        try:
+            with torch.random.fork_rng(devices=[]):  # the process's random stream is not disturbed
+                torch.manual_seed(eng.seed + 7919 * len(self.names))
+                lm.add_adapter(spec.name, config)
+                added = getattr(eng, "_adapter_added", None)
+                if callable(added):  # an engine with a compute copy of the model adds it there too
+                    added(spec.name, config)
+            self._state[spec.name] = self._fresh_state(spec)
+        except BaseException:
+            self._delete_peft(spec.name)
+            raise
+        self.specs.append(spec)
+        self.names.append(spec.name)
+        log.info("model.adapters: adapter %s added (learning rate %.3g); adapters now %s", spec.name,
+                 self.lr_of(spec), ", ".join(self.names))
+
+    def remove(self, name: str) -> None:
+        """Forget adapter ``name`` (the undo of :meth:`add` when the rest of adding it failed)."""
+        if name not in self._state:
+            raise KeyError(f"unknown adapter '{name}'; this engine trains {self.names}")
+        if len(self.names) == 1:
+            raise ValueError("the last adapter cannot be removed")
+        if name == self.active:
+            self.select(next(n for n in self.names if n != name))
+        self._delete_peft(name)
+        del self._state[name]
+        self.names.remove(name)
+        self.specs = [s for s in self.specs if s.name != name]
+
+    def _delete_peft(self, name: str) -> None:
+        removed = getattr(self.engine, "_adapter_removed", None)
+        if callable(removed):
+            removed(name)
+        if name in self.engine.policy.lm.peft_config:
+            self.engine.policy.lm.delete_adapter(name)
+        if self.active:
+            self._activate_peft(self.active)
 
     def lr_of(self, spec: AdapterSpec) -> float:
         """``spec``'s learning rate: its own ``lr``, the LoRA auto rate for ``lr: auto``, else ``optim.lr``

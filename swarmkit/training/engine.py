@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from swarmkit.config.lr import auto_lr, base_param_count, is_auto
-from swarmkit.config.schema import ModelConfig
+from swarmkit.config.schema import AdapterSpec, ModelConfig
 from swarmkit.contract import Algorithm, LossInputs, OptimEngine, TrainSample, check_algorithm
 from swarmkit.training.adapters import AdapterBank, LoraTensors
 from swarmkit.training.config import EngineConfig, resolve_token_budget
@@ -652,6 +652,20 @@ class TrainingEngine(OptimEngine):
         if self.adapters is None:
             raise ValueError("select_adapter needs model.adapters")
         self.adapters.select(name)
+
+    def add_adapter(self, spec: AdapterSpec) -> None:
+        """Train adapter ``spec`` over the base too, from now on (:meth:`AdapterBank.add`)."""
+        if self.adapters is None:
+            raise ValueError("add_adapter needs an engine started with model.adapters")
+        self.adapters.add(spec)
+        self.adapter_specs = list(self.adapters.specs)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (:meth:`AdapterBank.remove`: the undo of a failed run-time add)."""
+        if self.adapters is None:
+            raise ValueError("remove_adapter needs model.adapters")
+        self.adapters.remove(name)
+        self.adapter_specs = list(self.adapters.specs)
 
     def adapter_steps(self) -> dict[str, int]:
         """Optimizer steps per adapter (each one's policy version); {} without ``model.adapters``."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmkit.config.plain import as_dict
-from swarmkit.config.schema import ModelConfig, TrainerConfig
+from swarmkit.config.schema import AdapterSpec, ModelConfig, TrainerConfig
 from swarmkit.contract import Algorithm, OptimEngine, check_algorithm, scalar_reward
 from swarmkit.models import resolve_model_path
 from swarmkit.plugins import get_registry, load_component
@@ -172,6 +172,17 @@ class Trainer:
     def adapter_step(self, name: str) -> int:
         """Adapter ``name``'s optimizer steps: its policy version."""
         return int(self._adapter_engine().adapter_steps()[name])
+
+    def add_adapter(self, spec: AdapterSpec) -> None:
+        """Train adapter ``spec`` too, from now on (a server's ``POST /api/v1/admin/adapters``): fresh,
+        at step 0, initialised as if ``model.adapters`` had listed it last from the start."""
+        self._adapter_engine().add_adapter(spec)
+        self.adapters.append(spec.name)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (the undo of :meth:`add_adapter` when serving it failed)."""
+        self._adapter_engine().remove_adapter(name)
+        self.adapters.remove(name)
 
     def export_adapter_lora(self, name: str) -> list[tuple[str, Any, Any, float]]:
         """Adapter ``name`` as ``(module, A, B, scale)`` for ``backend.update_adapter``."""

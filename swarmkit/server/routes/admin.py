@@ -1,4 +1,5 @@
-"""The controller (admin) API: configure, start, stop, restart, status, checkpoint, resume_training.
+"""The controller (admin) API: configure, start, stop, restart, status, checkpoint, resume_training,
+adapters (add one at run time).
 
 Every endpoint here except ``/`` and ``/api/v1/health`` needs the admin token
 (``Authorization: Bearer <token>``): 401 without it, 403 with a wrong one.
@@ -34,7 +35,7 @@ from swarmkit.config.compose import config_from_request
 from swarmkit.config.validate import to_dict
 from swarmkit.errors import ApiError, ConfigError
 from swarmkit.server.requests import bearer, read_json
-from swarmkit.server.schema.control import ConfigureRequest
+from swarmkit.server.schema.control import AddAdapterRequest, ConfigureRequest
 from swarmkit.swarm.auth import redacted
 from swarmkit.training.trainer import checkpoint_path
 
@@ -123,6 +124,15 @@ async def resume_training(request: Request) -> Response:
     ``{"resumed": true|false, "global_step": N}``; the alarm's counts start over."""
     srv = _admin(request)
     return JSONResponse(srv.resume_training())
+
+
+async def add_adapter(request: Request) -> Response:
+    """One more LoRA adapter over the base of a server started with ``model.adapters``, trained and served from
+    now on without a restart (:meth:`SwarmServer.add_adapter`): ``{"adapter", "adapters", "global_step",
+    "note"}``."""
+    srv = _admin(request)
+    req = AddAdapterRequest.parse(await read_json(request))
+    return JSONResponse(await srv.add_adapter(req.entry()))
 
 
 async def checkpoint(request: Request) -> Response:

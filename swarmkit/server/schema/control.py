@@ -9,6 +9,7 @@ is checked by the route, after the caller is authorized.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -230,3 +231,39 @@ class ConfigureRequest(ControlRequest):
     def openapi_body(cls) -> Schema:
         return {**super().openapi_body(), "oneOf": [{"required": [name]} for name in _FORMS],
                 "description": "exactly one of config, overrides or yaml"}
+
+
+# --------------------------------------------------------------------------- POST /api/v1/admin/adapters
+def _adapter_lr(body: dict[str, Any], parsed: dict[str, Any]) -> float | str | None:
+    lr = body.get("lr")
+    if lr is None or lr == "auto":
+        return lr
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
+        raise invalid(f"'lr' must be a number > 0 or \"auto\", got {lr!r}", "lr")
+    return float(lr)
+
+
+@dataclass
+class AddAdapterRequest(ControlRequest):
+    """``POST /api/v1/admin/adapters``: one more LoRA adapter over the base, trained and served from now on: an
+    entry of ``model.adapters`` (whose rules the server applies to the name and the batching keys)."""
+
+    endpoint = "/api/v1/admin/adapters"
+
+    name: str = spec(Text(None, "the adapter's name (a request's 'model' field names it)", min_length=1,
+                          max_length=64, required=True))
+    lr: float | str | None = spec(Custom(_adapter_lr, {"anyOf": [number(description="> 0"), {"const": "auto"}],
+                                                       "description": "its learning rate (default optim.lr)"}))
+    batching: dict[str, Any] | None = spec(Object("batching keys for its batches alone, laid over the batching "
+                                                  "group, e.g. {\"batch_size\": 2}"))
+
+    def entry(self) -> str | dict[str, Any]:
+        """The ``model.adapters`` entry it describes (its name alone when it sets nothing else)."""
+        if self.lr is None and not self.batching:
+            return self.name
+        out: dict[str, Any] = {"name": self.name}
+        if self.lr is not None:
+            out["lr"] = self.lr
+        if self.batching:
+            out["batching"] = self.batching
+        return out
