@@ -265,3 +265,42 @@ def test_a_checkpoint_requested_during_a_step_is_named_after_the_step_it_saves(t
     finally:
         release.set()
         h.stop()
+
+
+def test_failing_steps_are_counted_in_a_row_until_one_trains(train_cfg, tmp_path):
+    """A trainer step that raises (out of memory, a broken plugin) leaves the batch in the pool, is retried with
+    a back-off, and ``status.pool.steps_failed_in_row`` counts the failures since the last step that trained
+    (a main job ends at MAX_FAILED_STEPS_IN_ROW of them); a step that trains clears it."""
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
+    cfg.trainer.total_steps = 0
+    trainer = _Trainer()
+    failures = iter(range(2))
+
+    def fail_twice():
+        if next(failures, None) is not None:
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    trainer.on_step = fail_twice
+    cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: trainer)
+    h = _start(cfg, tmp_path, cycle)
+    try:
+        with SwarmClient(h.url, token=TOKEN, retry_for=20) as c:
+            c.start()
+            c.wait_for_state("ROLLING", timeout=20)
+            for _ in range(2):
+                with c.episode("task-a") as ep:
+                    ep.report(0.5)
+            seen = set()
+            end = time.monotonic() + 20
+            while time.monotonic() < end:
+                pool = c.status()["pool"]
+                seen.add(pool.get("steps_failed_in_row", 0))
+                if c.status()["global_step"] == 1:
+                    break
+                time.sleep(0.05)
+            pool = c.status()["pool"]
+            assert c.status()["global_step"] == 1 and len(trainer.trained) == 2  # the batch trained once, at last
+            assert {1, 2} <= seen and "steps_failed_in_row" not in pool and cycle.steps_failed == 2
+    finally:
+        h.stop()

@@ -356,3 +356,29 @@ def test_the_summary_says_what_the_tasks_reward_means(monkeypatch, tmp_path, cap
     assert summary["eval_before"]["full_credit"] == summary["eval_after"]["full_credit"] == 0.25
     out = capsys.readouterr().out
     assert "fully right 1/4 (25%)" in out and "reward of arithmetic: 1.0 = the right number" in out, out
+
+
+def test_training_steps_failing_in_a_row_stop_the_local_job_with_1_and_the_cause(monkeypatch, tmp_path, capsys):
+    """A trainer step that keeps failing (the server retries it with a back-off and stays up) ends the main job
+    at MAX_FAILED_STEPS_IN_ROW failures in a row, with the cause; before, the job waited forever."""
+    cfg = _cfg(tmp_path)
+    real_status = FakeServer.status
+
+    def failing_from_2(self: FakeServer) -> dict[str, Any]:
+        st = real_status(self)
+        if st["global_step"] < 2:
+            return st
+        self.step = 2  # no step trains any more
+        failed = min(3, getattr(self, "failed", 0) + 1)
+        self.failed = failed
+        return {**st, "global_step": 2, "pool": {**st["pool"], "steps_failed_in_row": failed,
+                                                 "last_error": "step 3 failed: OutOfMemoryError: CUDA out of memory"}}
+
+    monkeypatch.setattr(FakeServer, "status", failing_from_2)
+    made: list[FakeSession] = []
+    monkeypatch.setattr(local, "ServerSession", lambda c, *a, **k: made.append(FakeSession(c)) or made[-1])
+    monkeypatch.setattr(local, "Sampler", lambda *a, **k: FakeSampler(*a, **k))
+    assert local.run_local(cfg) == 1
+    err = capsys.readouterr().err
+    assert "training failed 3 steps in a row; the run stops: step 3 failed: OutOfMemoryError" in err
+    assert ("shutdown",) in made[0].events and not (tmp_path / "summary.json").exists()

@@ -99,6 +99,9 @@ console = Console(soft_wrap=True)
 
 #: seconds between two polls of the servers' state while training; between two checks of the clients
 POLL_S, CHECK_CLIENTS_S = 0.5, 2.0
+#: training steps failing in a row (the server retries each with a growing back-off) that end the run: a
+#: persistent failure (out of memory, a broken plugin) would otherwise keep the job waiting forever
+MAX_FAILED_STEPS_IN_ROW = 3
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -492,6 +495,9 @@ def _poll(driver: Driver, r: _Run) -> None:
     r.paused = paused
     if r.state == "OFFLINE":
         raise JobError(f"{r.prefix}the server went OFFLINE: {status.get('last_error')}")
+    failing = int(pool.get("steps_failed_in_row") or 0)
+    if failing >= MAX_FAILED_STEPS_IN_ROW:
+        raise JobError(f"{r.prefix}training failed {failing} steps in a row; the run stops: {error or 'see the log'}")
 
 
 def _schedule(driver: Driver, r: _Run, total: int, eval_every: int) -> None:

@@ -143,6 +143,8 @@ class TrainingCycle:
         #: why no further step trains (``trainer.total_steps`` reached); training episodes are then refused
         self.training_finished: str | None = None
         self.steps_failed = 0
+        #: steps failed since the last one that trained (a main job ends after MAX_FAILED_STEPS_IN_ROW)
+        self.steps_failed_in_row = 0
         self.total_steps = 0
         self.checkpoint_every = 0
         self.keep_checkpoints = 0
@@ -252,6 +254,8 @@ class TrainingCycle:
             stats["trainer"] = self.trainer_status()
         if self.last_error:
             stats["last_error"] = self.last_error
+        if self.steps_failed_in_row:
+            stats["steps_failed_in_row"] = self.steps_failed_in_row
         if self.last_metrics:
             stats["last_step"] = self.last_metrics
         stats["alarm"] = self.alarm_status()
@@ -558,6 +562,7 @@ class TrainingCycle:
             alarm = self.alarm.observe(step, signals)
             metrics["collapse/alarm"] = 1.0 if alarm is not None or self.alarm.active is not None else 0.0
             self.last_metrics = finite_or_none({"step": step, **metrics})
+            self.steps_failed_in_row = 0
             if not self._unrecorded and self._unsynced is None:
                 self.last_error = None
             if self.metrics is not None:
@@ -575,6 +580,7 @@ class TrainingCycle:
             return metrics
         except Exception as exc:
             self.steps_failed += 1
+            self.steps_failed_in_row += 1
             if self.last_error is None or not applied:
                 self.last_error = f"step {step} failed: {type(exc).__name__}: {exc}"
             raise
