@@ -34,6 +34,18 @@ seed's numbers, held-out curve and per-step curve.
     python benchmarks/learning_robustness.py --parallel 4                      # 4 jobs at once (a GPU box)
     python benchmarks/learning_robustness.py --smoke                           # tiny model, 1 task, 2 seeds, 2 steps
 
+``--agents raw,openai_sdk,langgraph,agentscope``: the paper's framework-agnostic claim with seeds. The same
+task (default ``calc_agent``) with its agent written in each framework (``task.options.agent=examples/
+frameworks/<file>.py``; ``raw`` is swarmkit's own loop), every agent × seed one job. Besides the tables
+above (one row per ``task@agent``) it compares the frameworks' mean held-out curves (before, every
+``--eval-every`` steps, after): at each point the gap between the highest and the lowest framework mean
+against the seed-to-seed spread (the pooled standard deviation over seeds within a framework); the claim
+holds at a point when the gap is at most the spread and at most 0.04.
+
+    python benchmarks/learning_robustness.py --agents raw,openai_sdk,langgraph,agentscope --seeds 0,1,2,3,4 \
+        --eval-every 4 --parallel 4                                            # on a GPU box
+    python benchmarks/learning_robustness.py --agents raw,openai_sdk --smoke   # tiny model, 2 x 2 jobs
+
 ``--unstable``: the collapse alarm on a deliberately unstable run. Per seed it runs one task (default
 ``token_rule`` on the tiny model at ``optim.lr=0.1``, 10x the model's auto rate, a checkpoint every 4 steps)
 twice: with ``trainer.collapse.action=warn`` (what the run does unattended: when the sampled answers
@@ -72,6 +84,12 @@ SPY = "who_is_spy"
 ALL_TASKS = (*MAIN_JOB_TASKS, SPY)
 #: identical_groups at or above this on the last step counts as collapsed
 IDENTICAL_MAX = 0.9
+#: --agents: the calc_agent loop written in each framework (examples/frameworks/); "raw" is swarmkit's own loop
+AGENT_FILES = {"raw": None, "openai_sdk": "examples/frameworks/openai_sdk.py",
+               "langgraph": "examples/frameworks/langgraph_agent.py",
+               "agentscope": "examples/frameworks/agentscope_agent.py"}
+#: the paper's bound on the gap between frameworks' held-out curves
+FRAMEWORK_GAP_MAX = 0.04
 
 #: two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); above 30 the normal 1.96
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
@@ -139,7 +157,28 @@ def model_overrides(model: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- one seed
-def main_job_command(task: str, seed: int, run_dir: Path, args: argparse.Namespace) -> list[str]:
+def agent_file(agent: str | None) -> str | None:
+    """The agent file of ``--agents`` entry ``agent`` (None: the task's own loop): a name of
+    :data:`AGENT_FILES`, another file of examples/frameworks/ by its stem, or a path."""
+    if agent is None or agent in AGENT_FILES:
+        return AGENT_FILES.get(agent or "raw")
+    stem = ROOT / "examples" / "frameworks" / f"{agent}.py"
+    if stem.exists():
+        return str(stem.relative_to(ROOT))
+    if Path(agent).exists():
+        return agent
+    raise ValueError(f"--agents: {agent!r} is neither one of {', '.join(AGENT_FILES)}, a file of "
+                     "examples/frameworks/ nor a path")
+
+
+def label(task: str, agent: str | None) -> str:
+    """A job group's name: the task, or ``task@agent`` under ``--agents``."""
+    return task if agent is None else f"{task}@{agent}"
+
+
+def main_job_command(task: str, seed: int, run_dir: Path, args: argparse.Namespace,
+                     agent: str | None = None) -> list[str]:
+    file = agent_file(agent)
     demos = args.demonstrations if args.demonstrations is not None else \
         args.warm_steps * args.batch_size * args.rollouts
     warm = demos // (args.batch_size * args.rollouts)
@@ -148,7 +187,8 @@ def main_job_command(task: str, seed: int, run_dir: Path, args: argparse.Namespa
             f"batching.batch_size={args.batch_size}", f"batching.rollouts_per_task={args.rollouts}",
             f"trainer.total_steps={warm + args.steps}", f"trainer.eval_every={args.eval_every}",
             f"optim.sft_lr={args.sft_lr}", f"optim.lr={args.lr}", "trainer.checkpoint_every=0", "server.port=0",
-            f"server.run_dir={run_dir}", f"hydra.run.dir={run_dir}", *args.override]
+            f"server.run_dir={run_dir}", f"hydra.run.dir={run_dir}",
+            *([f"task.options.agent={file}"] if file else []), *args.override]
 
 
 def spy_command(seed: int, run_dir: Path, args: argparse.Namespace) -> list[str]:
@@ -167,16 +207,17 @@ def _wilson(d: dict[str, Any] | None) -> dict[str, float] | None:
     return {"mean": float(d["civilian_win_rate"]), "ci95": (hi - lo) / 2, "n": int(d["games"])}
 
 
-def run_seed(task: str, seed: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_seed(task: str, seed: int, work: Path, args: argparse.Namespace, agent: str | None = None) -> dict[str, Any]:
     """Run one (task, seed) job in its own process (``--collect``: read the one already in ``work``);
-    its numbers, curves and collapse verdict."""
-    run_dir = work / f"{task}_seed{seed}"
+    its numbers, curves and collapse verdict. ``agent``: an ``--agents`` entry (None: the task's own loop)."""
+    name = label(task, agent)
+    run_dir = work / f"{name.replace('@', '_')}_seed{seed}"
     if args.collect:
         job = run_dir / "job.json"
         summary = run_dir / ("spy_summary.json" if task == SPY else "summary.json")
-        cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args)
+        cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args, agent)
         record = json.loads(job.read_text()) if job.exists() else {  # a job run before job.json was written
-            "task": task, "seed": seed, "command": " ".join(cmd), "run_dir": str(run_dir), "returncode": 0,
+            "task": name, "seed": seed, "command": " ".join(cmd), "run_dir": str(run_dir), "returncode": 0,
             "wall_s": round(float(json.loads(summary.read_text()).get("wall_time_s" if task != SPY else "wall_s", 0))
                             if summary.exists() else 0.0, 1)}
         if not summary.exists():
@@ -184,18 +225,18 @@ def run_seed(task: str, seed: int, work: Path, args: argparse.Namespace) -> dict
         return read_seed(task, run_dir, record)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args)
+    cmd = spy_command(seed, run_dir, args) if task == SPY else main_job_command(task, seed, run_dir, args, agent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    print(f"[{task} seed {seed}] {' '.join(cmd)}", flush=True)
+    print(f"[{name} seed {seed}] {' '.join(cmd)}", flush=True)
     t0 = time.time()
     with open(run_dir / "job.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
     wall = time.time() - t0
-    record: dict[str, Any] = {"task": task, "seed": seed, "command": " ".join(cmd), "run_dir": str(run_dir),
+    record: dict[str, Any] = {"task": name, "seed": seed, "command": " ".join(cmd), "run_dir": str(run_dir),
                               "wall_s": round(wall, 1), "returncode": proc.returncode}
     if proc.returncode != 0:
         tail = (run_dir / "job.log").read_text()[-3000:]
-        print(f"[{task} seed {seed}] FAILED (exit {proc.returncode}):\n{tail}", flush=True)
+        print(f"[{name} seed {seed}] FAILED (exit {proc.returncode}):\n{tail}", flush=True)
         return {**record, "error": tail}
     (run_dir / "job.json").write_text(json.dumps(record))
     return read_seed(task, run_dir, record)
@@ -365,6 +406,46 @@ def summarize(task: str, seeds: list[dict[str, Any]]) -> dict[str, Any]:
             **{p: {"mean": m, "ci95": c} for p, (m, c) in phase.items()}, "gain": {"mean": gain[0], "ci95": gain[1]}}
 
 
+def framework_gap(curves: dict[str, list[dict[int, float]]]) -> list[dict[str, Any]]:
+    """The frameworks' mean held-out curves against the seed-to-seed spread.
+
+    ``curves``: per framework, one held-out curve per seed (step -> reward). At every step that all of them
+    have: each framework's mean over its seeds, ``gap`` = highest − lowest mean, ``spread`` = the pooled
+    standard deviation over seeds (root of the mean of the frameworks' variances; nan with one seed),
+    ``holds``: gap ≤ spread and gap ≤ :data:`FRAMEWORK_GAP_MAX`."""
+    runs = [c for seeds in curves.values() for c in seeds]
+    if not runs:
+        return []
+    steps = sorted(set.intersection(*(set(c) for c in runs)))
+    out = []
+    for step in steps:
+        means = {a: statistics.fmean(c[step] for c in seeds) for a, seeds in curves.items()}
+        variances = [statistics.variance([c[step] for c in seeds]) for seeds in curves.values() if len(seeds) > 1]
+        spread = math.sqrt(statistics.fmean(variances)) if len(variances) == len(curves) else math.nan
+        gap = max(means.values()) - min(means.values())
+        out.append({"step": step, "means": means, "gap": gap, "spread": spread,
+                    "holds": bool(gap <= FRAMEWORK_GAP_MAX and not math.isnan(spread) and gap <= spread)})
+    return out
+
+
+def held_out_points(run: dict[str, Any]) -> dict[int, float]:
+    """A finished seed's held-out curve with the reward before training at step 0."""
+    return {0: float(run["before"]["mean"]), **{int(k): float(v) for k, v in run["held_out_curve"].items()}}
+
+
+def print_gap(task: str, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    agents = list(rows[0]["means"])
+    print(f"\n{task} across frameworks: mean held-out reward over seeds; gap = highest − lowest; spread = pooled "
+          f"sd over seeds; holds: gap ≤ spread and ≤ {FRAMEWORK_GAP_MAX}")
+    print("| step | " + " | ".join(agents) + " | gap | spread | holds |")
+    print("|---|" + "---|" * (len(agents) + 3))
+    for r in rows:
+        print(f"| {r['step']} | " + " | ".join(f"{r['means'][a]:.3f}" for a in agents) +
+              f" | {r['gap']:.3f} | {r['spread']:.3f} | {'yes' if r['holds'] else 'no'} |")
+
+
 def print_tables(summaries: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> None:
     print("\nheld-out reward, mean over seeds ± 95% t-interval over seeds (who_is_spy: civilians' win rate)")
     print("| task | seeds | before | after warm start | after RL | RL − warm start | collapsed |")
@@ -413,6 +494,10 @@ def main() -> int:
     p.add_argument("--collect", action="store_true",
                    help="run nothing: read the jobs already in --work-dir (e.g. to apply a changed collapse rule)")
     p.add_argument("--override", action="append", default=[], help="extra config override for every job")
+    p.add_argument("--agents", default=None,
+                   help="comma-separated agents of the task (default task then calc_agent): raw (swarmkit's own "
+                        f"loop), {', '.join(a for a in AGENT_FILES if a != 'raw')}, another file of "
+                        "examples/frameworks/ or a path; compares the frameworks' held-out curves (module docstring)")
     p.add_argument("--smoke", action="store_true", help="tiny model, multi_calc, seeds 0,1, 1 warm + 2 RL steps "
                    "of 2x2 episodes, 4 held-out items, no JSON (about a minute on the CPU); with --unstable: "
                    "seed 1, 8 steps, no JSON")
@@ -445,7 +530,19 @@ def main() -> int:
         args.tasks, args.seeds, args.model, args.steps, args.warm_steps = "multi_calc", "0,1", "tiny", 2, 1
         args.eval_size, args.batch_size, args.rollouts, args.out = 4, 2, 2, None
         args.override = ["task.max_tokens=8", "task.train_size=8", "task.concurrency=4", *args.override]
+    agents: list[str | None] = [None]
+    if args.agents:
+        agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+        if "--tasks" not in " ".join(sys.argv[1:]):
+            args.tasks = "calc_agent"
+        try:
+            for a in agents:
+                agent_file(a)
+        except ValueError as exc:
+            p.error(str(exc))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.agents and any(t not in MAIN_JOB_TASKS for t in tasks):
+        p.error(f"--agents: the tasks run through the main job only ({', '.join(MAIN_JOB_TASKS)})")
     unknown = [t for t in tasks if t not in ALL_TASKS]
     if unknown:
         p.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(ALL_TASKS)}")
@@ -454,12 +551,19 @@ def main() -> int:
         p.error("--collect reads --work-dir")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="swarmkit-robustness-")).resolve()
     t0 = time.time()
-    jobs = [(t, s) for t in tasks for s in seeds]
+    jobs = [(t, a, s) for t in tasks for a in agents for s in seeds]
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        results = list(pool.map(lambda job: run_seed(job[0], job[1], work, args), jobs))
-    runs = {t: [r for r in results if r["task"] == t] for t in tasks}
-    summaries = [summarize(t, runs[t]) for t in tasks]
+        results = list(pool.map(lambda job: run_seed(job[0], job[2], work, args, job[1]), jobs))
+    groups = [label(t, a) for t in tasks for a in agents]
+    runs = {g: [r for r in results if r["task"] == g] for g in groups}
+    summaries = [summarize(g, runs[g]) for g in groups]
     print_tables(summaries, runs)
+    gaps: dict[str, list[dict[str, Any]]] = {}
+    if args.agents:
+        for t in tasks:
+            curves = {str(a): [held_out_points(r) for r in runs[label(t, a)] if "error" not in r] for a in agents}
+            gaps[t] = framework_gap(curves) if all(curves.values()) else []
+            print_gap(t, gaps[t])
     wall = sum(r["wall_s"] for r in results) if args.collect else time.time() - t0
     print(f"\n{len(jobs)} jobs {'took' if args.collect else 'in'} {wall:.0f} s; run folders in {work}")
     failed = sum(s["failed"] for s in summaries)
@@ -469,7 +573,9 @@ def main() -> int:
     result = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "settings": vars(args), "wall_s": wall,
               "collapse_rule": "alarm fired; or held-out after RL < after warm start by more than "
                                "sqrt(ci_warm^2 + ci_after^2); or identical_groups >= 0.9 on the last step",
-              "tasks": {s["task"]: {"summary": s, "seeds": runs[s["task"]]} for s in summaries}}
+              "tasks": {s["task"]: {"summary": s, "seeds": runs[s["task"]]} for s in summaries},
+              **({"frameworks": {t: {"agents": agents, "gap_max": FRAMEWORK_GAP_MAX, "curve": rows}
+                                 for t, rows in gaps.items()}} if args.agents else {})}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -58,3 +58,35 @@ def test_alarm_rows_name_their_signals(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     steps, alarms = lr.read_rows(tmp_path)
     assert [r["step"] for r in steps] == [8] and alarms == ["collapse/flat_groups"]
+
+
+def test_the_framework_gap_against_the_seed_spread():
+    """--agents: at each step all curves share, the gap of the frameworks' means against the pooled sd over
+    seeds, checked against a direct computation; the claim holds only when the gap is within both bounds."""
+    curves = {"raw": [{0: 0.0, 8: 0.60, 28: 0.90}, {0: 0.0, 8: 0.70, 28: 1.00}],
+              "langgraph": [{0: 0.0, 8: 0.50, 28: 0.92}, {0: 0.0, 8: 0.80, 28: 0.96, 12: 0.5}]}
+    rows = {r["step"]: r for r in lr.framework_gap(curves)}
+    assert sorted(rows) == [0, 8, 28]  # step 12 is not on every curve
+    r = rows[28]
+    assert r["means"] == {"raw": pytest.approx(0.95), "langgraph": pytest.approx(0.94)}
+    assert r["gap"] == pytest.approx(0.01)
+    assert r["spread"] == pytest.approx(math.sqrt((0.005 + 0.0008) / 2))  # variances 0.1²/2 and 0.04²/2
+    assert r["holds"]
+    assert rows[8]["gap"] == pytest.approx(0.0) and rows[8]["holds"]
+    far = lr.framework_gap({"a": [{1: 0.5}, {1: 0.5}], "b": [{1: 0.45}, {1: 0.45}]})[0]
+    assert far["gap"] == pytest.approx(0.05) and not far["holds"]  # > 0.04 and > a spread of 0
+    one = lr.framework_gap({"a": [{1: 0.5}], "b": [{1: 0.5}]})[0]
+    assert math.isnan(one["spread"]) and not one["holds"]  # one seed: no spread to compare with
+    assert lr.agent_file("raw") is None and lr.agent_file("langgraph").endswith("langgraph_agent.py")
+    assert lr.agent_file("dspy_react") == "examples/frameworks/dspy_react.py"
+    with pytest.raises(ValueError, match="neither"):
+        lr.agent_file("no_such_agent")
+    assert "task.options.agent=examples/frameworks/openai_sdk.py" in lr.main_job_command(
+        "calc_agent", 0, Path("/tmp/x"), _args(), "openai_sdk")
+
+
+def _args():
+    import argparse
+
+    return argparse.Namespace(demonstrations=None, warm_steps=1, batch_size=2, rollouts=2, model="tiny",
+                              eval_size=4, steps=1, eval_every=0, sft_lr=2e-3, lr=1e-3, override=[])
