@@ -92,6 +92,14 @@ def _start(cfg, tmp_path, cycle):
                                cycle=cycle)
 
 
+def _one_group_cfg(train_cfg):
+    """The tiny config, no step limit, a step per group of two episodes of one task."""
+    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
+    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
+    cfg.trainer.total_steps = 0
+    return cfg
+
+
 def _no_step_cfg(train_cfg, **server):
     """The tiny config, no step limit, a batch no test fills (episodes stay in the pool); ``server`` limits."""
     cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
@@ -103,9 +111,7 @@ def _no_step_cfg(train_cfg, **server):
 
 
 def test_a_step_the_journal_cannot_record_is_not_trained_twice(train_cfg, tmp_path):
-    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
-    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
-    cfg.trainer.total_steps = 0
+    cfg = _one_group_cfg(train_cfg)
     trainer = _Trainer()
     cycle = TrainingCycle(tmp_path, trainer_factory=lambda c, d: trainer)
     cycle.journal_attempts = 2
@@ -225,9 +231,7 @@ def test_a_checkpoint_requested_during_a_step_is_named_after_the_step_it_saves(t
 
     import httpx
 
-    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
-    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
-    cfg.trainer.total_steps = 0
+    cfg = _one_group_cfg(train_cfg)
     trainer = _SavingTrainer()
     in_step, release = threading.Event(), threading.Event()
 
@@ -271,9 +275,7 @@ def test_failing_steps_are_counted_in_a_row_until_one_trains(train_cfg, tmp_path
     """A trainer step that raises (out of memory, a broken plugin) leaves the batch in the pool, is retried with
     a back-off, and ``status.pool.steps_failed_in_row`` counts the failures since the last step that trained
     (a main job ends at MAX_FAILED_STEPS_IN_ROW of them); a step that trains clears it."""
-    cfg = OmegaConf.create(OmegaConf.to_container(train_cfg, resolve=True))
-    cfg.batching.batch_size, cfg.batching.rollouts_per_task = 1, 2
-    cfg.trainer.total_steps = 0
+    cfg = _one_group_cfg(train_cfg)
     trainer = _Trainer()
     failures = iter(range(2))
 

@@ -87,12 +87,8 @@ class FSDPEngine(TrainingEngine):
         for name, p in compute.named_parameters():
             master = masters[name]
             self._pairs.append((master, p))
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(_grad_to_master(master))
-            elif several and ".lora_" in name:  # an adapter not active now: its hook for when it is
-                p.requires_grad_(True)
-                p.register_post_accumulate_grad_hook(_grad_to_master(master))
-                p.requires_grad_(False)
+            if p.requires_grad or (several and ".lora_" in name):  # an adapter not active now: for when it is
+                _feed_master(p, master)
         self._compute = compute
         if self.reference is not None:
             with torch.no_grad():
@@ -115,10 +111,7 @@ class FSDPEngine(TrainingEngine):
             master = masters[pname]
             p.data = master.data.to(device=self.device, dtype=self.compute_dtype)
             self._pairs.append((master, p))
-            trainable = p.requires_grad
-            p.requires_grad_(True)
-            p.register_post_accumulate_grad_hook(_grad_to_master(master))
-            p.requires_grad_(trainable)
+            _feed_master(p, master)
 
     def _adapter_removed(self, name: str) -> None:
         """Adapter ``name`` out of the compute copy (the undo of :meth:`_adapter_added`)."""
@@ -310,6 +303,15 @@ class FSDPEngine(TrainingEngine):
         if rng.exists():
             self._set_rng_state(torch.load(rng, weights_only=False))
         self._barrier()
+
+
+def _feed_master(p: nn.Parameter, master: nn.Parameter) -> None:
+    """Route the gradients of compute tensor ``p`` into ``master.grad``, whether ``p`` trains now or only once its
+    adapter is active (a hook can only be registered while ``p`` requires grad; its flag is left as it was)."""
+    trainable = p.requires_grad
+    p.requires_grad_(True)
+    p.register_post_accumulate_grad_hook(_grad_to_master(master))
+    p.requires_grad_(trainable)
 
 
 def _grad_to_master(master: nn.Parameter):

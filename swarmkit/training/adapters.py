@@ -31,6 +31,7 @@ import torch
 from swarmkit.config.lr import auto_lr, is_auto
 from swarmkit.config.schema import AdapterSpec
 from swarmkit.runfiles import write_text
+from swarmkit.training.lm import adapter_seed
 
 #: the engine attributes that belong to one adapter (swapped by :meth:`AdapterBank.select`)
 PER_ADAPTER = ("optimizer", "scheduler", "_params", "optimizer_steps", "train_steps", "_lr_scale", "_lr_factor",
@@ -110,7 +111,7 @@ class AdapterBank:
         config = copy.deepcopy(lm.peft_config[self.names[0]])
         try:
             with torch.random.fork_rng(devices=[]):  # the process's random stream is not disturbed
-                torch.manual_seed(eng.seed + 7919 * len(self.names))
+                torch.manual_seed(adapter_seed(eng.seed, len(self.names)))
                 lm.add_adapter(spec.name, config)
                 added = getattr(eng, "_adapter_added", None)
                 if callable(added):  # an engine with a compute copy of the model adds it there too

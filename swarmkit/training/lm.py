@@ -33,6 +33,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}[name]
 
 
+def adapter_seed(seed: int, index: int) -> int:
+    """The seed of the initial LoRA of the adapter at ``index`` of ``model.adapters`` (0: ``seed`` itself), so an
+    adapter added at run time starts as it would have had the list named it from the start."""
+    return seed + 7919 * index
+
+
 def load_lm(model_path: str | Path, model: Any, seed: int) -> Any:
     """The HF causal LM in float32 (master weights), with LoRA adapters when ``model.lora_rank > 0``.
 
@@ -59,7 +65,7 @@ def load_lm(model_path: str | Path, model: Any, seed: int) -> Any:
         # several named adapters of one shape over the one base (model.adapters); each seeded on its own
         lm = get_peft_model(lm, cfg, adapter_name=specs[0].name)
         for k, spec in enumerate(specs[1:], 1):
-            torch.manual_seed(seed + 7919 * k)
+            torch.manual_seed(adapter_seed(seed, k))
             lm.add_adapter(spec.name, cfg)
         lm.set_adapter(specs[0].name)
     return lm
