@@ -52,13 +52,16 @@ BUILT = ["antlr4-python3-runtime==4.9.3"]  # sdist only: built into a wheel here
 #: llguidance as vLLM 0.26 pins it (>=1.7,<1.8: its grammar backend for JSON schemas xgrammar refuses; 1.6.1 ran plain
 #: generation, which never imports it); lm-format-enforcer (+ interegular) as vLLM 0.26 pins it: validating any
 #: structured-outputs request imports its backend module (run on the H100, 2026-12-05); httpx2 (openai 3.63's
-#: client) imports httpcore2, which imports truststore (h11, idna, anyio: the image's)
+#: client) imports httpcore2, which imports truststore (h11, idna, anyio: the image's); jsonschema (+ its
+#: specifications, referencing, rpds-py): swarmkit checks strict tool calls and its conformance suite with it
+#: (missing there on 2026-12-06: a strict tool call answered 500)
 VLLM_WHEELS = ["vllm==0.26.0", "annotated-types", "apache-tvm-ffi==0.1.15.post2", "astor", "cachetools", "cbor2",
                "compressed-tensors==0.17.0", "depyf==0.20.0", "dill", "distro", "fastapi>=0.136,<0.137",
                "flashinfer-python==0.6.14", "importlib-metadata", "jiter", "llguidance==1.7.6", "msgspec",
                "openai==3.63.*", "httpx2==2.17.0", "httpcore2==2.17.0", "truststore", "openai-harmony",
                "opentelemetry-api", "partial-json-parser", "pybase64", "pydantic==2.14.*", "pydantic-core", "pyzmq",
-               "sniffio", "typing-inspection", "xgrammar==0.2.9", "lm-format-enforcer==0.11.3", "interegular"]
+               "sniffio", "typing-inspection", "xgrammar==0.2.9", "lm-format-enforcer==0.11.3", "interegular",
+               "jsonschema", "jsonschema-specifications", "referencing", "rpds-py"]
 #: the GPU machine's interpreter and platforms, for ``pip download`` of binary wheels
 GPU_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                 *[a for n in (17, 24, 27, 28, 31, 34, 35) for a in ("--platform", f"manylinux_2_{n}_x86_64")],

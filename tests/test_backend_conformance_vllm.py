@@ -97,7 +97,8 @@ def test_vllm_weight_push_into_a_lora_engine_names_the_wrapped_layers(conformanc
     from vllm.lora.layers import BaseLayerWithLoRA
 
     for attr in ("load_weights", "__getattr__"):
-        monkeypatch.delattr(BaseLayerWithLoRA, attr, raising=False)
+        if attr in vars(BaseLayerWithLoRA):  # 0.26 defines neither (its __getattr__ is nn.Module's: not removable here)
+            monkeypatch.delattr(BaseLayerWithLoRA, attr)
     monkeypatch.setattr(backend, "_wrapped", None)  # learnt again (restored after)
     p = conformance.prompts[1]
     conformance.update([(k, t.detach().clone()) for k, t in conformance.ref.state_dict().items()])

@@ -164,7 +164,7 @@ def test_openai_sdk_round_trip_on_vllm_chat_stream_tools_and_response_format(vll
                                                max_tokens=24, temperature=0, tools=[tool],
                                                tool_choice={"type": "function", "function": {"name": "add"}})
         fmt = agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "json please"}],
-                                            max_tokens=16, temperature=1.0, seed=0, response_format={
+                                            max_tokens=64, temperature=1.0, seed=0, response_format={
                                                 "type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
         assert isinstance(json.loads(fmt.choices[0].message.content)["ok"], bool), fmt.choices[0].message.content
         tls = ep.timelines()
