@@ -26,8 +26,10 @@ A seed **collapsed** when any of these holds:
 3. ``collapse/identical_groups`` ≥ 0.9 on the last training step.
 
 Per task it prints the mean over seeds with a 95% t-interval over seeds of before / after the warm
-start / after RL, and "k of n" collapsed; per seed one line; and writes JSON (``--out``) with every
-seed's numbers, held-out curve and per-step curve.
+start / after RL, and "k of n" collapsed; per seed one line; where the task says how each episode ended
+(multi_calc's ``outcome/<kind>`` metrics: right, overshoot, chain_wrong, partial, off_chain, malformed,
+no_call) how the RL rollouts ended, per seed; and writes JSON (``--out``) with every seed's numbers,
+held-out curve, per-step curve and ``rl_outcomes``.
 
     python benchmarks/learning_robustness.py                                   # 3 tasks x 5 seeds, SmolLM2
     python benchmarks/learning_robustness.py --tasks calc_agent,multi_calc --seeds 0,1 --steps 6 --warm-steps 4
@@ -130,12 +132,32 @@ def collapse_reasons(warm: dict[str, float] | None, before: dict[str, float], af
 
 
 _CURVE_KEYS = ("reward_mean", "episodes", "loss", "entropy", "collapse/identical_groups", "collapse/flat_groups",
-               "collapse/entropy", "collapse/alarm", "sft_nll", "demonstrations", "task/valid_tool_call")
+               "collapse/entropy", "collapse/alarm", "sft_nll", "demonstrations", "task/valid_tool_call", "task/correct",
+               "task/chain")
 
 
 def step_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-step curve: step and the keys above that the row has."""
     return [{"step": int(r["step"]), **{k: r[k] for k in _CURVE_KEYS if r.get(k) is not None}} for r in rows]
+
+
+#: the per-step shares of how rollouts ended, where the task reports them (multi_calc's ``outcome/<kind>``)
+OUTCOME_PREFIX = "task/outcome/"
+
+
+def rl_outcomes(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """How the RL steps' rollouts ended: per kind, the step share times the step's sampled episodes, summed
+    (``{}`` where the task reports no outcomes)."""
+    counts: dict[str, float] = {}
+    for r in rows:
+        if sft_step(r):
+            continue
+        sampled = float(r.get("episodes") or 0) - float(r.get("demonstrations") or 0)
+        for key, share in r.items():
+            if key.startswith(OUTCOME_PREFIX) and isinstance(share, int | float):
+                kind = key[len(OUTCOME_PREFIX):]
+                counts[kind] = counts.get(kind, 0.0) + float(share) * sampled
+    return {k: round(v) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
 def sft_step(row: dict[str, Any]) -> bool:
@@ -263,7 +285,7 @@ def read_seed(task: str, run_dir: Path, record: dict[str, Any]) -> dict[str, Any
     pick = ("mean", "ci95", "n")
     return {**record, "before": {k: before[k] for k in pick}, "warm": {k: warm[k] for k in pick} if warm else None,
             "after": {k: after[k] for k in pick}, "held_out_curve": held_out, "steps": step_curve(rows),
-            "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons}
+            "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons, "rl_outcomes": rl_outcomes(rows)}
 
 
 # ----------------------------------------------------------------------------- the unstable run
@@ -470,6 +492,23 @@ def print_tables(summaries: list[dict[str, Any]], runs: dict[str, list[dict[str,
             print(f"| {task} | {r['seed']} | {fmt(r['before']['mean'], r['before']['ci95'])} | {warm} | "
                   f"{fmt(r['after']['mean'], r['after']['ci95'])} | {curve} | "
                   f"{'yes: ' + '; '.join(r['reasons']) if r['collapsed'] else 'no'} | {r['wall_s']:.0f} s |")
+    print_outcomes(runs)
+
+
+def print_outcomes(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """How the RL rollouts ended, per task and seed, where the task reports it (multi_calc)."""
+    for task, seeds in runs.items():
+        done = [r for r in seeds if r.get("rl_outcomes")]
+        if not done:
+            continue
+        kinds = sorted({k for r in done for k in r["rl_outcomes"]},
+                       key=lambda k: -sum(r["rl_outcomes"].get(k, 0) for r in done))
+        print(f"\n{task}: how the RL rollouts ended (rollouts over all RL steps)")
+        print("| seed | " + " | ".join(kinds) + " |")
+        print("|---|" + "---|" * len(kinds))
+        for r in done:
+            print(f"| {r['seed']} | " + " | ".join(str(r["rl_outcomes"].get(k, 0)) for k in kinds) + " |")
+        print("| all | " + " | ".join(str(sum(r["rl_outcomes"].get(k, 0) for r in done)) for k in kinds) + " |")
 
 
 # ----------------------------------------------------------------------------- main

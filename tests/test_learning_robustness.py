@@ -51,6 +51,15 @@ def test_warm_start_steps_are_told_apart_from_rl_steps():
     assert not lr.sft_step({"demonstrations": 2.0, "episodes": 8.0})
 
 
+def test_how_rl_rollouts_ended_counts_each_steps_shares_over_its_sampled_episodes():
+    rows = [{"step": 1, "episodes": 8.0, "demonstrations": 8.0, "task/outcome/right": 1.0},  # warm start: left out
+            {"step": 2, "episodes": 8.0, "demonstrations": 0.0, "task/outcome/overshoot": 0.25,
+             "task/outcome/partial": 0.75, "task/outcome/right": 0.0},
+            {"step": 3, "episodes": 8.0, "task/outcome/right": 0.5, "task/outcome/partial": 0.5}]
+    assert lr.rl_outcomes(rows) == {"partial": 10, "right": 4, "overshoot": 2}
+    assert lr.rl_outcomes([{"step": 2, "episodes": 8.0, "reward_mean": 0.1}]) == {}
+
+
 def test_alarm_rows_name_their_signals(tmp_path):
     rows = [{"kind": "train", "step": 8, "reward_mean": 0.0},
             {"kind": "alarm", "step": 8, "alarm": "collapse alarm at step 8: collapse/flat_groups 1.000 > 0.95 "

@@ -10,6 +10,7 @@ import pytest
 
 from swarmkit.tasks import demonstration, make_tasks, run_task
 from swarmkit.tasks.multi_calc import (
+    OUTCOMES,
     STEP_CREDIT,
     TOOL_CREDIT,
     grade,
@@ -70,7 +71,28 @@ def test_the_reward_never_pays_doing_nothing_above_an_honest_attempt():
     assert score["nothing"] == score["a wrong answer, no call"] == 0.0
     assert STEP_CREDIT + TOOL_CREDIT < 1.0  # shaping stays under the gap a right answer makes
     out = grade(task, right, [v1, v2], tool_calls=2, turns=3)
-    assert out.metrics == {"correct": 1.0, "valid_tool_call": 1.0, "chain": 1.0, "tool_calls": 2.0, "turns": 3.0}
+    assert out.metrics == {"correct": 1.0, "valid_tool_call": 1.0, "chain": 1.0, "tool_calls": 2.0, "turns": 3.0,
+                           **{f"outcome/{k}": float(k == "right") for k in OUTCOMES}}
+
+
+def test_each_episode_ends_in_exactly_one_outcome():
+    """The diagnosis of docs/agents.md as metrics: every way an episode can end, named once."""
+    task = make_tasks("multi_calc", 1, split="eval", options={"max_steps": 2})[0]
+    v1, v2 = (str(v) for v in task.meta["values"])
+    right, wrong = f"<answer>{task.answer}</answer>", "<answer>7</answer>"
+    cases = {
+        "right": grade(task, right, [v1, v2, "99"], tool_calls=3),  # right wins over one call too many
+        "overshoot": grade(task, wrong, [v1, v2, "12"], tool_calls=3),
+        "chain_wrong": grade(task, wrong, [v1, v2], tool_calls=2),
+        "partial": grade(task, wrong, [v1, "12"], tool_calls=2),
+        "off_chain": grade(task, wrong, ["12"], tool_calls=1),
+        "malformed": grade(task, wrong, [], tool_calls=2),
+        "no_call": grade(task, wrong, []),
+    }
+    assert list(cases) == list(OUTCOMES)
+    for kind, out in cases.items():
+        assert [k for k in OUTCOMES if out.metrics[f"outcome/{k}"] == 1.0] == [kind], (kind, out.metrics)
+        assert sum(out.metrics[f"outcome/{k}"] for k in OUTCOMES) == 1.0
 
 
 def _replies(demo: dict[str, Any]) -> list[dict[str, Any]]:

@@ -53,3 +53,20 @@ def test_the_loop_stops_quietly_when_the_server_finished_training(caplog):
     loop.run()  # returns: the step limit ends sampling
     assert (loop.finished, loop.failures) == (2, 0)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_the_built_in_client_reports_the_tasks_metrics_to_the_server(serve_tiny_hf, tmp_path):
+    """The main job's episodes carry their task's numbers (``valid_tool_call``, ``outcome/<kind>``, ...) as
+    ``meta["metrics"]``, which become the server's per-step ``task/<name>`` signals (the collapse alarm's
+    ``validity_metric``): before, the built-in tasks computed them and kept them on the client."""
+    from swarmkit.apps.task_client import run_episode
+    from swarmkit.swarm.collapse import task_metrics
+
+    task = make_tasks("multi_calc", 1, split="eval", options={"max_steps": 2})[0]
+    with serve_tiny_hf(tmp_path / "run", "metrics-admin-token") as (handle, client):
+        result = run_episode(client, task, max_tokens=8, temperature=1.0)
+        record = handle.swarm.cycle.pool.get(result.episode_id)
+    assert record.meta["metrics"] == result.metrics
+    signals = task_metrics([record])
+    assert signals["task/valid_tool_call"] == result.metrics["valid_tool_call"]
+    assert sum(v for k, v in signals.items() if k.startswith("task/outcome/")) == 1.0

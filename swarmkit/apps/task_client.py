@@ -66,7 +66,9 @@ def run_episode(
         with client.episode(task_id=task.task_id, eval=eval, meta={"task_family": task.family},
                             adapter=adapter) as ep:
             outcome = run_task(http, ep.base_url, ep.api_key, task, max_tokens=max_tokens, temperature=temperature)
-            answer = ep.report(outcome.reward)
+            # the task's own numbers (valid_tool_call, correct, ...) reach the server's per-step task/<name>
+            # signals, which the collapse alarm's validity_metric reads
+            answer = ep.report(outcome.reward, meta={"metrics": dict(outcome.metrics)} if outcome.metrics else None)
         return EpisodeResult(task.task_id, outcome.reward, outcome.completion, eval, outcome.metrics,
                              ep.episode_id, bool(answer.get("accepted")))
     finally:

@@ -27,7 +27,9 @@ order: right through the whole chain (1.2) > right by any route (≥ 1.0) >
 whole chain computed but answered wrong (0.2) > part of the chain (> 0.05) >
 a well-formed call off the chain (0.05) > nothing or a malformed call (0).
 Metrics per episode: ``correct``, ``valid_tool_call``, ``chain`` (the share of
-steps reached), ``tool_calls``, ``turns``.
+steps reached), ``tool_calls``, ``turns``, and the episode's :func:`outcome` as
+``outcome/<kind>`` = 1.0 (one of :data:`OUTCOMES`: the server's per-step
+``task/outcome/<kind>`` are the shares of the step's rollouts that ended so).
 
 :func:`demonstration` writes the ideal conversation (one call per step, each
 result fed into the next, the answer) for the supervised warm start. Needs
@@ -46,8 +48,8 @@ import httpx
 from swarmkit.tasks.base import Outcome, Task, run_tool_loop
 from swarmkit.tasks.calc_agent import calculator, parse_answer
 
-__all__ = ["CALCULATOR_TOOL", "STEP_CREDIT", "SYSTEM_PROMPT", "TOOL_CREDIT", "demonstration", "grade",
-           "make_multi_tasks", "one_step_calculator", "run_multi_episode", "run_tool_call"]
+__all__ = ["CALCULATOR_TOOL", "OUTCOMES", "STEP_CREDIT", "SYSTEM_PROMPT", "TOOL_CREDIT", "demonstration", "grade",
+           "make_multi_tasks", "one_step_calculator", "outcome", "run_multi_episode", "run_tool_call"]
 
 TOOL_CREDIT = 0.05
 STEP_CREDIT = 0.15
@@ -158,6 +160,28 @@ def run_tool_call(name: str, arguments: str | dict[str, Any]) -> tuple[str, bool
     return result, not result.startswith("error")
 
 
+#: how an episode ended, in the order :func:`outcome` tests them
+OUTCOMES = ("right", "overshoot", "chain_wrong", "partial", "off_chain", "malformed", "no_call")
+
+
+def outcome(correct: bool, values: list[str], results: list[str], tool_calls: int) -> str:
+    """How an episode ended: ``right`` (the right answer); ``overshoot`` (the whole chain computed, then
+    another well-formed call after its last value, e.g. ``6769 * 4913``); ``chain_wrong`` (the whole chain,
+    then a wrong answer); ``partial`` (part of the chain: a wrong operand or operator on the way);
+    ``off_chain`` (well-formed calls, none on the chain); ``malformed`` (calls, none well-formed);
+    ``no_call``. ``values`` are the chain's intermediate values, ``results`` the well-formed calls'
+    results in order."""
+    if correct:
+        return "right"
+    if results and all(v in results for v in values):
+        return "overshoot" if len(results) > results.index(values[-1]) + 1 else "chain_wrong"
+    if any(v in results for v in values):
+        return "partial"
+    if results:
+        return "off_chain"
+    return "malformed" if tool_calls > 0 else "no_call"
+
+
 def grade(task: Task, final_text: str, results: list[str], tool_calls: int = 0, turns: int = 0) -> Outcome:
     """The reward and metrics of an episode that ended with ``final_text``, whose well-formed calls returned
     ``results`` (their result texts, in order)."""
@@ -166,10 +190,12 @@ def grade(task: Task, final_text: str, results: list[str], tool_calls: int = 0, 
     reached = sum(v in results for v in values) / len(values)
     valid = bool(results)
     reward = float(correct) + STEP_CREDIT * reached + (TOOL_CREDIT if valid else 0.0)
+    kind = outcome(correct, values, results, max(tool_calls, len(results)))
     return Outcome(
         reward=reward, completion=final_text,
         metrics={"correct": float(correct), "valid_tool_call": float(valid), "chain": reached,
-                 "tool_calls": float(tool_calls), "turns": float(turns)},
+                 "tool_calls": float(tool_calls), "turns": float(turns),
+                 **{f"outcome/{k}": float(k == kind) for k in OUTCOMES}},
     )
 
 

@@ -134,9 +134,18 @@ function drawCharts() {
   charts.push(lineChart("KL, entropy, clip fraction", [series("approx KL", "approx_kl", true),
     series("entropy", "entropy", true), series("clip frac", "clip_frac", true)]));
   charts.push(lineChart("Gradient norm", [series("grad norm", "grad_norm")]));
+  // task-reported numbers: shares (0..1, e.g. valid_tool_call) sit with the collapse signals, counts apart
+  const isShare = f => metrics.every(r => r["task/" + f] === undefined || (r["task/" + f] >= 0 && r["task/" + f] <= 1));
+  const taskNames = families("task/").filter(f => !f.startsWith("outcome/"));
+  const taskShares = taskNames.filter(isShare), taskCounts = taskNames.filter(f => !isShare(f));
   charts.push(lineChart("Collapse signals", [series("identical groups", "collapse/identical_groups", true),
     series("flat groups", "collapse/flat_groups", true), series("entropy", "collapse/entropy", true),
-    ...families("task/").map(f => series(f, "task/" + f, true))]));
+    ...taskShares.map(f => series(f, "task/" + f, true))]));
+  const outcomes = families("task/outcome/");  // a task's share of rollouts per way an episode ended (multi_calc)
+  if (outcomes.length) charts.push(lineChart("Episode outcomes (share of the step's rollouts)",
+    outcomes.map(f => series(f, "task/outcome/" + f, true))));
+  if (taskCounts.length) charts.push(lineChart("Task numbers (step means)",
+    taskCounts.map(f => series(f, "task/" + f, true))));
   const adapters = [...new Set(metrics.map(rowAdapter).filter(a => a !== null))].sort();
   if (adapters.length) {  // model.adapters: each adapter's reward at the run's steps, whatever the filter
     charts.unshift(lineChart("Reward per adapter (train)", adapters.map(a => ({ name: a,
