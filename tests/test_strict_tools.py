@@ -177,3 +177,21 @@ def test_tools_sent_without_strict_are_not_constrained(episode):
                           stream)
     assert not all(_valid(c) for c in results)  # the random model breaks the call unconstrained
     assert not any(tl["meta"].get("structured") for tl in episode.timelines()[before:])
+
+
+def test_an_answers_response_format_is_checked_like_a_strict_tools_arguments():
+    """:func:`format_violations`: nothing asked, nothing to say; not JSON (a raw control character inside a
+    string, which a grammar let through on vLLM 0.26: JSON refuses it), not an object, or against the schema."""
+    from swarmkit.server.chat_input import format_violations
+
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    fmt = {"type": "json_schema", "schema": schema}
+    assert format_violations("no json", None) == []
+    assert format_violations('{"age": 3}', fmt) == []
+    assert format_violations('{"age": 3}', {"type": "json_object"}) == []
+    broken = format_violations('{"name": "a\x01b", "age": 3}', fmt)
+    assert len(broken) == 1 and broken[0].startswith("response_format: the answer is not JSON (Invalid control")
+    assert format_violations("[1, 2]", {"type": "json_object"}) == ["response_format: the answer is not a JSON object"]
+    assert format_violations('{"age": "3"}', fmt) == ["response_format: answer['age']: '3' is not of type 'integer'"]
+    assert format_violations("{}", fmt) == ["response_format: answer (top level): 'age' is a required property"]
+    assert format_violations("", fmt)[0].startswith("response_format: the answer is not JSON")

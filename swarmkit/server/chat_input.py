@@ -16,6 +16,10 @@ Frameworks differ in small ways that a chat template does not forgive:
   where the engine can (``server.strict_tools``, :mod:`swarmkit.timelines.strict_tools`)
   and every call of it is checked against the schema once generated
   (:func:`strict_violations`): a violation is reported with the answer, not refused.
+- ``response_format`` (JSON, or JSON of a schema): the answer is checked the same way once generated
+  (:func:`format_violations`) and a violation reported the same way: the engine constrains decoding,
+  but a grammar may let through what ``json.loads`` refuses (raw control characters inside a string),
+  and a token limit cuts an answer short.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from typing import Any
 from swarmkit.errors import ApiError
 from swarmkit.timelines.render import TemplateError
 
-__all__ = ["ToolChoice", "check_tools_rendered", "normalize_messages", "parse_template_kwargs", "parse_tool_choice",
-           "parse_tools", "strict_schemas", "strict_violations", "template_error"]
+__all__ = ["ToolChoice", "check_tools_rendered", "format_violations", "normalize_messages", "parse_template_kwargs",
+           "parse_tool_choice", "parse_tools", "strict_schemas", "strict_violations", "template_error"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -152,14 +156,44 @@ def strict_schemas(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _schema_errors(value: Any, schema: dict[str, Any], where: str) -> list[str]:
+    """``value`` against a JSON schema: one line per problem (at most 8), the path in ``value`` after ``where``."""
+    # the server's dependency, imported when a schema is checked
+    from jsonschema import validators
+
+    cls = validators.validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except Exception as exc:  # noqa: BLE001 - jsonschema's SchemaError: the client's schema, not ours
+        return [f"{where}: the schema is invalid ({str(exc).splitlines()[0]})"]
+    out = []
+    for err in sorted(cls(schema).iter_errors(value), key=lambda e: list(e.absolute_path))[:8]:
+        path = "".join(f"[{p!r}]" for p in err.absolute_path) or " (top level)"
+        out.append(f"{where}{path}: {err.message}")
+    return out
+
+
+def format_violations(content: str | None, response_format: Mapping[str, Any] | None) -> list[str]:
+    """How an answer breaks the ``response_format`` its request asked for (the contract's form: ``{"type":
+    "json_object"}`` or ``{"type": "json_schema", "schema": ...}``): not JSON (``json_object``: not a JSON
+    object), or against the schema; empty when it conforms or nothing was asked."""
+    if not response_format:
+        return []
+    try:
+        value = json.loads(content or "")
+    except ValueError as exc:
+        return [f"response_format: the answer is not JSON ({exc})"]
+    if response_format.get("type") == "json_object":
+        return [] if isinstance(value, dict) else ["response_format: the answer is not a JSON object"]
+    schema = response_format.get("schema")
+    return _schema_errors(value, schema, "response_format: answer") if isinstance(schema, dict) else []
+
+
 def strict_violations(calls: list[dict[str, Any]], strict: Mapping[str, dict[str, Any]]) -> list[str]:
     """How the generated ``calls`` of strict tools break their schema: one line per problem, naming the
     call (its index and tool) and the path in its arguments; empty when they all conform."""
     if not strict:
         return []
-    # the server's dependency, imported when a strict tool is called
-    from jsonschema import validators
-
     out = []
     for k, call in enumerate(calls):
         name = call["function"]["name"]
@@ -170,16 +204,7 @@ def strict_violations(calls: list[dict[str, Any]], strict: Mapping[str, dict[str
         except ValueError as exc:
             out.append(f"tool_calls[{k}] ({name}): arguments are not JSON ({exc})")
             continue
-        schema = strict[name]
-        cls = validators.validator_for(schema)
-        try:
-            cls.check_schema(schema)
-        except Exception as exc:  # noqa: BLE001 - jsonschema's SchemaError: the client's schema, not ours
-            out.append(f"tool_calls[{k}] ({name}): the tool's schema is invalid ({str(exc).splitlines()[0]})")
-            continue
-        for err in sorted(cls(schema).iter_errors(args), key=lambda e: list(e.absolute_path))[:8]:
-            where = "".join(f"[{p!r}]" for p in err.absolute_path) or " (top level)"
-            out.append(f"tool_calls[{k}] ({name}): arguments{where}: {err.message}")
+        out += _schema_errors(args, strict[name], f"tool_calls[{k}] ({name}): arguments")
     return out
 
 

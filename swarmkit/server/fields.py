@@ -97,18 +97,19 @@ _strict_logged: set[str] = set()
 
 
 def strict_header(endpoint: str, violations: list[list[str]]) -> dict[str, str]:
-    """The response header of the strict-tool violations of each choice (``choices[i]: ...`` when there are
-    several), ``; ``-separated and percent-encoded, cut to :data:`MAX_HEADER_CHARS`; logged once per endpoint.
-    Empty when every call conforms."""
+    """The response header of the strict-tool and ``response_format`` violations of each choice (``choices[i]:
+    ...`` when there are several), ``; ``-separated and percent-encoded, cut to :data:`MAX_HEADER_CHARS`; logged
+    once per endpoint. Empty when every answer conforms."""
     lines = [f"choices[{i}].{v}" if len(violations) > 1 else v for i, vs in enumerate(violations) for v in vs]
     if not lines:
         return {}
     if endpoint not in _strict_logged:
         _strict_logged.add(endpoint)
-        log.warning("%s: a call of a strict tool breaks its schema (%s); it is answered as generated and reported "
-                    "in the %s header and the timeline's meta.strict_violations (server.strict_tools: this engine "
-                    "does not constrain tool calls, or the token limit cut the call; further violations are not "
-                    "logged)", endpoint, lines[0], STRICT_HEADER)
+        log.warning("%s: an answer breaks the schema its request asked for (%s); it is answered as generated and "
+                    "reported in the %s header and the timeline's meta.strict_violations (a strict tool on an "
+                    "engine that does not constrain calls, server.strict_tools, a token limit that cut the answer, "
+                    "or a grammar that let through what JSON refuses; further violations are not logged)",
+                    endpoint, lines[0], STRICT_HEADER)
     value = quote("; ".join(lines), safe=" ()[]'\":;,.=<>_-/")
     if len(value) > MAX_HEADER_CHARS:
         cut = value[: MAX_HEADER_CHARS - 3]

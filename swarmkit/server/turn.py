@@ -37,6 +37,7 @@ from swarmkit.errors import ApiError
 from swarmkit.server.chat_input import (
     ToolChoice,
     check_tools_rendered,
+    format_violations,
     normalize_messages,
     strict_violations,
     template_error,
@@ -368,7 +369,8 @@ class Reply:
     :ivar reasoning: a thinking model's ``<think>`` text (None when it did not reason).
     :ivar parts: the content's text pieces and the calls in the order generated (protocols that
         interleave text and calls: Messages, Responses).
-    :ivar strict_violations: how calls of ``strict`` tools break their schema (:func:`strict_violations`).
+    :ivar strict_violations: how calls of ``strict`` tools break their schema (:func:`strict_violations`),
+        and the answer the ``response_format`` it was asked for (:func:`format_violations`).
     """
 
     index: int
@@ -390,7 +392,8 @@ async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: T
     for i, out in enumerate(outputs):
         stop = matched_stop(srv, turn, out.token_ids, out.text, out.finish_reason)
         if turn.raw:
-            replies.append(Reply(i, out.text, [], out.finish_reason, out, stop))
+            replies.append(Reply(i, out.text, [], out.finish_reason, out, stop,
+                                 strict_violations=format_violations(out.text, params.response_format)))
             continue
         reasoning, answer = split_reasoning(out.text, started=turn.think_started)
         if turn.choice.parse:  # tool calls are read from the answer, never from the reasoning
@@ -398,7 +401,8 @@ async def generate_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: T
         else:
             content, calls, parts = answer, [], [answer] if answer else []
         replies.append(Reply(i, content, calls, answer_finish(out.finish_reason, calls), out, stop, reasoning, parts,
-                             strict_violations(calls, turn.choice.strict)))
+                             strict_violations(calls, turn.choice.strict)
+                             + format_violations(content, params.response_format)))
     recorded = srv.inference.tracker.record(ep, role, turn.blocks, outputs, endpoint=turn.endpoint, forced=turn.forced_ids,
                                             meta={**(_structured(params) or {}), "max_tokens": params.max_tokens})
     for reply, timeline in zip(replies, recorded, strict=True):
@@ -553,6 +557,7 @@ async def stream_turn(srv: SwarmServer, ep: Episode, role: str | None, turn: Tur
             reasons[i] = reason
             if rest:
                 contents[i].append(rest)
+            violations[i] += format_violations("".join(contents[i]), params.response_format)
             stop = matched_stop(srv, turn, ids[i], "".join(texts[i]), reason)
             reasoning = "".join(reasonings[i]) if thinker is not None and thinker.reasoned else None
             yield Finished(i, rest, calls_of[i], reason, stop, len(ids[i]), reasoning,

@@ -75,8 +75,10 @@ async def completions(request: Request) -> Response:
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     choices = []
     usage_prompt = usage_gen = 0
+    violations: list[list[str]] = []  # per choice, in order: how an answer breaks its response_format
     for p_index, turn in enumerate(turns):
         replies = await generate_turn(srv, ep, role, turn, params)
+        violations += [r.strict_violations for r in replies]
         usage_prompt += len(turn.prompt_ids)
         head = turn.blocks[0].text if req.echo else ""
         for r in replies:
@@ -104,7 +106,7 @@ async def completions(request: Request) -> Response:
             "usage": {"prompt_tokens": usage_prompt, "completion_tokens": usage_gen,
                       "total_tokens": usage_prompt + usage_gen},
         },
-        headers=headers,
+        headers={**headers, **fields.strict_header("/v1/completions", violations)},
     )
 
 
