@@ -3,8 +3,9 @@
 Four parts, each in its own ``try`` (a failure is written down and the next part runs), all results in
 ``--out`` (``vllm_gpu.json``, ``vllm_gpu.log``, ``rollout.json``):
 
-- **sync**: full weights pushed into the vLLM engine (``update_weights(named_tensors=...)``: vLLM's
-  in-place ``reload_weights`` fed the trainer's tensors, here fp32 tensors on the engine's GPU) against a
+- **sync**: full weights pushed into the vLLM engine (``update_weights(named_tensors=...)``, here fp32
+  tensors on the engine's GPU, in the backend's ``weight_sync`` mode and, on a GPU, in the other one too:
+  ``in_place`` into the engine's parameters, ``reload`` through vLLM's ``reload_weights``) against a
   device copy of the same tensors into preallocated ones (the floor), median of ``--repeats``; after
   the push the engine's prompt logprobs are compared with a transformers forward of the same weights.
 - **lora** (last, on a second engine started once the first is closed): a peft LoRA adapter (rank 16,
@@ -13,10 +14,13 @@ Four parts, each in its own ``try`` (a failure is written down and the next part
   ``strict`` tool call too): the answers must parse and fit the schema; the logprobs the engine reports
   under the grammar (masked: 0.0 where the grammar forces a token) against the rescoring training does
   (``score_prompt`` of prompt + answer: the policy's own), which must equal a transformers forward.
+- **bare**: vLLM's engine stepped on the backend's thread with nobody waiting on it (no event loop, no
+  queues), with and without vLLM's detokeniser and logprobs: how much of the backend's gap to ``hf`` is
+  vLLM's own.
 - **rollout**: ``benchmarks/rollout_throughput.py``'s measurement (direct and through the endpoint, at
   ``--concurrency``) for vLLM, then for ``hf`` on the same GPU and model.
 
-    python benchmarks/vllm_gpu.py --out DIR [--model 0.5b|tiny|FOLDER] [--parts sync,guided,rollout,lora]
+    python benchmarks/vllm_gpu.py --out DIR [--model 0.5b|tiny|FOLDER] [--parts sync,guided,bare,rollout,lora]
         [--concurrency 1,8,32,128] [--max-tokens 256] [--eager]
     python benchmarks/vllm_gpu.py --smoke    # CPU, seconds: without vLLM (the main venv) only the floors
                                              # and the reference run, the vLLM parts say "skipped"
@@ -149,29 +153,37 @@ async def part_sync(backend: Any, model_dir: Path, device: str, repeats: int, pr
     out["floor_copy_s"] = _copy_floor(tensors, repeats)
     out["floor_copy_cast_s"] = _copy_floor([t.to(torch.bfloat16) for t in tensors], repeats) \
         if device == "cuda" else out["floor_copy_s"]
-    times = []
-    for i, state in enumerate(states):
-        _sync_device()
-        t0 = time.perf_counter()
-        await backend.update_weights(named_tensors=state, version=i + 1)
-        _sync_device()
-        times.append(time.perf_counter() - t0)
-    out["sync_s"] = statistics.median(times[1:] or times)
-    out["first_sync_s"] = times[0]
-    out["x_floor"] = out["sync_s"] / out["floor_copy_s"]
-    scores = await backend.score_prompt(prompt)
-    assert scores.policy_version == len(states), scores.policy_version
-    ref = _reference(model_dir, states[-1], device, torch.float32)
-    want = _ref_logprobs(ref, prompt)
-    out["after_sync_max_abs_dlogprob_vs_fp32_ref"] = max(abs(a - b) for a, b in zip(
-        scores.logprobs[1:], want, strict=True))
-    del ref
+    default_mode = backend.weight_sync
+    modes = [default_mode] + [m for m in ("in_place", "reload") if m != default_mode and device == "cuda"]
+    version = 0
+    ref = None
+    for mode in modes:  # the backend's own mode first; on a GPU the other one too, for the comparison
+        backend.weight_sync = mode
+        times = []
+        for state in states:
+            version += 1
+            _sync_device()
+            t0 = time.perf_counter()
+            await backend.update_weights(named_tensors=state, version=version)
+            _sync_device()
+            times.append(time.perf_counter() - t0)
+        scores = await backend.score_prompt(prompt)
+        assert scores.policy_version == version, scores.policy_version
+        if ref is None:
+            ref = _ref_logprobs(_reference(model_dir, states[-1], device, torch.float32), prompt)
+        row = {"sync_s": statistics.median(times[1:] or times), "first_sync_s": times[0],
+               "after_sync_max_abs_dlogprob_vs_fp32_ref": max(abs(a - b) for a, b in zip(
+                   scores.logprobs[1:], ref, strict=True))}
+        row["x_floor"] = row["sync_s"] / out["floor_copy_s"]
+        out.setdefault("modes", {})[mode] = row
+        log(f"sync ({mode}): {row['sync_s']:.4f} s ({row['x_floor']:.1f}x a device copy of {out['mib_fp32']:.0f} "
+            f"MiB); max |dlogprob| after it {row['after_sync_max_abs_dlogprob_vs_fp32_ref']:.3g}")
+    backend.weight_sync = default_mode
+    out["weight_sync"] = default_mode
+    out.update(out["modes"][default_mode])
     t0 = time.perf_counter()  # back to the checkpoint (a reload from its folder), which the later parts compare with
-    await backend.update_weights(path=str(model_dir), version=len(states) + 1)
+    await backend.update_weights(path=str(model_dir), version=version + 1)
     out["reload_from_folder_s"] = time.perf_counter() - t0
-    log(f"sync: {out['sync_s']:.4f} s ({out['x_floor']:.1f}x a device copy of {out['mib_fp32']:.0f} MiB); "
-        f"max |dlogprob| after it {out['after_sync_max_abs_dlogprob_vs_fp32_ref']:.3g}")
-
     return out
 
 
@@ -331,11 +343,51 @@ def part_rollout(backend: Any | None, model_dir: Path, device: str, concurrency:
     return rows
 
 
+def part_bare(backend: Any, concurrency: list[int], max_tokens: int) -> list[dict[str, Any]]:
+    """vLLM's engine stepped on the backend's own thread with no caller in between (no event loop, no
+    queues): the ceiling of the in-process engine, to split the backend's gap to ``hf`` into vLLM's part
+    and swarmkit's. Per concurrency: with vLLM's detokeniser and sampled-token logprobs (what the backend
+    asked for before 2026-12-07), without the detokeniser (what it asks for now), and with neither."""
+    import rollout_throughput as rt
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    prompt = list(backend.tokenizer.apply_chat_template(rt.MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"])
+    variants = {"detok+logprobs": (True, 0), "logprobs": (False, 0), "plain": (False, None)}
+
+    def run(c: int, detok: bool, logprobs: int | None, tag: str) -> Any:
+        def fn(engine: Any) -> tuple[int, float]:
+            for i in range(c):
+                sp = VSP(temperature=1.0, max_tokens=max_tokens, seed=i, logprobs=logprobs, detokenize=detok,
+                         output_kind=RequestOutputKind.DELTA)
+                engine.add_request(f"bare-{tag}-{c}-{i}", TokensPrompt(prompt_token_ids=prompt), sp)
+            tokens, t0 = 0, time.perf_counter()
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens += sum(len(o.token_ids) for o in out.outputs)
+            return tokens, time.perf_counter() - t0
+
+        return asyncio.run(backend.call_in_engine(fn))
+
+    rows = []
+    for c in concurrency:
+        run(c, False, None, "warm")  # CUDA graphs of this batch size
+        row: dict[str, Any] = {"concurrency": c}
+        for name, (detok, lp) in variants.items():
+            tokens, wall = run(c, detok, lp, name)
+            row[f"{name}_tok_s"] = tokens / wall
+        log(f"bare engine C={c}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k != "concurrency"))
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for the JSON and the log (required but with --smoke)")
     ap.add_argument("--model", default="0.5b", help="0.5b (a random Qwen2.5-0.5B trunk), tiny, smollm2 or a folder")
-    ap.add_argument("--parts", default="sync,guided,rollout,lora")
+    ap.add_argument("--parts", default="sync,guided,bare,rollout,lora")
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
@@ -414,8 +466,10 @@ def main(argv: list[str] | None = None) -> int:
             run_part("guided_endpoint", lambda: part_guided_endpoint(backend))
     finally:
         harness_loop.close()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    if "bare" in parts:
+        run_part("bare", lambda: part_bare(backend, conc, args.max_tokens))
     if "rollout" in parts:
-        conc = [int(c) for c in args.concurrency.split(",")]
         run_part("rollout", lambda: part_rollout(backend, model_dir, device, conc, args.max_tokens, args.rounds,
                                                  ["vllm", "hf"]))
         (out_dir / "rollout.json").write_text(json.dumps(res["parts"]["rollout"], indent=2, default=str))

@@ -215,3 +215,27 @@ def test_vllm_failed_reload_kills_the_engine_loudly(model_dir):
 
     asyncio.run(scenario())
     assert backend.failure() == "weight reload failed: ValueError: no such parameter"
+
+
+def test_vllm_weight_sync_modes(model_dir, monkeypatch):
+    """``backend.weight_sync``: an unknown mode is refused at once; ``auto`` copies pushed tensors into the engine's
+    parameters (``in_place``) only for an unquantized in-process engine on a GPU and reloads otherwise (CPU repacks
+    weights after loading them); ``in_place`` where it cannot work is refused at start, with the reason."""
+    import asyncio
+
+    from swarmkit_plugins.backend_vllm import engine
+
+    with pytest.raises(ValueError, match="weight_sync must be one of auto, in_place, reload"):
+        engine.VLLMBackend(config={"weight_sync": "copy"}, model={"path": str(model_dir)})
+    monkeypatch.setattr(engine, "_is_cpu", lambda: False)
+    assert engine._resolve_weight_sync("auto", None, True) == "in_place"
+    assert engine._resolve_weight_sync("auto", "fp8", True) == "reload"
+    assert engine._resolve_weight_sync("auto", None, False) == "reload"
+    assert engine._resolve_weight_sync("reload", None, True) == "reload"
+    with pytest.raises(ValueError, match="cannot load a fp8-quantized model"):
+        engine._resolve_weight_sync("in_place", "fp8", True)
+    monkeypatch.setattr(engine, "_is_cpu", lambda: True)
+    assert engine._resolve_weight_sync("auto", None, True) == "reload"
+    backend = engine.VLLMBackend(config={"weight_sync": "in_place"}, model={"path": str(model_dir)})
+    with pytest.raises(ValueError, match="needs an in-process engine on a GPU"):
+        asyncio.run(backend.start())

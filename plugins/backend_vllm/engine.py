@@ -44,7 +44,8 @@ Semantics (the same contract as the ``hf`` backend)
 - A stop token is in ``token_ids`` but not in ``text``; with a stop string the
   ids run up to the token that completed it and ``text`` is cut before it.
   ``text`` is decoded here from the ids (so it never depends on vLLM's
-  incremental detokeniser options).
+  incremental detokeniser options); vLLM detokenises only a request with stop
+  strings (``detokenize``), which its stop-string scan needs.
 - ``policy_version`` of an output is the version when the request was admitted;
   ``token_versions`` the version of the weights at the engine step that sampled
   each token (every request asks for deltas: weights swap between steps, so a
@@ -59,7 +60,10 @@ Semantics (the same contract as the ``hf`` backend)
 
 Weights
 -------
-``update_weights(named_tensors=...)`` reloads in place (vLLM handles the
+``update_weights(named_tensors=...)`` on a GPU (``weight_sync="auto"``, unquantized, in process) copies
+the tensors into the engine's own parameters with the model's ``load_weights``: nothing is
+re-allocated and the captured CUDA graphs stay valid. Elsewhere (``weight_sync="reload"``: CPU, where vLLM
+repacks each weight for oneDNN after loading it, and quantized models) it reloads in place (vLLM handles the
 HF-name to fused-parameter mapping, e.g. q/k/v into ``qkv_proj``; with LoRA on,
 vLLM 0.26's wrapped layers take only ``<module>.base_layer.<param>``, so pushed
 names are renamed for them, see :func:`_base_layer_modules`). A reload that
@@ -136,6 +140,8 @@ from swarmkit.weights import load_weights, save_weights
 from swarmkit_plugins.backend_vllm.schema import VLLMBackendConfig
 
 log = logging.getLogger(__name__)
+#: ``backend.weight_sync``: how pushed tensors reach the engine (see the schema)
+WEIGHT_SYNC_MODES = ("auto", "in_place", "reload")
 
 _STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 #: the dtype names vLLM reads as float32
@@ -164,7 +170,7 @@ class VLLMBackend(InferenceBackend):
     ``gpu_memory_utilization``, ``cpu_kvcache_gib``, ``max_model_len``,
     ``enforce_eager``, ``enable_lora``, ``max_lora_rank``, and optionally
     ``max_loras``, ``max_num_seqs``, ``enable_prefix_caching``, ``seed``,
-    ``in_process`` (default true), ``engine_args`` (a dict passed to
+    ``in_process`` (default true), ``weight_sync`` (default auto), ``engine_args`` (a dict passed to
     ``vllm.EngineArgs`` as is).
     """
 
@@ -190,6 +196,10 @@ class VLLMBackend(InferenceBackend):
         self.enable_lora = lora_rank > 0 if self.cfg.enable_lora is None else bool(self.cfg.enable_lora)
         self.max_lora_rank = max(int(self.cfg.max_lora_rank), lora_rank)
         self.in_process = bool(self.cfg.in_process)
+        if self.cfg.weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"vllm backend: weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, "
+                             f"got {self.cfg.weight_sync!r}")
+        self.weight_sync = self.cfg.weight_sync  # resolved at start: "in_place" or "reload"
         self._engine: Any = None
         self._tokenizer: Any = None
         self._eos_ids: frozenset[int] = frozenset()
@@ -348,9 +358,14 @@ class VLLMBackend(InferenceBackend):
             self._set_env()
             from vllm import LLMEngine
 
+            if self.weight_sync == "in_place" and (_is_cpu() or not self.in_process):
+                raise ValueError("vllm backend: weight_sync='in_place' needs an in-process engine on a GPU (on CPU "
+                                 "vLLM repacks each weight after loading it: use 'reload' or 'auto')")
             self._engine = LLMEngine.from_engine_args(self.engine_args())
             # the context the engine really serves (engine_args may set it): the server refuses longer prompts
             self.max_context = int(self._engine.model_config.max_model_len)
+            self.weight_sync = _resolve_weight_sync(self.weight_sync, self._engine.model_config.quantization,
+                                                    self.in_process)
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             log.exception("vllm backend: engine start failed")
             report(exc)
@@ -381,6 +396,9 @@ class VLLMBackend(InferenceBackend):
                     self.stats["steps"] += 1
                     self.stats["busy_s"] += time.perf_counter() - t0
                     self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self._live))
+                    # one wake-up per caller loop and step, not one per request: at 128 concurrent
+                    # requests a callback each costs a self-pipe write each, on the engine's critical path
+                    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Req, Any]]] = {}
                     for out in outputs:
                         req = self._live.get(out.request_id)
                         if req is None:
@@ -388,7 +406,10 @@ class VLLMBackend(InferenceBackend):
                         if out.finished:
                             del self._live[out.request_id]
                         # weights swap between steps (commands run here): one version per step
-                        self._deliver(req, (out, req.version if req.pinned else self.policy_version))
+                        item = (out, req.version if req.pinned else self.policy_version)
+                        by_loop.setdefault(req.loop, []).append((req, item))
+                    for loop, items in by_loop.items():
+                        self._deliver_many(loop, items)
         finally:
             for req in list(self._live.values()):
                 self._deliver(req, RuntimeError("vllm backend closed"))
@@ -435,6 +456,9 @@ class VLLMBackend(InferenceBackend):
             seed=None if p.seed is None else int(p.seed),
             logprobs=int(p.top_logprobs),
             skip_special_tokens=bool(p.skip_special_tokens),  # vLLM's stop-string scan sees our text
+            # text is decoded here from the ids: vLLM's incremental detokeniser (and its decoding of every
+            # logprob's token) runs per token and request on the engine thread, needed only to find stop strings
+            detokenize=bool(p.stop),
             spaces_between_special_tokens=False,
             # deltas, streamed or not: each step's tokens are labelled with the version that sampled them
             output_kind=RequestOutputKind.DELTA,
@@ -467,6 +491,16 @@ class VLLMBackend(InferenceBackend):
             self._live.pop(req.rid, None)
             with contextlib.suppress(Exception):
                 self._engine.abort_request([req.rid])
+
+    def _deliver_many(self, loop: asyncio.AbstractEventLoop, items: list[tuple[_Req, Any]]) -> None:
+        """Hand one step's outputs to the requests of one caller loop in a single callback."""
+        try:
+            loop.call_soon_threadsafe(_put_all, [(req.queue, item) for req, item in items])
+        except RuntimeError:  # the callers' loop is gone
+            for req, _ in items:
+                self._live.pop(req.rid, None)
+                with contextlib.suppress(Exception):
+                    self._engine.abort_request([req.rid])
 
     def _submit(self, kind: str, arg: Any) -> None:
         self._dead.check()
@@ -727,7 +761,12 @@ class VLLMBackend(InferenceBackend):
 
         def run(engine: Any) -> None:
             try:
-                if named is not None:
+                if named is not None and self.weight_sync == "in_place":
+                    missing = engine.collective_rpc(_load_in_place, args=(named,))[0]
+                    if missing:  # what vLLM's own reload does too: say so (a scale the checkpoint never had)
+                        log.warning("vllm backend: %d engine parameters got no pushed tensor: %s", len(missing),
+                                    ", ".join(missing[:5]))
+                elif named is not None:
                     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
                 else:
                     engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
@@ -952,6 +991,31 @@ def _base_layer_modules(worker: Any) -> list[str]:
     return sorted(out)
 
 
+def _resolve_weight_sync(mode: str, quantization: str | None, in_process: bool) -> str:
+    """``auto`` -> ``in_place`` on a GPU for an unquantized in-process engine, else ``reload``."""
+    if mode == "in_place" and quantization is not None:
+        raise ValueError(f"vllm backend: weight_sync='in_place' cannot load a {quantization}-quantized model "
+                         "(its weights are processed after loading): use 'reload' or 'auto'")
+    if mode != "auto":
+        return mode
+    return "in_place" if in_process and quantization is None and not _is_cpu() else "reload"
+
+
+def _load_in_place(worker: Any, named: list[tuple[str, Any]]) -> list[str]:
+    """Run in vLLM's worker: copy the HF-named tensors into the model's parameters with the model's own
+    ``load_weights`` (which stacks q/k/v into ``qkv_proj`` and casts to the parameter's dtype), without
+    re-allocating anything: CUDA graphs captured on those parameters stay valid. Returns the parameters no
+    tensor reached (a full push must reach them all; tied embeddings are loaded through their owner)."""
+    import torch
+
+    model = worker.get_model()
+    with torch.no_grad():
+        loaded = model.load_weights(iter(named))
+    if loaded is None:  # a model whose load_weights reports nothing: trust it
+        return []
+    return sorted({n for n, _ in model.named_parameters()} - set(loaded))
+
+
 def _to_base_layer(named: list[tuple[str, Any]], wrapped: frozenset[str]) -> list[tuple[str, Any]]:
     """``named`` with ``m.p`` renamed ``m.base_layer.p`` for every module ``m`` in ``wrapped``."""
     out = []
@@ -1022,6 +1086,11 @@ def _lora_rank_bucket(rank: int) -> int:
         if r >= rank:
             return r
     return rank
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _set_res(fut: asyncio.Future, res: Any) -> None:

@@ -30,5 +30,11 @@ class VLLMBackendConfig:
     seed: int = 0
     #: run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): 3-4 s start-up instead of ~20 s
     in_process: bool = True
+    #: how pushed tensors reach the engine: "in_place" copies them into the engine's own parameters through the
+    #: model's load_weights (q/k/v stacked into qkv_proj, cast to the engine's dtype; nothing re-allocated, so
+    #: captured CUDA graphs stay valid); "reload" is vLLM's reload_weights, which re-initialises every parameter
+    #: and runs the post-load processing that CPU (oneDNN repacking) and quantized models need; "auto" = in_place
+    #: on a GPU for an unquantized in-process engine, else reload
+    weight_sync: str = "auto"
     #: extra keyword arguments for vllm.EngineArgs, passed as they are (they win over the keys above)
     engine_args: dict[str, Any] = field(default_factory=dict)
