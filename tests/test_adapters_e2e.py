@@ -71,7 +71,11 @@ def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
     each adapter settles within ~10 steps on one token that holds its letter, most often a word of the
     prompts, whose share is at least 0.2 (``tool`` 0.5 and ``world`` 0.2 for o; ``weather`` 0.29, ``apple``
     and ``hello`` 0.2 for e): over 10 runs its sampled reward went from 0.07 (first 3 steps) to 0.25-0.67
-    and its greedy held-out reward rose by 0.17-0.65. The bounds below hold for a plateau of 0.2."""
+    and its greedy held-out reward rose by 0.17-0.65. The plateau can be lower: on 2026-12-07 a CI run settled
+    vowel_o on a token with one o in eight characters (sampled 0.03 -> 0.12 from step 6 on, greedy 0.015 ->
+    0.125; eight more runs on that machine plateaued at 0.33-1.0), which the earlier bound (a rise of 0.1) failed.
+    The bounds below hold for a plateau of 1/8 from the untrained ~0.03: the sampled reward at least triples
+    and rises by 0.05, and so does the greedy held-out reward."""
     port = _free_port()
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
@@ -91,8 +95,9 @@ def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
         print("held-out reward before", before, "after", after, "sampled reward per step", curves)
         assert all(len(per[a]) >= 25 for a in ADAPTERS), {a: len(v) for a, v in per.items()}
         for a in ADAPTERS:  # what it samples moved, and its greedy held-out answer with it
-            assert statistics.mean(curves[a][-5:]) > statistics.mean(curves[a][:3]) + 0.1, (a, curves[a])
-            assert after[a] > before[a] + 0.1, (a, before, after)
+            start, end = statistics.mean(curves[a][:3]), statistics.mean(curves[a][-5:])
+            assert end > max(3 * start, start + 0.05), (a, curves[a])
+            assert after[a] > before[a] + 0.05, (a, before, after)
         # staleness counts the adapter's own versions; counted in the server's steps it read about the other
         # adapter's step count (median 16 here). The median, since a group left over by a drain is one version
         # stale, rarely more
