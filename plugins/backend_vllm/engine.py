@@ -364,8 +364,14 @@ class VLLMBackend(InferenceBackend):
             self._engine = LLMEngine.from_engine_args(self.engine_args())
             # the context the engine really serves (engine_args may set it): the server refuses longer prompts
             self.max_context = int(self._engine.model_config.max_model_len)
-            self.weight_sync = _resolve_weight_sync(self.weight_sync, self._engine.model_config.quantization,
-                                                    self.in_process)
+            try:
+                self.weight_sync = _resolve_weight_sync(self.weight_sync, self._engine.model_config.quantization,
+                                                        self.in_process)
+            except ValueError:  # refused after the start: the engine goes down with it
+                with contextlib.suppress(Exception):
+                    self._engine.engine_core.shutdown()
+                self._engine = None
+                raise
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             log.exception("vllm backend: engine start failed")
             report(exc)
