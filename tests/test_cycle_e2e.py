@@ -237,12 +237,13 @@ def test_async_server_killed_during_a_background_step_loses_and_repeats_nothing(
         checkpointed = int((tmp_path / "checkpoints" / "latest").read_text().strip().split("_")[1])
         assert checkpointed >= 3
 
+        # resumed with no clients and a batch it cannot fill, so no step runs before the journal is read: with
+        # the same batch the async trainer can step on the episodes put back at once, before ROLLING is seen
+        # (a clean-clone CI run on 2026-12-07 read global_step 4 after a resume at 3)
+        _stop(clients)
         server = start_server(tmp_path, port)
-        ctl = SwarmClient(f"http://127.0.0.1:{port}", token=TOKEN, retry_for=60)
-        ctl.configure([*overrides, "trainer.resume=true"])
-        ctl.start()
-        status = ctl.wait_for_state("ROLLING", timeout=120)
-        assert status["global_step"] == checkpointed, "resumed at the checkpointed step"
+        ctl = _started(port, [*overrides, "trainer.resume=true", "batching.batch_size=1000"])
+        assert ctl.status()["global_step"] == checkpointed, "resumed at the checkpointed step"
         after = _journal_rows(tmp_path / "journal.sqlite")
         assert set(after) >= set(before), "an accepted episode was lost"
         for eid, (st, step) in after.items():
@@ -252,6 +253,10 @@ def test_async_server_killed_during_a_background_step_loses_and_repeats_nothing(
         lost_steps = {step for st, step in before.values() if st == "trained" and step > checkpointed}
         assert all(after[e][0] == "untrained" for e, (st, step) in before.items()
                    if st == "trained" and step in lost_steps), "episodes of unsaved steps go back to the pool"
+        _stop([server])  # then on with the run's own batch, and the clients
+        server = start_server(tmp_path, port)
+        ctl = _started(port, [*overrides, "trainer.resume=true"])
+        clients = start_clients(port, 2)
         _wait_step(ctl, checkpointed + 2, 90)
         assert ctl.status()["global_step"] >= checkpointed + 2
         final = _journal_rows(tmp_path / "journal.sqlite")
