@@ -491,12 +491,7 @@ class VLLMBackend(InferenceBackend):
             raise
 
     def _deliver(self, req: _Req, item: Any) -> None:
-        try:
-            req.loop.call_soon_threadsafe(req.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is gone
-            self._live.pop(req.rid, None)
-            with contextlib.suppress(Exception):
-                self._engine.abort_request([req.rid])
+        self._deliver_many(req.loop, [(req, item)])
 
     def _deliver_many(self, loop: asyncio.AbstractEventLoop, items: list[tuple[_Req, Any]]) -> None:
         """Hand one step's outputs to the requests of one caller loop in a single callback."""
