@@ -32,7 +32,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 FORMAT = {"type": "json_schema", "schema": SCHEMA}
 
 
-def _answer(model_dir, engine_args: dict) -> str:
+def _answer(model_dir, engine_args: dict, *, structural_tag: dict | None = None) -> str:
+    """The answer to :data:`FORMAT` pushed towards ``\\x01``; with ``structural_tag`` that request's
+    error instead (the backend's ``sampling_fields`` set aside: what vLLM itself says)."""
     from swarmkit_plugins.backend_vllm.engine import conformance_backend
 
     cls, config = conformance_backend(lora=False)
@@ -41,6 +43,10 @@ def _answer(model_dir, engine_args: dict) -> str:
     async def run() -> str:
         await backend.start()
         try:
+            if structural_tag is not None:
+                with pytest.raises(Exception) as err:  # noqa: PT011 - vLLM's own error type varies by release
+                    await backend.generate([1, 2, 3, 4], SamplingParams(max_tokens=8, structural_tag=structural_tag))
+                return str(err.value)
             ctrl = backend.tokenizer.encode("\x01", add_special_tokens=False)
             assert len(ctrl) == 1, ctrl
             params = SamplingParams(max_tokens=40, temperature=0.0, logit_bias={str(ctrl[0]): 100.0},
@@ -69,3 +75,14 @@ def test_llguidance_keeps_the_answer_json_of_the_schema(model_dir):
     text = _answer(model_dir, {"structured_outputs_config": {"backend": "guidance"}})
     assert format_violations(text, FORMAT) == [], repr(text)
     assert "\x01" not in json.loads(text)["name"]
+
+
+def test_llguidance_takes_no_structural_tag_so_strict_tools_are_checked_under_it(model_dir):
+    """vLLM hands llguidance the legacy structural tag (``triggers`` + ``structures``): the constraint of a
+    strict tool call, xgrammar's format, is refused there, so the backend does not offer ``structural_tag``
+    and ``server.strict_tools=auto`` checks calls instead (a unit test in ``test_strict_tools.py``)."""
+    from swarmkit.timelines.strict_tools import tool_call_tag
+
+    tag = tool_call_tag(("<tool_call>\n{\"name\": \"", "\", \"arguments\": ", "}\n</tool_call>"), {"f": None})
+    error = _answer(model_dir, {"structured_outputs_config": {"backend": "guidance"}}, structural_tag=tag)
+    assert "triggers" in error, error

@@ -106,6 +106,19 @@ def test_the_hf_engine_constrains_only_with_xgrammar(monkeypatch):
         check_mode("constrain", without)
 
 
+def test_the_vllm_engine_constrains_only_under_a_grammar_backend_of_structural_tags():
+    from swarmkit_plugins.backend_vllm.engine import VLLMBackend  # imports no vllm
+
+    assert check_mode("auto", VLLMBackend(model={"path": "builtin:tiny"})) == "constrain"
+    xgr = {"engine_args": {"structured_outputs_config": {"backend": "xgrammar"}}}
+    assert check_mode("constrain", VLLMBackend(xgr, model={"path": "builtin:tiny"})) == "constrain"
+    guidance = VLLMBackend({"engine_args": {"structured_outputs_config": {"backend": "guidance"}}},
+                           model={"path": "builtin:tiny"})
+    assert check_mode("auto", guidance) == "check"  # checked and reported, never a 400 per call
+    with pytest.raises(ConfigError, match="vLLM's 'guidance' grammar backend .* takes no xgrammar structural tag"):
+        check_mode("constrain", guidance)
+
+
 # --------------------------------------------------------------------------- a real server, the tiny model
 def _chat(ep: Any, body: dict[str, Any]) -> httpx.Response:
     r = httpx.post(f"{ep.base_url}/chat/completions", timeout=120, headers={"Authorization": f"Bearer {ep.api_key}"},

@@ -142,8 +142,17 @@ from swarmkit_plugins.backend_vllm.schema import VLLMBackendConfig
 log = logging.getLogger(__name__)
 #: ``backend.weight_sync``: how pushed tensors reach the engine (see the schema)
 WEIGHT_SYNC_MODES = ("auto", "in_place", "reload")
+#: vLLM's grammar backends that compile xgrammar's structural tags (strict tool calls); "auto" picks xgrammar
+STRUCTURAL_TAG_GRAMMARS = ("auto", "xgrammar")
 
 _STRIP_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+
+
+def grammar_backend(engine_args: Mapping[str, Any] | None) -> str:
+    """The grammar backend vLLM decodes guided requests with, as ``engine_args`` set it ("auto" unset)."""
+    conf = (engine_args or {}).get("structured_outputs_config") or {}
+    name = conf.get("backend") if isinstance(conf, Mapping) else getattr(conf, "backend", None)
+    return str(name or "auto")
 #: the dtype names vLLM reads as float32
 _FLOAT32 = ("float32", "float", "fp32")
 
@@ -196,6 +205,15 @@ class VLLMBackend(InferenceBackend):
         self.enable_lora = lora_rank > 0 if self.cfg.enable_lora is None else bool(self.cfg.enable_lora)
         self.max_lora_rank = max(int(self.cfg.max_lora_rank), lora_rank)
         self.in_process = bool(self.cfg.in_process)
+        grammar = grammar_backend(self.cfg.engine_args)
+        if grammar not in STRUCTURAL_TAG_GRAMMARS:
+            # vLLM hands other grammar backends the legacy structural tag (triggers + structures), which
+            # cannot open a call that the prompt began (tool_choice) nor stop after one: no constraint
+            self.sampling_fields = self.sampling_fields - {"structural_tag"}
+            self.structural_tag_hint = (
+                f"vLLM's {grammar!r} grammar backend (engine_args.structured_outputs_config.backend) takes no "
+                "xgrammar structural tag, which the constraint of strict tool calls is; leave that backend unset "
+                "(auto) or xgrammar")
         if self.cfg.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"vllm backend: weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, "
                              f"got {self.cfg.weight_sync!r}")
