@@ -74,8 +74,12 @@ def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
     and its greedy held-out reward rose by 0.17-0.65. The plateau can be lower: on 2026-12-07 a CI run settled
     vowel_o on a token with one o in eight characters (sampled 0.03 -> 0.12 from step 6 on, greedy 0.015 ->
     0.125; eight more runs on that machine plateaued at 0.33-1.0), which the earlier bound (a rise of 0.1) failed.
-    The bounds below hold for a plateau of 1/8 from the untrained ~0.03: the sampled reward at least triples
-    and rises by 0.05, and so does the greedy held-out reward."""
+    Learning can also be fast: in another CI run vowel_o sampled 0.04, 0.09, 0.26, then 0.33 from step 4 on,
+    so a baseline averaged over the first three steps (0.13) already held the learning and the bound "three
+    times it" (0.39) failed. The baseline is therefore the first step alone, whose samples the untrained
+    adapter drew (each adapter's first batch precedes its first update): the last five steps' mean must be
+    at least twice it and 0.05 above it (a 1/8 plateau from the untrained 0.03-0.08 passes), and the greedy
+    held-out reward must rise by 0.05."""
     port = _free_port()
     server = start_server(tmp_path, port)
     clients: list[subprocess.Popen] = []
@@ -95,8 +99,8 @@ def learn_two_rules(tmp_path: Path, extra: list[str]) -> None:
         print("held-out reward before", before, "after", after, "sampled reward per step", curves)
         assert all(len(per[a]) >= 25 for a in ADAPTERS), {a: len(v) for a, v in per.items()}
         for a in ADAPTERS:  # what it samples moved, and its greedy held-out answer with it
-            start, end = statistics.mean(curves[a][:3]), statistics.mean(curves[a][-5:])
-            assert end > max(3 * start, start + 0.05), (a, curves[a])
+            start, end = curves[a][0], statistics.mean(curves[a][-5:])  # start: the untrained adapter's samples
+            assert end > max(2 * start, start + 0.05), (a, curves[a])
             assert after[a] > before[a] + 0.05, (a, before, after)
         # staleness counts the adapter's own versions; counted in the server's steps it read about the other
         # adapter's step count (median 16 here). The median, since a group left over by a drain is one version
