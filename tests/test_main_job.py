@@ -382,3 +382,19 @@ def test_training_steps_failing_in_a_row_stop_the_local_job_with_1_and_the_cause
     err = capsys.readouterr().err
     assert "training failed 3 steps in a row; the run stops: step 3 failed: OutOfMemoryError" in err
     assert ("shutdown",) in made[0].events and not (tmp_path / "summary.json").exists()
+
+
+def test_a_warm_start_as_long_as_the_run_says_no_rl_step_is_left(monkeypatch, tmp_path, capsys):
+    """16 demonstrations in batches of 2 x 2 are 4 warm-start steps: with trainer.total_steps=4 the run would end
+    before any sampled episode, so the console says so (a warm start lengthened without the step count)."""
+    cfg = _cfg(tmp_path, "task.demonstrations=16", "trainer.total_steps=4", "trainer.eval_every=0")
+    summary, server = _run_local(monkeypatch, cfg)
+    out = capsys.readouterr().out
+    assert "16 demonstrations in the pool, 4 steps trained before RL episodes" in out, out
+    assert "warning: 4 warm-start steps >= trainer.total_steps=4 leaves no RL step" in out, out
+    assert server.step == summary["global_step"] == 4
+
+    capsys.readouterr()
+    _run_local(monkeypatch, _cfg(tmp_path / "rl", "task.demonstrations=16", "trainer.total_steps=6"))
+    out = capsys.readouterr().out
+    assert "4 steps trained before RL episodes" in out and "leaves no RL step" not in out, out

@@ -425,8 +425,11 @@ def run_main_job(driver: Driver, cfg: DictConfig) -> int:
             for r, n in zip(runs, demos, strict=True):
                 r.demos, r.warm_steps = n, warm_steps(r.cfg, n)
                 if n:
-                    say(f"{r.prefix}supervised warm start: {n} demonstrations in the pool "
-                        "(trained before RL episodes)")
+                    say(f"{r.prefix}supervised warm start: {n} demonstrations in the pool, "
+                        f"{r.warm_steps} steps trained before RL episodes")
+                    if total and r.warm_steps >= total:
+                        say(f"{r.prefix}warning: {r.warm_steps} warm-start steps >= trainer.total_steps={total} "
+                            f"leaves no RL step; raise trainer.total_steps above {r.warm_steps} for RL")
         _train(driver, runs, total, eval_every)
         _each(runs, driver.stop_clients)
         checkpoints = _each(runs, driver.checkpoint)
