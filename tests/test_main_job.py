@@ -394,7 +394,6 @@ def test_a_warm_start_as_long_as_the_run_says_no_rl_step_is_left(monkeypatch, tm
     assert "warning: 4 warm-start steps >= trainer.total_steps=4 leaves no RL step" in out, out
     assert server.step == summary["global_step"] == 4
 
-    capsys.readouterr()
     _run_local(monkeypatch, _cfg(tmp_path / "rl", "task.demonstrations=16", "trainer.total_steps=6"))
     out = capsys.readouterr().out
     assert "4 steps trained before RL episodes" in out and "leaves no RL step" not in out, out
