@@ -29,7 +29,8 @@ Per task it prints the mean over seeds with a 95% t-interval over seeds of befor
 start / after RL, and "k of n" collapsed; per seed one line; where the task says how each episode ended
 (multi_calc's ``outcome/<kind>`` metrics: right, overshoot, chain_wrong, partial, off_chain, malformed,
 no_call) how the RL rollouts ended, per seed; and writes JSON (``--out``) with every seed's numbers,
-held-out curve, per-step curve and ``rl_outcomes``.
+held-out curve, per-step curve, ``rl_outcomes`` and how the held-out episodes ended after the warm
+start and after RL (``warm_outcomes``, ``after_outcomes``, from the evaluations' ``outcomes``).
 
     python benchmarks/learning_robustness.py                                   # 3 tasks x 5 seeds, SmolLM2
     python benchmarks/learning_robustness.py --tasks calc_agent,multi_calc --seeds 0,1 --steps 6 --warm-steps 4
@@ -285,7 +286,8 @@ def read_seed(task: str, run_dir: Path, record: dict[str, Any]) -> dict[str, Any
     pick = ("mean", "ci95", "n")
     return {**record, "before": {k: before[k] for k in pick}, "warm": {k: warm[k] for k in pick} if warm else None,
             "after": {k: after[k] for k in pick}, "held_out_curve": held_out, "steps": step_curve(rows),
-            "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons, "rl_outcomes": rl_outcomes(rows)}
+            "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons, "rl_outcomes": rl_outcomes(rows),
+            "warm_outcomes": (warm or {}).get("outcomes") or {}, "after_outcomes": after.get("outcomes") or {}}
 
 
 # ----------------------------------------------------------------------------- the unstable run
@@ -496,19 +498,25 @@ def print_tables(summaries: list[dict[str, Any]], runs: dict[str, list[dict[str,
 
 
 def print_outcomes(runs: dict[str, list[dict[str, Any]]]) -> None:
-    """How the RL rollouts ended, per task and seed, where the task reports it (multi_calc)."""
+    """How the RL rollouts and the held-out episodes (after the warm start, after RL) ended, per task and
+    seed, where the task reports it (multi_calc)."""
     for task, seeds in runs.items():
-        done = [r for r in seeds if r.get("rl_outcomes")]
-        if not done:
-            continue
-        kinds = sorted({k for r in done for k in r["rl_outcomes"]},
-                       key=lambda k: -sum(r["rl_outcomes"].get(k, 0) for r in done))
-        print(f"\n{task}: how the RL rollouts ended (rollouts over all RL steps)")
-        print("| seed | " + " | ".join(kinds) + " |")
-        print("|---|" + "---|" * len(kinds))
-        for r in done:
-            print(f"| {r['seed']} | " + " | ".join(str(r["rl_outcomes"].get(k, 0)) for k in kinds) + " |")
-        print("| all | " + " | ".join(str(sum(r["rl_outcomes"].get(k, 0) for r in done)) for k in kinds) + " |")
+        _outcome_table(f"{task}: how the RL rollouts ended (rollouts over all RL steps)", seeds, "rl_outcomes")
+        _outcome_table(f"{task}: how the held-out episodes ended after the warm start", seeds, "warm_outcomes")
+        _outcome_table(f"{task}: how the held-out episodes ended after RL", seeds, "after_outcomes")
+
+
+def _outcome_table(title: str, seeds: list[dict[str, Any]], key: str) -> None:
+    done = [r for r in seeds if r.get(key)]
+    if not done:
+        return
+    kinds = sorted({k for r in done for k in r[key]}, key=lambda k: -sum(r[key].get(k, 0) for r in done))
+    print(f"\n{title}")
+    print("| seed | " + " | ".join(kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for r in done:
+        print(f"| {r['seed']} | " + " | ".join(str(r[key].get(k, 0)) for k in kinds) + " |")
+    print("| all | " + " | ".join(str(sum(r[key].get(k, 0) for r in done)) for k in kinds) + " |")
 
 
 # ----------------------------------------------------------------------------- main

@@ -70,3 +70,24 @@ def test_the_built_in_client_reports_the_tasks_metrics_to_the_server(serve_tiny_
     signals = task_metrics([record])
     assert signals["task/valid_tool_call"] == result.metrics["valid_tool_call"]
     assert sum(v for k, v in signals.items() if k.startswith("task/outcome/")) == 1.0
+
+
+def test_outcomes_are_counted_commonest_first():
+    from swarmkit.apps.task_client import EvalResult, count_outcomes
+
+    metrics = [{"outcome/overshoot": 1.0, "outcome/right": 0.0, "correct": 0.0},
+               {"outcome/right": 1.0, "outcome/overshoot": 0.0}, {"outcome/overshoot": 1.0}, {"correct": 1.0}]
+    assert count_outcomes(metrics) == {"overshoot": 2, "right": 1}
+    assert list(count_outcomes([{"outcome/b": 1.0}, {"outcome/a": 1.0}])) == ["a", "b"]  # ties by name
+    assert str(EvalResult(0.5, 0.1, 3, outcomes={"overshoot": 2, "right": 1})).endswith("; ended: overshoot 2, right 1")
+    assert "ended" not in str(EvalResult(0.5, 0.1, 3))
+
+
+def test_an_evaluation_says_how_each_held_out_episode_ended(serve_tiny_hf, tmp_path):
+    """multi_calc's eval names each episode's ending (``outcome/<kind>``), so an evaluation after a warm start
+    tells an overshooting policy from one that never finishes the chain, in the console and summary.json."""
+    tasks = make_tasks("multi_calc", 3, split="eval", options={"max_steps": 2})
+    with serve_tiny_hf(tmp_path / "run", "outcomes-admin-token") as (_, client):
+        result = evaluate(client, tasks, max_tokens=8, concurrency=2)
+    assert sum(result.outcomes.values()) == result.n == 3
+    assert "; ended: " in str(result)

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 FAILURE_NOTE_S = 60.0
 #: the per-episode task metrics an evaluation averages (with intervals), when the task reports them
 EVAL_METRICS = ("correct", "valid_tool_call", "formatted", "turns_passed")
+#: the metric prefix a task names how an episode ended with (``outcome/<kind>`` = 1.0, e.g. multi_calc's)
+OUTCOME_PREFIX = "outcome/"
 
 
 @dataclass
@@ -108,11 +110,25 @@ class EvalResult:
     metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: episodes that raised (scored 0)
     failures: int = 0
+    #: how many episodes ended which way, where the task says (``outcome/<kind>`` metrics), commonest first
+    outcomes: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         extra = "".join(f", {k} {m:.3f} ± {c:.3f}" for k, (m, c) in self.metrics.items())
         failed = f", {self.failures} failed" if self.failures else ""
-        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n}{extra}{failed})"
+        ended = f"; ended: {', '.join(f'{k} {n}' for k, n in self.outcomes.items())}" if self.outcomes else ""
+        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n}{extra}{failed}){ended}"
+
+
+def count_outcomes(metrics: list[dict[str, float]]) -> dict[str, int]:
+    """Episodes per ``outcome/<kind>`` (a metric of 1.0 names how one ended), commonest first, ties by name."""
+    counts: dict[str, int] = {}
+    for m in metrics:
+        for key, value in m.items():
+            if key.startswith(OUTCOME_PREFIX) and value == 1.0:
+                kind = key[len(OUTCOME_PREFIX):]
+                counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -142,7 +158,8 @@ def evaluate(
     keys = sorted({k for r in results for k in r.metrics if k in EVAL_METRICS})
     metrics = {k: mean_ci([r.metrics.get(k, 0.0) for r in results]) for k in keys}
     return EvalResult(mean, ci, len(rewards), rewards, metrics,
-                      failures=sum(int(r.metrics.get("failed", 0)) for r in results))
+                      failures=sum(int(r.metrics.get("failed", 0)) for r in results),
+                      outcomes=count_outcomes([r.metrics for r in results]))
 
 
 class EpisodeLoop:
