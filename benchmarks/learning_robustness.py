@@ -27,10 +27,11 @@ A seed **collapsed** when any of these holds:
 
 Per task it prints the mean over seeds with a 95% t-interval over seeds of before / after the warm
 start / after RL, and "k of n" collapsed; per seed one line; where the task says how each episode ended
-(multi_calc's ``outcome/<kind>`` metrics: right, overshoot, chain_wrong, partial, off_chain, malformed,
-no_call) how the RL rollouts ended, per seed; and writes JSON (``--out``) with every seed's numbers,
-held-out curve, per-step curve, ``rl_outcomes`` and how the held-out episodes ended after the warm
-start and after RL (``warm_outcomes``, ``after_outcomes``, from the evaluations' ``outcomes``).
+(multi_calc's ``outcome/<kind>`` metrics: right, overshoot, chain_wrong, stopped_early, partial, off_chain,
+malformed, no_call) how the RL rollouts ended, per seed, and per chain length of their problem (the trained
+rollouts in the run's ``journal.sqlite``); and writes JSON (``--out``) with every seed's numbers, held-out
+curve, per-step curve, ``rl_outcomes``, ``rl_outcomes_by_length`` and how the held-out episodes ended after
+the warm start and after RL (``warm_outcomes``, ``after_outcomes``, from the evaluations' ``outcomes``).
 
     python benchmarks/learning_robustness.py                                   # 3 tasks x 5 seeds, SmolLM2
     python benchmarks/learning_robustness.py --tasks calc_agent,multi_calc --seeds 0,1 --steps 6 --warm-steps 4
@@ -72,12 +73,14 @@ import math
 import os
 import re
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +162,34 @@ def rl_outcomes(rows: list[dict[str, Any]]) -> dict[str, int]:
                 kind = key[len(OUTCOME_PREFIX):]
                 counts[kind] = counts.get(kind, 0.0) + float(share) * sampled
     return {k: round(v) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def outcomes_by_length(run_dir: Path) -> dict[str, dict[str, int]]:
+    """How the trained RL rollouts ended, per chain length of their problem (``{"2": {"right": 9, ...}}``), read
+    from the run folder's ``journal.sqlite`` and the task's own items (the run's ``.hydra/config.yaml``); ``{}``
+    for a task whose items have no chain (``meta["steps"]``) or whose episodes name no outcome."""
+    journal, config = run_dir / "journal.sqlite", run_dir / ".hydra" / "config.yaml"
+    if not journal.exists() or not config.exists():
+        return {}
+    import yaml
+
+    from swarmkit.tasks import make_tasks
+
+    task = yaml.safe_load(config.read_text())["task"]
+    items = make_tasks(task["name"], int(task["train_size"]), seed=int(task["seed"]), split="train",
+                       options=task.get("options") or {})
+    steps = {t.task_id: len(t.meta["steps"]) for t in items if "steps" in t.meta}
+    counts: dict[str, dict[str, int]] = {}
+    with closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as db:
+        for task_id, meta in db.execute("SELECT task_id, meta FROM episodes WHERE status = 'trained'"):
+            m = json.loads(meta)
+            kind = next((k.split("/", 1)[1] for k, v in (m.get("metrics") or {}).items()
+                         if k.startswith("outcome/") and v == 1.0), None)
+            if m.get("demonstration") or kind is None or task_id not in steps:
+                continue
+            per = counts.setdefault(str(steps[task_id]), {})
+            per[kind] = per.get(kind, 0) + 1
+    return {n: dict(sorted(c.items(), key=lambda kv: -kv[1])) for n, c in sorted(counts.items())}
 
 
 def sft_step(row: dict[str, Any]) -> bool:
@@ -287,7 +318,8 @@ def read_seed(task: str, run_dir: Path, record: dict[str, Any]) -> dict[str, Any
     return {**record, "before": {k: before[k] for k in pick}, "warm": {k: warm[k] for k in pick} if warm else None,
             "after": {k: after[k] for k in pick}, "held_out_curve": held_out, "steps": step_curve(rows),
             "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons, "rl_outcomes": rl_outcomes(rows),
-            "warm_outcomes": (warm or {}).get("outcomes") or {}, "after_outcomes": after.get("outcomes") or {}}
+            "warm_outcomes": (warm or {}).get("outcomes") or {}, "after_outcomes": after.get("outcomes") or {},
+            "rl_outcomes_by_length": outcomes_by_length(run_dir) if task != SPY else {}}
 
 
 # ----------------------------------------------------------------------------- the unstable run
@@ -504,6 +536,12 @@ def print_outcomes(runs: dict[str, list[dict[str, Any]]]) -> None:
         _outcome_table(f"{task}: how the RL rollouts ended (rollouts over all RL steps)", seeds, "rl_outcomes")
         _outcome_table(f"{task}: how the held-out episodes ended after the warm start", seeds, "warm_outcomes")
         _outcome_table(f"{task}: how the held-out episodes ended after RL", seeds, "after_outcomes")
+        lengths = sorted({n for r in seeds for n in r.get("rl_outcomes_by_length") or {}})
+        for n in lengths:
+            rows = [{**r, f"len{n}": r["rl_outcomes_by_length"].get(n, {})} for r in seeds
+                    if r.get("rl_outcomes_by_length")]
+            _outcome_table(f"{task}: how the trained RL rollouts of {n}-step problems ended (journal.sqlite)", rows,
+                           f"len{n}")
 
 
 def _outcome_table(title: str, seeds: list[dict[str, Any]], key: str) -> None:

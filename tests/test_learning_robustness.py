@@ -99,3 +99,31 @@ def _args():
 
     return argparse.Namespace(demonstrations=None, warm_steps=1, batch_size=2, rollouts=2, model="tiny",
                               eval_size=4, steps=1, eval_every=0, sft_lr=2e-3, lr=1e-3, override=[])
+
+
+def test_rl_outcomes_are_split_by_the_chain_length_of_their_problem(tmp_path):
+    """multi_calc's overshoot (one call too many) and stopping early (one too few) depend on how many steps a
+    problem has; the benchmark reads each trained rollout's outcome from the journal and its length from the
+    task's own items."""
+    import sqlite3
+
+    from swarmkit.tasks import make_tasks
+
+    items = make_tasks("multi_calc", 8, seed=0, split="train")
+    two = next(t.task_id for t in items if len(t.meta["steps"]) == 2)
+    three = next(t.task_id for t in items if len(t.meta["steps"]) == 3)
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(
+        "task:\n  name: multi_calc\n  train_size: 8\n  seed: 0\n  options: {}\n")
+    db = sqlite3.connect(tmp_path / "journal.sqlite")
+    db.execute("CREATE TABLE episodes (task_id TEXT, meta TEXT, status TEXT)")
+    rows = [(two, {"metrics": {"outcome/overshoot": 1.0, "outcome/right": 0.0}}, "trained"),
+            (two, {"metrics": {"outcome/right": 1.0}}, "trained"),
+            (two, {"metrics": {"outcome/right": 1.0}}, "untrained"),  # sampled, never trained on
+            (three, {"metrics": {"outcome/stopped_early": 1.0}}, "trained"),
+            (three, {"demonstration": True, "metrics": {"outcome/right": 1.0}}, "trained")]
+    db.executemany("INSERT INTO episodes VALUES (?, ?, ?)", [(t, json.dumps(m), s) for t, m, s in rows])
+    db.commit()
+    db.close()
+    assert lr.outcomes_by_length(tmp_path) == {"2": {"overshoot": 1, "right": 1}, "3": {"stopped_early": 1}}
+    assert lr.outcomes_by_length(tmp_path / "nothing") == {}

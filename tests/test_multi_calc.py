@@ -15,6 +15,7 @@ from swarmkit.tasks.multi_calc import (
     TOOL_CREDIT,
     grade,
     one_step_calculator,
+    outcome,
     run_tool_call,
 )
 
@@ -77,13 +78,14 @@ def test_the_reward_never_pays_doing_nothing_above_an_honest_attempt():
 
 def test_each_episode_ends_in_exactly_one_outcome():
     """The diagnosis of docs/agents.md as metrics: every way an episode can end, named once."""
-    task = make_tasks("multi_calc", 1, split="eval", options={"max_steps": 2})[0]
-    v1, v2 = (str(v) for v in task.meta["values"])
+    task = make_tasks("multi_calc", 1, split="eval", options={"min_steps": 3, "max_steps": 3})[0]
+    v1, v2, v3 = (str(v) for v in task.meta["values"])
     right, wrong = f"<answer>{task.answer}</answer>", "<answer>7</answer>"
     cases = {
-        "right": grade(task, right, [v1, v2, "99"], tool_calls=3),  # right wins over one call too many
-        "overshoot": grade(task, wrong, [v1, v2, "12"], tool_calls=3),
-        "chain_wrong": grade(task, wrong, [v1, v2], tool_calls=2),
+        "right": grade(task, right, [v1, v2, v3, "99"], tool_calls=4),  # right wins over one call too many
+        "overshoot": grade(task, wrong, [v1, v2, v3, "12"], tool_calls=4),
+        "chain_wrong": grade(task, wrong, [v1, v2, v3], tool_calls=3),
+        "stopped_early": grade(task, wrong, [v1, v2], tool_calls=2),  # one call too few
         "partial": grade(task, wrong, [v1, "12"], tool_calls=2),
         "off_chain": grade(task, wrong, ["12"], tool_calls=1),
         "malformed": grade(task, wrong, [], tool_calls=2),
@@ -93,6 +95,9 @@ def test_each_episode_ends_in_exactly_one_outcome():
     for kind, out in cases.items():
         assert [k for k in OUTCOMES if out.metrics[f"outcome/{k}"] == 1.0] == [kind], (kind, out.metrics)
         assert sum(out.metrics[f"outcome/{k}"] for k in OUTCOMES) == 1.0
+    values = [v1, v2, v3]
+    assert outcome(False, values, [v1], 1) == "stopped_early"  # the first step only, then an answer
+    assert outcome(False, values, [v2], 1) == outcome(False, values, [v1, "12", v2], 3) == "partial"  # off order
 
 
 def _replies(demo: dict[str, Any]) -> list[dict[str, Any]]:

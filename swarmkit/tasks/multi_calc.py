@@ -161,13 +161,15 @@ def run_tool_call(name: str, arguments: str | dict[str, Any]) -> tuple[str, bool
 
 
 #: how an episode ended, in the order :func:`outcome` tests them
-OUTCOMES = ("right", "overshoot", "chain_wrong", "partial", "off_chain", "malformed", "no_call")
+OUTCOMES = ("right", "overshoot", "chain_wrong", "stopped_early", "partial", "off_chain", "malformed", "no_call")
 
 
 def outcome(correct: bool, values: list[str], results: list[str], tool_calls: int) -> str:
     """How an episode ended: ``right`` (the right answer); ``overshoot`` (the whole chain computed, then
     another well-formed call after its last value, e.g. ``6769 * 4913``); ``chain_wrong`` (the whole chain,
-    then a wrong answer); ``partial`` (part of the chain: a wrong operand or operator on the way);
+    then a wrong answer); ``stopped_early`` (the chain's first steps in order, every call on it, then no
+    more calls: one call too few, overshoot's mirror); ``partial`` (part of the chain: a wrong operand or
+    operator on the way);
     ``off_chain`` (well-formed calls, none on the chain); ``malformed`` (calls, none well-formed);
     ``no_call``. ``values`` are the chain's intermediate values, ``results`` the well-formed calls'
     results in order."""
@@ -175,6 +177,8 @@ def outcome(correct: bool, values: list[str], results: list[str], tool_calls: in
         return "right"
     if results and all(v in results for v in values):
         return "overshoot" if len(results) > results.index(values[-1]) + 1 else "chain_wrong"
+    if results and results == values[:len(results)]:
+        return "stopped_early"
     if any(v in results for v in values):
         return "partial"
     if results:
