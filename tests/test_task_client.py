@@ -91,3 +91,42 @@ def test_an_evaluation_says_how_each_held_out_episode_ended(serve_tiny_hf, tmp_p
         result = evaluate(client, tasks, max_tokens=8, concurrency=2)
     assert sum(result.outcomes.values()) == result.n == 3
     assert "; ended: " in str(result)
+
+
+def test_demonstrations_reach_the_server_in_order_whatever_each_request_takes():
+    """The warm start is the same run after run only if the pool receives the demonstrations in the same
+    order (the batching policy takes the oldest complete groups): by default they go one after another."""
+    import random
+    import threading
+    import time
+
+    from swarmkit.apps.task_client import send_demonstrations
+
+    class Recording:  # the SDK's episode surface, each report taking a random while
+        def __init__(self):
+            self.reports, self.lock = [], threading.Lock()
+
+        def episode(self, *, task_id, meta, adapter=None):
+            rec = self
+
+            class Ep:
+                def __enter__(self):
+                    return self
+
+                def __exit__(self, *exc):
+                    return False
+
+                def demonstrate(self, messages, tools=None):
+                    pass
+
+                def report(self, reward):
+                    time.sleep(random.uniform(0, 0.01))
+                    with rec.lock:
+                        rec.reports.append((task_id, meta["demo_of"]))
+                    return {"accepted": True}
+            return Ep()
+
+    tasks = make_tasks("calc_agent", 16, split="demo")
+    client = Recording()
+    assert send_demonstrations(client, tasks, group_size=4) == 16
+    assert client.reports == [(f"demo-{k // 4}", t.task_id) for k, t in enumerate(tasks)]

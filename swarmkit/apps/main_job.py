@@ -159,8 +159,8 @@ class ServerSession:
             return 0
         demos = make_tasks(task.name, int(task.demonstrations), seed=task.seed + 1, split="demo",
                            options=dict(task.options))
-        return send_demonstrations(self.ctl, demos, group_size=int(self.cfg.batching.rollouts_per_task),
-                                   concurrency=int(task.concurrency))
+        # one after another, in order: the same supervised batches every run (send_demonstrations)
+        return send_demonstrations(self.ctl, demos, group_size=int(self.cfg.batching.rollouts_per_task))
 
     def evaluate(self) -> EvalResult:
         """Greedy reward on the held-out tasks (eval episodes: never trained on)."""

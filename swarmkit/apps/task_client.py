@@ -79,11 +79,16 @@ def run_episode(
 
 
 def send_demonstrations(client: SwarmClient, tasks: list[Task], *, group_size: int,
-                        concurrency: int = 8, adapter: str | None = None) -> int:
+                        concurrency: int = 1, adapter: str | None = None) -> int:
     """The supervised warm start: one demonstration episode per task (families that have them).
 
     Episodes are grouped ``group_size`` to a task id (``demo-<k>``), so a batching policy that
     waits for N episodes per task (C2/C3) releases B groups of N different demonstrations.
+    With ``concurrency`` 1 (the default) they are sent one after another, in order: the pool
+    receives them in the same order every run, so the batching policy (oldest complete groups
+    first) makes the same supervised batches, in the same row order, and the warm start of a
+    seed is the same run after run. More at once is faster, but which demonstrations share a
+    step then depends on which requests finish first.
     ``adapter``: the LoRA adapter they train (a server with ``model.adapters``).
     Returns how many were accepted.
     """
@@ -96,6 +101,8 @@ def send_demonstrations(client: SwarmClient, tasks: list[Task], *, group_size: i
             ep.demonstrate(demo["messages"], tools=demo.get("tools"))
             return bool(ep.report(1.0).get("accepted"))
 
+    if concurrency <= 1:
+        return sum(send(k) for k in range(len(demos)))
     with ThreadPoolExecutor(concurrency) as pool:
         return sum(pool.map(send, range(len(demos))))
 
