@@ -30,8 +30,9 @@ start / after RL, and "k of n" collapsed; per seed one line; where the task says
 (multi_calc's ``outcome/<kind>`` metrics: right, overshoot, chain_wrong, stopped_early, partial, off_chain,
 malformed, no_call) how the RL rollouts ended, per seed, and per chain length of their problem (the trained
 rollouts in the run's ``journal.sqlite``); and writes JSON (``--out``) with every seed's numbers, held-out
-curve, per-step curve, ``rl_outcomes``, ``rl_outcomes_by_length`` and how the held-out episodes ended after
-the warm start and after RL (``warm_outcomes``, ``after_outcomes``, from the evaluations' ``outcomes``).
+curve, per-step curve, ``rl_outcomes``, ``rl_outcomes_by_length``, how the held-out episodes ended after
+the warm start and after RL (``warm_outcomes``, ``after_outcomes``, from the evaluations' ``outcomes``) and
+the held-out reward per group of items, multi_calc's problem lengths (``warm_groups``, ``after_groups``).
 
     python benchmarks/learning_robustness.py                                   # 3 tasks x 5 seeds, SmolLM2
     python benchmarks/learning_robustness.py --tasks calc_agent,multi_calc --seeds 0,1 --steps 6 --warm-steps 4
@@ -319,6 +320,7 @@ def read_seed(task: str, run_dir: Path, record: dict[str, Any]) -> dict[str, Any
             "after": {k: after[k] for k in pick}, "held_out_curve": held_out, "steps": step_curve(rows),
             "alarms": alarms, "collapsed": bool(reasons), "reasons": reasons, "rl_outcomes": rl_outcomes(rows),
             "warm_outcomes": (warm or {}).get("outcomes") or {}, "after_outcomes": after.get("outcomes") or {},
+            "warm_groups": (warm or {}).get("groups") or {}, "after_groups": after.get("groups") or {},
             "rl_outcomes_by_length": outcomes_by_length(run_dir) if task != SPY else {}}
 
 
@@ -536,12 +538,39 @@ def print_outcomes(runs: dict[str, list[dict[str, Any]]]) -> None:
         _outcome_table(f"{task}: how the RL rollouts ended (rollouts over all RL steps)", seeds, "rl_outcomes")
         _outcome_table(f"{task}: how the held-out episodes ended after the warm start", seeds, "warm_outcomes")
         _outcome_table(f"{task}: how the held-out episodes ended after RL", seeds, "after_outcomes")
+        _group_table(task, seeds)
         lengths = sorted({n for r in seeds for n in r.get("rl_outcomes_by_length") or {}})
         for n in lengths:
             rows = [{**r, f"len{n}": r["rl_outcomes_by_length"].get(n, {})} for r in seeds
                     if r.get("rl_outcomes_by_length")]
             _outcome_table(f"{task}: how the trained RL rollouts of {n}-step problems ended (journal.sqlite)", rows,
                            f"len{n}")
+
+
+def _group_table(task: str, seeds: list[dict[str, Any]]) -> None:
+    """Held-out reward per group of items (multi_calc: problem length) after the warm start and after RL,
+    per seed and as the mean over seeds with its t-interval."""
+    done = [r for r in seeds if r.get("after_groups")]
+    names = sorted({g for r in done for g in r["after_groups"]})
+    if not names:
+        return
+    print(f"\n{task}: held-out reward per group, after the warm start -> after RL")
+    print("| seed | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+
+    def cell(r: dict[str, Any], g: str) -> str:
+        warm, after = (r.get("warm_groups") or {}).get(g), r["after_groups"].get(g)
+        if after is None:
+            return "-"
+        return (f"{warm['mean']:.3f} -> " if warm else "") + f"{after['mean']:.3f} (n={after['n']})"
+    for r in done:
+        print(f"| {r['seed']} | " + " | ".join(cell(r, g) for g in names) + " |")
+    means = []
+    for g in names:
+        after = [r["after_groups"][g]["mean"] for r in done if g in r["after_groups"]]
+        warm = [r["warm_groups"][g]["mean"] for r in done if g in (r.get("warm_groups") or {})]
+        means.append((f"{fmt(*t_interval(warm))} -> " if warm else "") + fmt(*t_interval(after)))
+    print("| mean ± 95% t | " + " | ".join(means) + " |")
 
 
 def _outcome_table(title: str, seeds: list[dict[str, Any]], key: str) -> None:

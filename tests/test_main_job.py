@@ -290,7 +290,7 @@ def test_local_and_ray_drivers_write_the_same_summary_keys(monkeypatch, tmp_path
         "slot", "name", "replacements", "finished", "nodes"}
     for summary in (local_summary, ray_summary):
         assert set(summary["eval_before"]) == set(summary["eval_after"]) == {"mean", "ci95", "n", "failures",
-                                                                            "full_credit", "outcomes"}
+                                                                            "full_credit", "outcomes", "groups"}
         assert summary["train_episodes"] == 3 * 8  # three sampling spans of the one client
     assert (local_summary["node_id"], ray_summary["node_id"]) == (None, "node-0")
     assert (local_summary["namespace"], ray_summary["namespace"]) == (None, "swarmkit-ray")

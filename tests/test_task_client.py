@@ -91,6 +91,18 @@ def test_an_evaluation_says_how_each_held_out_episode_ended(serve_tiny_hf, tmp_p
         result = evaluate(client, tasks, max_tokens=8, concurrency=2)
     assert sum(result.outcomes.values()) == result.n == 3
     assert "; ended: " in str(result)
+    assert result.groups and sum(n for _, _, n in result.groups.values()) == 3  # "2 steps", "3 steps" of the items
+    assert set(result.groups) <= {"2 steps", "3 steps"} and "; 2 steps: " in str(result)
+
+
+def test_held_out_reward_per_group():
+    """An uneven mix hides a weak group: 13 two-step problems right and 3 three-step ones wrong read 0.81."""
+    from swarmkit.apps.task_client import EvalResult, group_means
+
+    groups = group_means(["2 steps"] * 13 + ["3 steps"] * 3 + [None], [1.0] * 13 + [0.0] * 3 + [0.5])
+    assert groups == {"2 steps": (1.0, 0.0, 13), "3 steps": (0.0, 0.0, 3)}
+    text = str(EvalResult(0.81, 0.2, 16, groups=groups))
+    assert "; 2 steps: 1.000 ± 0.000 (n=13); 3 steps: 0.000 ± 0.000 (n=3)" in text
 
 
 def test_demonstrations_reach_the_server_in_order_whatever_each_request_takes():

@@ -41,15 +41,16 @@ folder of its own: ``server_<k>/`` under Ray):
 
 - ``server``: its index; ``url``: the URL its clients used; ``node_id``: its Ray
   node (null locally); ``run_dir``: its run folder;
-- ``eval_before``, ``eval_after``: ``{mean, ci95, n, failures, full_credit, outcomes}`` of the held-out
+- ``eval_before``, ``eval_after``: ``{mean, ci95, n, failures, full_credit, outcomes, groups}`` of the held-out
   reward (``full_credit``: the share of episodes with a fully right answer, where the task has a
   reward scale; null otherwise; ``outcomes``: how many episodes ended which way, where the task
   names it with ``outcome/<kind>`` metrics, e.g. ``multi_calc``'s ``{"overshoot": 9, "right": 5}``;
-  empty otherwise); ``reward_scale``: ``{task, legend, full}``, what the task's reward
+  empty otherwise; ``groups``: ``{group: {mean, ci95, n}}`` where the task groups its items, e.g.
+  ``multi_calc``'s ``"2 steps"`` and ``"3 steps"``; empty otherwise); ``reward_scale``: ``{task, legend, full}``, what the task's reward
   means (:mod:`swarmkit.tasks.rewards`; null for a task without one); ``eval_metrics_before``, ``eval_metrics_after``: ``{metric: {mean, ci95}}``
   (``correct``, ``valid_tool_call``, ``formatted``, ``turns_passed``: ``task_client.EVAL_METRICS``, where the task reports them);
   ``improvement``: after − before;
-- ``eval_midway``: ``{step: {mean, ci95, n, failures, full_credit, outcomes, <metric>: {mean, ci95}}}``,
+- ``eval_midway``: ``{step: {mean, ci95, n, failures, full_credit, outcomes, groups, <metric>: {mean, ci95}}}``,
   the evaluations after a warm start and every ``trainer.eval_every`` steps;
 - ``demonstrations``: demonstration episodes accepted (the warm start);
 - ``global_step``: optimizer steps done; ``replicas``: the server's inference
@@ -552,7 +553,8 @@ def _full_credit_text(cfg: Any, result: EvalResult) -> str:
 def _eval(result: EvalResult, cfg: Any) -> dict[str, Any]:
     fc = _full_credit(cfg, result)
     return {"mean": result.mean, "ci95": result.ci95, "n": result.n, "failures": result.failures,
-            "full_credit": None if fc is None else fc[0] / max(1, fc[1]), "outcomes": result.outcomes}
+            "full_credit": None if fc is None else fc[0] / max(1, fc[1]), "outcomes": result.outcomes,
+            "groups": {g: {"mean": m, "ci95": c, "n": n} for g, (m, c, n) in result.groups.items()}}
 
 
 def _reward_scale(cfg: Any) -> dict[str, Any] | None:

@@ -119,12 +119,25 @@ class EvalResult:
     failures: int = 0
     #: how many episodes ended which way, where the task says (``outcome/<kind>`` metrics), commonest first
     outcomes: dict[str, int] = field(default_factory=dict)
+    #: the mean reward, its 95% half-interval and n per group of held-out items, where the task groups them
+    #: (``Task.meta["group"]``, e.g. multi_calc's ``"2 steps"``): a mean over an uneven mix hides a weak group
+    groups: dict[str, tuple[float, float, int]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         extra = "".join(f", {k} {m:.3f} ± {c:.3f}" for k, (m, c) in self.metrics.items())
         failed = f", {self.failures} failed" if self.failures else ""
         ended = f"; ended: {', '.join(f'{k} {n}' for k, n in self.outcomes.items())}" if self.outcomes else ""
-        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n}{extra}{failed}){ended}"
+        by = "".join(f"; {g}: {m:.3f} ± {c:.3f} (n={n})" for g, (m, c, n) in self.groups.items())
+        return f"{self.mean:.3f} ± {self.ci95:.3f} (n={self.n}{extra}{failed}){by}{ended}"
+
+
+def group_means(groups: list[str | None], rewards: list[float]) -> dict[str, tuple[float, float, int]]:
+    """Mean reward, 95% half-interval and count per group name (items without a group left out), by name."""
+    per: dict[str, list[float]] = {}
+    for g, r in zip(groups, rewards, strict=True):
+        if g is not None:
+            per.setdefault(g, []).append(r)
+    return {g: (*mean_ci(v), len(v)) for g, v in sorted(per.items())}
 
 
 def count_outcomes(metrics: list[dict[str, float]]) -> dict[str, int]:
@@ -166,7 +179,8 @@ def evaluate(
     metrics = {k: mean_ci([r.metrics.get(k, 0.0) for r in results]) for k in keys}
     return EvalResult(mean, ci, len(rewards), rewards, metrics,
                       failures=sum(int(r.metrics.get("failed", 0)) for r in results),
-                      outcomes=count_outcomes([r.metrics for r in results]))
+                      outcomes=count_outcomes([r.metrics for r in results]),
+                      groups=group_means([t.meta.get("group") for t in tasks], rewards))
 
 
 class EpisodeLoop:

@@ -126,7 +126,7 @@ def make_multi_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> 
             messages=[{"role": "system", "content": system},
                       {"role": "user", "content": story.format(**names)}],
             answer=str(running), family="multi_calc",
-            meta={"steps": steps, "values": values,
+            meta={"steps": steps, "values": values, "group": f"{len(steps)} steps",
                   "max_turns": int(options.get("max_turns", len(steps) + 2))},
         ))
     return tasks
