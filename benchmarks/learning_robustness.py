@@ -174,6 +174,7 @@ def outcomes_by_length(run_dir: Path) -> dict[str, dict[str, int]]:
         return {}
     import yaml
 
+    from swarmkit.apps.task_client import episode_outcome
     from swarmkit.tasks import make_tasks
 
     task = yaml.safe_load(config.read_text())["task"]
@@ -184,8 +185,7 @@ def outcomes_by_length(run_dir: Path) -> dict[str, dict[str, int]]:
     with closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as db:
         for task_id, meta in db.execute("SELECT task_id, meta FROM episodes WHERE status = 'trained'"):
             m = json.loads(meta)
-            kind = next((k.split("/", 1)[1] for k, v in (m.get("metrics") or {}).items()
-                         if k.startswith("outcome/") and v == 1.0), None)
+            kind = episode_outcome(m.get("metrics") or {})
             if m.get("demonstration") or kind is None or task_id not in steps:
                 continue
             per = counts.setdefault(str(steps[task_id]), {})
@@ -535,16 +535,15 @@ def print_outcomes(runs: dict[str, list[dict[str, Any]]]) -> None:
     """How the RL rollouts and the held-out episodes (after the warm start, after RL) ended, per task and
     seed, where the task reports it (multi_calc)."""
     for task, seeds in runs.items():
-        _outcome_table(f"{task}: how the RL rollouts ended (rollouts over all RL steps)", seeds, "rl_outcomes")
-        _outcome_table(f"{task}: how the held-out episodes ended after the warm start", seeds, "warm_outcomes")
-        _outcome_table(f"{task}: how the held-out episodes ended after RL", seeds, "after_outcomes")
+        for title, key in (("how the RL rollouts ended (rollouts over all RL steps)", "rl_outcomes"),
+                           ("how the held-out episodes ended after the warm start", "warm_outcomes"),
+                           ("how the held-out episodes ended after RL", "after_outcomes")):
+            _outcome_table(f"{task}: {title}", [(r["seed"], r.get(key) or {}) for r in seeds])
         _group_table(task, seeds)
-        lengths = sorted({n for r in seeds for n in r.get("rl_outcomes_by_length") or {}})
-        for n in lengths:
-            rows = [{**r, f"len{n}": r["rl_outcomes_by_length"].get(n, {})} for r in seeds
-                    if r.get("rl_outcomes_by_length")]
-            _outcome_table(f"{task}: how the trained RL rollouts of {n}-step problems ended (journal.sqlite)", rows,
-                           f"len{n}")
+        by_length = [(r["seed"], r["rl_outcomes_by_length"]) for r in seeds if r.get("rl_outcomes_by_length")]
+        for n in sorted({n for _, lengths in by_length for n in lengths}):
+            _outcome_table(f"{task}: how the trained RL rollouts of {n}-step problems ended (journal.sqlite)",
+                           [(seed, lengths.get(n, {})) for seed, lengths in by_length])
 
 
 def _group_table(task: str, seeds: list[dict[str, Any]]) -> None:
@@ -573,17 +572,18 @@ def _group_table(task: str, seeds: list[dict[str, Any]]) -> None:
     print("| mean ± 95% t | " + " | ".join(means) + " |")
 
 
-def _outcome_table(title: str, seeds: list[dict[str, Any]], key: str) -> None:
-    done = [r for r in seeds if r.get(key)]
+def _outcome_table(title: str, rows: list[tuple[Any, dict[str, int]]]) -> None:
+    """One table of ``(seed, {kind: count})`` rows (seeds with no counts left out), kinds commonest first."""
+    done = [(seed, counts) for seed, counts in rows if counts]
     if not done:
         return
-    kinds = sorted({k for r in done for k in r[key]}, key=lambda k: -sum(r[key].get(k, 0) for r in done))
+    kinds = sorted({k for _, c in done for k in c}, key=lambda k: -sum(c.get(k, 0) for _, c in done))
     print(f"\n{title}")
     print("| seed | " + " | ".join(kinds) + " |")
     print("|---|" + "---|" * len(kinds))
-    for r in done:
-        print(f"| {r['seed']} | " + " | ".join(str(r[key].get(k, 0)) for k in kinds) + " |")
-    print("| all | " + " | ".join(str(sum(r[key].get(k, 0) for r in done)) for k in kinds) + " |")
+    for seed, counts in done:
+        print(f"| {seed} | " + " | ".join(str(counts.get(k, 0)) for k in kinds) + " |")
+    print("| all | " + " | ".join(str(sum(c.get(k, 0) for _, c in done)) for k in kinds) + " |")
 
 
 # ----------------------------------------------------------------------------- main

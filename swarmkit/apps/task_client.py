@@ -17,7 +17,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,14 +140,18 @@ def group_means(groups: list[str | None], rewards: list[float]) -> dict[str, tup
     return {g: (*mean_ci(v), len(v)) for g, v in sorted(per.items())}
 
 
+def episode_outcome(metrics: Mapping[str, Any]) -> str | None:
+    """How one episode ended: the ``<kind>`` of its ``outcome/<kind>`` metric of 1.0 (None: the task names none)."""
+    return next((k[len(OUTCOME_PREFIX):] for k, v in metrics.items() if k.startswith(OUTCOME_PREFIX) and v == 1.0),
+                None)
+
+
 def count_outcomes(metrics: list[dict[str, float]]) -> dict[str, int]:
     """Episodes per ``outcome/<kind>`` (a metric of 1.0 names how one ended), commonest first, ties by name."""
     counts: dict[str, int] = {}
     for m in metrics:
-        for key, value in m.items():
-            if key.startswith(OUTCOME_PREFIX) and value == 1.0:
-                kind = key[len(OUTCOME_PREFIX):]
-                counts[kind] = counts.get(kind, 0) + 1
+        if (kind := episode_outcome(m)) is not None:
+            counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
