@@ -16,16 +16,22 @@ import sys
 import pytest
 
 
-def run_token_rule_job(run_dir, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m swarmkit`` on the tiny model and ``token_rule`` for 30 steps; asserts it learned."""
+def run_main_job(run_dir, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m swarmkit model=tiny <overrides>`` offline, one torch thread, into ``run_dir``; asserts it exited 0."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
     out = subprocess.run(
-        [sys.executable, "-m", "swarmkit", "model=tiny", "task=token_rule", "task.max_tokens=8",
-         "batching.batch_size=4", "batching.rollouts_per_task=8", "optim.lr=1e-2",
-         "trainer.total_steps=30", *overrides, "server.port=0", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "swarmkit", "model=tiny", *overrides, "server.port=0", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, env=env, timeout=timeout,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def run_token_rule_job(run_dir, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m swarmkit`` on the tiny model and ``token_rule`` for 30 steps; asserts it learned."""
+    out = run_main_job(run_dir, "task=token_rule", "task.max_tokens=8", "batching.batch_size=4",
+                       "batching.rollouts_per_task=8", "optim.lr=1e-2", "trainer.total_steps=30", *overrides,
+                       timeout=timeout)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] >= 30
     before, after = summary["eval_before"]["mean"], summary["eval_after"]["mean"]
@@ -55,14 +61,8 @@ def test_tiny_model_learns_a_trivial_rule_through_the_full_loop(tmp_path, algo):
 
 def test_calc_agent_main_job_warm_starts_then_samples_multi_turn_episodes(tmp_path):
     """``task=calc_agent`` on the tiny model: demonstration steps first (sft), then sampled tool episodes."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmkit", "model=tiny", "task=calc_agent", "task.demonstrations=32",
-         "task.eval_size=4", "task.train_size=8", "batching.batch_size=2", "batching.rollouts_per_task=4",
-         "trainer.total_steps=6", "server.port=0", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_main_job(tmp_path, "task=calc_agent", "task.demonstrations=32", "task.eval_size=4", "task.train_size=8",
+                       "batching.batch_size=2", "batching.rollouts_per_task=4", "trainer.total_steps=6")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("kind") == "train"]
     assert [int(r["demonstrations"]) for r in steps[:4]] == [8, 8, 8, 8]  # 32 demonstrations, 8 per step
@@ -105,17 +105,11 @@ def test_a_warm_start_is_the_same_run_after_run(tmp_path):
     SmolLM2 one seed's held-out reward after the warm start was 0.305 in one run and 0.789 in the next)."""
     import hashlib
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SWARMKIT_TORCH_THREADS="1")
     runs = []
     for name in ("a", "b"):
         run_dir = tmp_path / name
-        out = subprocess.run(
-            [sys.executable, "-m", "swarmkit", "model=tiny", "task=calc_agent", "task.demonstrations=32",
-             "task.eval_size=4", "batching.batch_size=2", "batching.rollouts_per_task=4", "trainer.total_steps=4",
-             "seed=3", "server.port=0", f"hydra.run.dir={run_dir}"],
-            capture_output=True, text=True, env=env, timeout=600,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
+        run_main_job(run_dir, "task=calc_agent", "task.demonstrations=32", "task.eval_size=4", "batching.batch_size=2",
+                     "batching.rollouts_per_task=4", "trainer.total_steps=4", "seed=3")
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         losses = [r["sft_nll"] for r in rows if r.get("kind") == "train"]
         weights = next((run_dir / "checkpoints").glob("step_*/model/model.safetensors")).read_bytes()
