@@ -120,6 +120,19 @@ def test_a_demonstration_is_the_chain_and_scores_the_top_of_the_scale():
             1.0 + STEP_CREDIT + TOOL_CREDIT)
 
 
+def test_step_notes_number_each_demonstrated_call_and_the_prompt_asks_for_them():
+    plain = make_tasks("multi_calc", 6, split="demo")
+    noted = make_tasks("multi_calc", 6, split="demo", options={"step_notes": True})
+    for a, b in zip(plain, noted, strict=True):
+        assert a.meta["steps"] == b.meta["steps"] and a.messages[1] == b.messages[1]  # same problems
+        assert b.messages[0]["content"].endswith("Before each call, write which step it is: Step k of n.")
+        assert "Step k" not in a.messages[0]["content"]
+        n = len(b.meta["steps"])
+        notes = [m["content"] for m in _replies(demonstration(b)) if m.get("tool_calls")]
+        assert notes == [f"Step {k} of {n}." for k in range(1, n + 1)]
+        assert all(m["content"] is None for m in _replies(demonstration(a)) if m.get("tool_calls"))
+
+
 def test_an_episode_runs_the_chain_through_the_chat_endpoint():
     """The client loop against a scripted endpoint that plays the demonstration, turn by turn."""
     task = make_tasks("multi_calc", 1, split="eval", options={"min_steps": 3})[0]

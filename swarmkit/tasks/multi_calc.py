@@ -32,8 +32,10 @@ steps reached), ``tool_calls``, ``turns``, and the episode's :func:`outcome` as
 ``task/outcome/<kind>`` are the shares of the step's rollouts that ended so).
 
 :func:`demonstration` writes the ideal conversation (one call per step, each
-result fed into the next, the answer) for the supervised warm start. Needs
-only httpx.
+result fed into the next, the answer) for the supervised warm start.
+``task.options.step_notes=true`` asks the agent (system prompt) and shows it
+(demonstrations) to write ``Step k of n.`` before each call, so the count it
+must keep is text in its context. Needs only httpx.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ STEP_CREDIT = 0.15
 
 SYSTEM_PROMPT = ("The calculator does one operation per call (a op b). Call it once per step, "
                  "use each result in the next call, then reply <answer>N</answer>.")
+#: appended to the system prompt with ``task.options.step_notes``
+STEP_NOTES_PROMPT = " Before each call, write which step it is: Step k of n."
 
 CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
@@ -104,7 +108,8 @@ def _operand(rng: random.Random, op: str, running: int) -> int:
 def make_multi_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> list[Task]:
     """``n`` problems of ``split`` (train, eval and demo items draw from disjoint seeds)."""
     rng = random.Random(f"multi-{split}-{seed}")
-    system = str(options.get("system", SYSTEM_PROMPT))
+    step_notes = bool(options.get("step_notes", False))
+    system = str(options.get("system", SYSTEM_PROMPT + (STEP_NOTES_PROMPT if step_notes else "")))
     lo, hi = int(options.get("min_steps", 2)), int(options.get("max_steps", 3))
     stories = [s for s in _STORIES if lo <= len(s[0]) <= hi]
     if not stories:
@@ -126,7 +131,7 @@ def make_multi_tasks(n: int, seed: int, split: str, options: dict[str, Any]) -> 
             messages=[{"role": "system", "content": system},
                       {"role": "user", "content": story.format(**names)}],
             answer=str(running), family="multi_calc",
-            meta={"steps": steps, "values": values, "group": f"{len(steps)} steps",
+            meta={"steps": steps, "values": values, "group": f"{len(steps)} steps", "step_notes": step_notes,
                   "max_turns": int(options.get("max_turns", len(steps) + 2))},
         ))
     return tasks
@@ -216,13 +221,16 @@ def run_multi_episode(http: httpx.Client, base_url: str, api_key: str, task: Tas
 
 def demonstration(task: Task) -> dict[str, Any]:
     """The ideal conversation of ``task`` (``messages`` + ``tools``) for ``POST .../demonstration``:
-    one call per step, each result used by the next, then the answer."""
+    one call per step, each result used by the next, then the answer. With ``step_notes`` (the task option)
+    each call comes after a ``Step k of n.`` note: the count the agent must keep becomes text it can read."""
     messages = list(task.messages)
-    for k, step in enumerate(task.meta["steps"]):
+    steps = task.meta["steps"]
+    for k, step in enumerate(steps):
         call_id = f"call_demo_{k}"
         call = {"id": call_id, "type": "function",
                 "function": {"name": "calculator", "arguments": json.dumps({"expression": step})}}
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+        note = f"Step {k + 1} of {len(steps)}." if task.meta.get("step_notes") else None
+        messages += [{"role": "assistant", "content": note, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": call_id, "content": one_step_calculator(step)}]
     messages.append({"role": "assistant", "content": f"<answer>{task.answer}</answer>"})
     return {"messages": messages, "tools": [CALCULATOR_TOOL]}
