@@ -1025,14 +1025,11 @@ def _load_in_place(worker: Any, named: list[tuple[str, Any]]) -> list[str]:
     ``load_weights`` (which stacks q/k/v into ``qkv_proj`` and casts to the parameter's dtype), without
     re-allocating anything: CUDA graphs captured on those parameters stay valid. Returns the parameters no
     tensor reached (a full push must reach them all; tied embeddings are loaded through their owner)."""
-    import torch
+    from swarmkit_plugins.backend_vllm.copy_plan import load_in_place
 
-    model = worker.get_model()
-    with torch.no_grad():
-        loaded = model.load_weights(iter(named))
-    if loaded is None:  # a model whose load_weights reports nothing: trust it
-        return []
-    return sorted({n for n, _ in model.named_parameters()} - set(loaded))
+    missing, plan = load_in_place(worker.get_model(), named, getattr(worker, "_swarmkit_copy_plan", None))
+    worker._swarmkit_copy_plan = plan  # the next push of the same tensors replays load_weights' copies
+    return missing
 
 
 def _to_base_layer(named: list[tuple[str, Any]], wrapped: frozenset[str]) -> list[tuple[str, Any]]:
