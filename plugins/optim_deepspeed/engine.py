@@ -57,6 +57,7 @@ class DeepSpeedEngine(TrainingEngine):
 
     config_cls = DeepSpeedConfig
     cfg: DeepSpeedConfig
+    needs_process_group = True  # deepspeed.initialize wraps the model in its own world, one rank included
 
     def __init__(self, model_path: str | Path, model_cfg: Mapping[str, Any], optim_cfg: Mapping[str, Any],
                  algo: Algorithm):
