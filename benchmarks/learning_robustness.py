@@ -85,6 +85,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+from swarmkit.swarm.collapse import held_out_fall
+
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_JOB_TASKS = ("calc_agent", "multi_calc")
 SPY = "who_is_spy"
@@ -127,9 +129,9 @@ def collapse_reasons(warm: dict[str, float] | None, before: dict[str, float], af
         named = sorted({a.split("/", 1)[-1] for a in alarms})
         reasons.append(f"alarm ({', '.join(named)})" if named else "alarm")
     ref = warm or before
-    gap = math.hypot(ref["ci95"] or 0.0, after["ci95"] or 0.0)
-    if ref["mean"] - after["mean"] > gap:
-        reasons.append(f"held-out fell {ref['mean'] - after['mean']:.3f} > {gap:.3f}")
+    fall = held_out_fall((ref["mean"], ref["ci95"]), (after["mean"], after["ci95"]))
+    if fall is not None:
+        reasons.append(f"held-out fell {fall:.3f} > {math.hypot(ref['ci95'] or 0.0, after['ci95'] or 0.0):.3f}")
     rl = [r for r in steps if "collapse/identical_groups" in r]
     if rl and float(rl[-1]["collapse/identical_groups"]) >= IDENTICAL_MAX:
         reasons.append(f"identical_groups {float(rl[-1]['collapse/identical_groups']):.2f} at the end")

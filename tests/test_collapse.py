@@ -417,3 +417,38 @@ def test_a_run_at_ten_times_the_learning_rate_collapses_raises_the_alarm_and_rol
         assert "training paused at step" in out.stdout
     else:
         assert summary["global_step"] == 24
+
+
+def test_held_out_fall_counts_only_a_fall_beyond_the_interval_of_the_difference():
+    from swarmkit.swarm.collapse import held_out_fall
+
+    assert held_out_fall((0.9, 0.1), (0.5, 0.1)) == pytest.approx(0.4)
+    assert held_out_fall((0.9, 0.2), (0.7, 0.2)) is None  # 0.2 < sqrt(0.2² + 0.2²)
+    assert held_out_fall((0.5, 0.1), (0.6, 0.1)) is None  # a rise
+    assert held_out_fall((0.025, 0.0), (0.0, 0.0)) == pytest.approx(0.025)  # issue 34's tool game: every item lost
+
+
+def test_the_main_job_says_when_the_held_out_reward_falls(monkeypatch):
+    """The collapse alarm watches each step's rollouts; a run that narrows while its entropy stays up got past
+    it (multi_calc seed 0 with step notes: 1.069 after the warm start, 0.312 at RL step 10, its real numbers). The main job
+    compares every evaluation with the best earlier one and says so in red, and the summary keeps it."""
+    from rich.console import Console
+
+    from swarmkit.apps import main_job
+    from swarmkit.apps.task_client import EvalResult
+
+    out = Console(record=True, width=300)
+    monkeypatch.setattr(main_job, "console", out)
+    r = main_job._Run(info=None)  # type: ignore[arg-type]
+    r.before = EvalResult(mean=0.0, ci95=0.0, n=16)
+    r.midway[24], r.labels[24] = EvalResult(mean=1.069, ci95=0.176, n=16), "after the warm start (step 24)"
+    main_job._check_fall(r, "after the warm start (step 24)", r.midway[24])
+    r.midway[29], r.labels[29] = EvalResult(mean=0.9, ci95=0.2, n=16), "at step 29"
+    main_job._check_fall(r, "at step 29", r.midway[29])  # within the intervals: quiet
+    assert r.falls == [] and out.export_text() == ""
+    r.midway[34] = EvalResult(mean=0.312, ci95=0.170, n=16)
+    main_job._check_fall(r, "at step 34", r.midway[34])
+    assert r.falls == [{"at": "at step 34", "mean": 0.312, "ci95": 0.170, "from": "after the warm start (step 24)",
+                        "from_mean": 1.069, "from_ci95": 0.176}]
+    text = out.export_text()
+    assert "held-out reward at step 34, 0.312 ± 0.170, fell below after the warm start (step 24)'s 1.069" in text

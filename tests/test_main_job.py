@@ -249,6 +249,7 @@ def test_eval_every_pauses_the_clients_and_evaluates_mid_run_under_ray(monkeypat
         assert record["eval_midway"]["3"]["mean"] == pytest.approx(0.03)
         assert record["eval_midway"]["3"]["correct"] == {"mean": pytest.approx(0.03), "ci95": 0.02}
         assert record["global_step"] == 7 and record["eval_after"]["mean"] == pytest.approx(0.07)
+        assert record["eval_falls"] == []  # rising evaluations: nothing to say
         assert json.loads((tmp_path / f"server_{k}" / "summary.json").read_text()) == record
         # the clients started at step 0, then again after each eval, seeded anew (+ the step; + 1000 per server)
         starts = [(e[2], e[3]) for e in server.events if e[0] == "clients" and e[1]]

@@ -52,6 +52,9 @@ folder of its own: ``server_<k>/`` under Ray):
   ``improvement``: after − before;
 - ``eval_midway``: ``{step: {mean, ci95, n, failures, full_credit, outcomes, groups, <metric>: {mean, ci95}}}``,
   the evaluations after a warm start and every ``trainer.eval_every`` steps;
+- ``eval_falls``: ``[{at, mean, ci95, from, from_mean, from_ci95}]``, each evaluation (midway or after
+  training) whose reward fell below the best earlier one (``from``) beyond the 95% interval of the
+  difference; the console says so in red when it happens;
 - ``demonstrations``: demonstration episodes accepted (the warm start);
 - ``global_step``: optimizer steps done; ``replicas``: the server's inference
   replicas (``status.replicas``); ``checkpoint``: the final checkpoint's path;
@@ -93,6 +96,7 @@ from swarmkit.apps.task_client import (
 from swarmkit.client import SwarmClient
 from swarmkit.config.validate import to_dict
 from swarmkit.procs import port_free
+from swarmkit.swarm.collapse import held_out_fall
 from swarmkit.swarm.metrics import read_metrics, step_line
 from swarmkit.tasks import make_tasks
 from swarmkit.tasks.rewards import full_credit, reward_scale
@@ -391,6 +395,10 @@ class _Run:
     sampling: bool = False
     next_eval: int = 0
     midway: dict[int, EvalResult] = field(default_factory=dict)
+    #: what each midway evaluation was ("after the warm start (step 8)", "at step 12"), by step
+    labels: dict[int, str] = field(default_factory=dict)
+    #: evaluations whose reward fell below an earlier one beyond both intervals (``eval_falls`` of the summary)
+    falls: list[dict[str, Any]] = field(default_factory=list)
     pending: _Midway | None = None
 
     @property
@@ -442,6 +450,7 @@ def run_main_job(driver: Driver, cfg: DictConfig) -> int:
             r.after = result
             if len(runs) > 1:
                 say(f"{r.prefix}eval reward after training: {result}{_full_credit_text(r.cfg, result)}")
+            _check_fall(r, "after training", result)
         statuses = _each(runs, driver.status)
         clients = [driver.clients(r.index) for r in runs]
     finally:
@@ -514,7 +523,9 @@ def _schedule(driver: Driver, r: _Run, total: int, eval_every: int) -> None:
             return
         done, r.pending = r.pending, None
         r.midway[done.step] = result = done.call.get()
+        r.labels[done.step] = done.label
         say(f"{r.prefix}eval reward {done.label}: {result}")
+        _check_fall(r, done.label, result)
         _start_clients(driver, r, done.seed, eval_every)
     elif not r.started and r.step >= r.warm_steps:
         if r.demos:  # the warm start alone, before any sampled episode
@@ -525,6 +536,27 @@ def _schedule(driver: Driver, r: _Run, total: int, eval_every: int) -> None:
         driver.stop_clients(r.index)  # no sampling while evaluating (steps already released may still run)
         r.sampling = False
         _begin_eval(driver, r, f"at step {r.step}", int(r.cfg.seed) + r.step)
+
+
+def _check_fall(r: _Run, label: str, result: EvalResult) -> None:
+    """Warn, in red, when ``result`` (the evaluation ``label``) fell below the best earlier evaluation of ``r``
+    beyond the interval of the difference (:func:`~swarmkit.swarm.collapse.held_out_fall`): the collapse alarm
+    watches each step's rollouts and misses a policy that narrows or dips while its entropy stays up."""
+    earlier = [("before training", r.before)] + [(r.labels.get(s, f"at step {s}"), v) for s, v in r.midway.items()
+                                                 if v is not result]
+    known = [(name, e) for name, e in earlier if e is not None]
+    if not known:
+        return
+    best_label, best = max(known, key=lambda pair: pair[1].mean)
+    fall = held_out_fall((best.mean, best.ci95), (result.mean, result.ci95))
+    if fall is None:
+        return
+    r.falls.append({"at": label, "mean": result.mean, "ci95": result.ci95,
+                    "from": best_label, "from_mean": best.mean, "from_ci95": best.ci95})
+    console.print(f"{escape(r.prefix)}[red]held-out reward {escape(label)}, {result.mean:.3f} ± {result.ci95:.3f}, "
+                  f"fell below {escape(best_label)}'s {best.mean:.3f} ± {best.ci95:.3f}, beyond both intervals: "
+                  "training is losing what the model could do (docs/agents.md, \"When the held-out reward "
+                  "falls\")[/]", highlight=False)
 
 
 def _begin_eval(driver: Driver, r: _Run, label: str, seed: int) -> None:
@@ -583,6 +615,7 @@ def server_record(r: _Run, status: dict[str, Any], checkpoint: dict[str, Any], c
         "eval_metrics_before": _eval_metrics(r.before),
         "eval_metrics_after": _eval_metrics(r.after),
         "eval_midway": {str(step): {**_eval(v, r.cfg), **_eval_metrics(v)} for step, v in r.midway.items()},
+        "eval_falls": r.falls,
         "demonstrations": r.demos,
         "global_step": status["global_step"],
         "replicas": status.get("replicas"),

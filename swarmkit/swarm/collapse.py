@@ -239,6 +239,15 @@ def entropy_floor(entropy_min: float, warm_factor: float, warm_entropy: float | 
     return min(entropy_min, warm_factor * warm_entropy)
 
 
+def held_out_fall(earlier: tuple[float, float], later: tuple[float, float]) -> float | None:
+    """How far the held-out reward fell from ``earlier`` to ``later`` (each ``(mean, 95% half-interval)``),
+    when the fall is beyond the 95% interval of the difference, ``sqrt(ci_earlier² + ci_later²)`` (the two
+    evaluations taken as independent: for the same items this errs on the side of silence); else None."""
+    (m0, c0), (m1, c1) = earlier, later
+    fall = m0 - m1
+    return fall if fall > math.hypot(c0 or 0.0, c1 or 0.0) else None
+
+
 def past(value: float, threshold: float, side: str) -> bool:
     """Whether ``value`` is past ``threshold`` on ``side``."""
     return value > threshold if side == "above" else value < threshold
