@@ -110,6 +110,46 @@ def test_vllm_weight_push_into_a_lora_engine_names_the_wrapped_layers(conformanc
     assert backend.failure() is None
 
 
+def test_vllm_copy_plan_replays_the_models_own_loaders(conformance):
+    """The in-place sync's copy plan (``copy_plan``) on vLLM's own Qwen2 model and loaders (q/k/v stacked into
+    ``qkv_proj``, gate/up into ``gate_up_proj``): recorded from the first push, replayed for the second, the
+    parameters must equal what ``load_weights`` leaves for the second. A fresh, unprocessed model is built in the
+    engine's worker from its config (on CPU the served one's weights are repacked for oneDNN: no loaders left);
+    on a GPU the suite's pushes into the float32 engine go through the plan itself. Before the merging-engine test:
+    on CPU that one tears down vLLM's process-wide groups, which building a model needs."""
+    import copy
+
+    import torch
+
+    from swarmkit_plugins.backend_vllm.copy_plan import load_in_place
+
+    base = [(k, v.detach().clone()) for k, v in conformance.ref.state_dict().items()]
+    first, second = ([(k, v + 0.01 * torch.randn_like(v)) for k, v in base] for _ in range(2))
+
+    def in_worker(worker):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import initialize_model
+
+        def fresh_model():
+            config = copy.copy(worker.vllm_config)  # another model: its attention layers register afresh
+            config.compilation_config = copy.copy(config.compilation_config)
+            config.compilation_config.static_forward_context = {}
+            with set_current_vllm_config(config):
+                return initialize_model(vllm_config=config)
+
+        model, reference = fresh_model(), fresh_model()
+        missing, plan = load_in_place(model, first, None)
+        assert plan is not None and not missing, (plan, missing)
+        assert load_in_place(model, second, plan)[1] is plan
+        reference.load_weights(iter(second))
+        want = dict(reference.named_parameters())
+        return {n: bool(torch.equal(p, want[n])) for n, p in model.named_parameters()}, len(plan.dsts)
+
+    same, copies = conformance.harness.run(conformance.backend.call_in_engine(
+        lambda engine: engine.collective_rpc(in_worker)[0]))
+    assert copies == len(base) - 1  # lm_head is tied to the embeddings: vLLM's Qwen2 skips it
+    assert all(same.values()), [n for n, ok in same.items() if not ok]
+
 def test_vllm_weights_from_folder_and_merged_lora(conformance, model_dir, tmp_path):
     """Without enable_lora, an adapter folder is merged into the weights; a safetensors
     folder reloads in place; both match a transformers forward pass of the same weights.
@@ -240,42 +280,3 @@ def test_vllm_weight_sync_modes(model_dir, monkeypatch):
     with pytest.raises(ValueError, match="needs an in-process engine on a GPU"):
         asyncio.run(backend.start())
 
-
-def test_vllm_copy_plan_replays_the_models_own_loaders(conformance):
-    """The in-place sync's copy plan (``copy_plan``) on vLLM's own Qwen2 model and loaders (q/k/v stacked into
-    ``qkv_proj``, gate/up into ``gate_up_proj``): recorded from the first push, replayed for the second, the
-    parameters must equal what ``load_weights`` leaves for the second. A fresh, unprocessed model is built in the
-    engine's worker from its config (on CPU the served one's weights are repacked for oneDNN: no loaders left);
-    on a GPU the suite's pushes into the float32 engine go through the plan itself."""
-    import copy
-
-    import torch
-
-    from swarmkit_plugins.backend_vllm.copy_plan import load_in_place
-
-    base = [(k, v.detach().clone()) for k, v in conformance.ref.state_dict().items()]
-    first, second = ([(k, v + 0.01 * torch.randn_like(v)) for k, v in base] for _ in range(2))
-
-    def in_worker(worker):
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.utils import initialize_model
-
-        def fresh_model():
-            config = copy.copy(worker.vllm_config)  # another model: its attention layers register afresh
-            config.compilation_config = copy.copy(config.compilation_config)
-            config.compilation_config.static_forward_context = {}
-            with set_current_vllm_config(config):
-                return initialize_model(vllm_config=config)
-
-        model, reference = fresh_model(), fresh_model()
-        missing, plan = load_in_place(model, first, None)
-        assert plan is not None and not missing, (plan, missing)
-        assert load_in_place(model, second, plan)[1] is plan
-        reference.load_weights(iter(second))
-        want = dict(reference.named_parameters())
-        return {n: bool(torch.equal(p, want[n])) for n, p in model.named_parameters()}, len(plan.dsts)
-
-    same, copies = conformance.harness.run(conformance.backend.call_in_engine(
-        lambda engine: engine.collective_rpc(in_worker)[0]))
-    assert copies == len(base) - 1  # lm_head is tied to the embeddings: vLLM's Qwen2 skips it
-    assert all(same.values()), [n for n, ok in same.items() if not ok]
