@@ -150,6 +150,7 @@ def test_vllm_copy_plan_replays_the_models_own_loaders(conformance):
     assert copies == len(base) - 1  # lm_head is tied to the embeddings: vLLM's Qwen2 skips it
     assert all(same.values()), [n for n, ok in same.items() if not ok]
 
+
 def test_vllm_weights_from_folder_and_merged_lora(conformance, model_dir, tmp_path):
     """Without enable_lora, an adapter folder is merged into the weights; a safetensors
     folder reloads in place; both match a transformers forward pass of the same weights.
@@ -279,4 +280,3 @@ def test_vllm_weight_sync_modes(model_dir, monkeypatch):
     backend = engine.VLLMBackend(config={"weight_sync": "in_place"}, model={"path": str(model_dir)})
     with pytest.raises(ValueError, match="needs an in-process engine on a GPU"):
         asyncio.run(backend.start())
-

@@ -82,11 +82,10 @@ def load_in_place(model: Any, named: list[tuple[str, Any]], plan: CopyPlan | Non
     """Copy the HF-named ``named`` into ``model``'s parameters: by replaying ``plan`` when it fits them, else with
     the model's ``load_weights`` (recording a plan for the next push). Returns the parameters no tensor reached
     and the plan to keep (None: this model's loaders cannot be replayed)."""
-    sig = signature(named)
-    if plan is not None and plan.signature == sig and plan.storages == parameter_storages(model):
+    sig, storages = signature(named), parameter_storages(model)
+    if plan is not None and plan.signature == sig and plan.storages == storages:
         plan.replay(dict(named))
         return plan.missing, plan
-    storages = parameter_storages(model)
     recorder = _Recorder(named, frozenset(storages))
     with torch.no_grad(), recorder:
         loaded = model.load_weights(iter(named))

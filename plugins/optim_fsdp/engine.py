@@ -202,21 +202,14 @@ class FSDPEngine(TrainingEngine):
 
         In one process with a compute copy: the bf16 compute weights when ``dtype`` is None or
         the compute dtype (they equal the fp32 masters rounded, i.e. what a bf16 backend holds), so
-        a same-GPU backend does one plain copy per tensor. In a 1-rank group the full state dict is
-        gathered on the GPU (no CPU offload); with more ranks it is offloaded to rank 0's CPU.
+        a same-GPU backend does one plain copy per tensor. Sharded over several ranks the full state
+        dict is offloaded to rank 0's CPU (a world of one trains as a plain process: no shards).
         """
         if self._compute is not None and dtype in (None, self.compute_dtype):
             # the compute copy is refreshed in place, so its state dict (name -> tensor) is built once
             if self._export_cache is None:
                 self._export_cache = dict(self._compute.state_dict())
             return self._export_cache
-        if self.distributed and self.world == 1:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
-            return get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         return self._full_state_dict()
 
     # ------------------------------------------------------------------ checkpoints
